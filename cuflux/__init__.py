@@ -1,0 +1,20 @@
+"""cuflux: communication hidden inside computation for tensor- and sequence-parallel models.
+
+CuPy + CUDA kernels compiled at run time, an mpi4py bootstrap and CUDA IPC symmetric memory.
+"""
+import os as _os
+
+# Kernels that spin on flags deadlock under lazy module loading (a module loaded while a stream
+# is blocked): ask for eager loading before CUDA starts in this process.
+_os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# NVLink multicast is forbidden on the machines this project uses.
+_os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+
+from cuflux.errors import CommTimeoutError, CudaError, CufluxError  # noqa: E402
+from cuflux.world import World, init, device_count  # noqa: E402
+from cuflux.symmetric import Layout, SymmetricBuffer  # noqa: E402
+from cuflux.ops.allgather import AllGather  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["init", "World", "device_count", "Layout", "SymmetricBuffer", "AllGather",
+           "CommTimeoutError", "CudaError", "CufluxError", "__version__"]

@@ -1,0 +1,113 @@
+"""Array intake and dtypes: anything CuPy takes without a copy, validated before any launch.
+
+fp8 has no CuPy dtype: fp8 data travels as uint8 storage and the op names the format
+("float8_e4m3fn" or "float8_e5m2").
+"""
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["DType", "dtype_info", "as_cupy", "check_array", "stream_of"]
+
+
+class DType:
+    def __init__(self, name: str, storage, cuda_type: str, is_fp8: bool = False):
+        self.name, self.storage, self.cuda_type, self.is_fp8 = name, np.dtype(storage), cuda_type, is_fp8
+
+    @property
+    def itemsize(self) -> int:
+        return self.storage.itemsize
+
+    def __repr__(self):
+        return self.name
+
+
+def _bf16():
+    import ml_dtypes
+
+    return np.dtype(ml_dtypes.bfloat16)
+
+
+_DTYPES: dict[str, DType] = {}
+
+
+def _table() -> dict[str, DType]:
+    if not _DTYPES:
+        for d in (DType("bfloat16", _bf16(), "__nv_bfloat16"),
+                  DType("float16", np.float16, "__half"),
+                  DType("float32", np.float32, "float"),
+                  DType("float8_e4m3fn", np.uint8, "__nv_fp8_e4m3", True),
+                  DType("float8_e5m2", np.uint8, "__nv_fp8_e5m2", True)):
+            _DTYPES[d.name] = d
+    return _DTYPES
+
+
+def dtype_info(dtype, allowed=None, op: str = "cuflux") -> DType:
+    """Resolve a dtype given as a name, numpy/cupy dtype or torch dtype."""
+    table = _table()
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name
+        except TypeError:  # torch.dtype: "torch.bfloat16"
+            name = str(dtype).replace("torch.", "")
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+            "float": "float32", "e4m3": "float8_e4m3fn", "e5m2": "float8_e5m2",
+            "float8_e4m3": "float8_e4m3fn"}.get(name, name)
+    if name not in table or (allowed is not None and name not in allowed):
+        ok = sorted(allowed) if allowed is not None else sorted(table)
+        raise TypeError(f"{op}: dtype {dtype!r} is not supported; expected one of {ok}")
+    return table[name]
+
+
+def as_cupy(x, name: str = "x", op: str = "cuflux"):
+    """CuPy view of x without a copy (CuPy array, __cuda_array_interface__ or DLPack)."""
+    import cupy
+
+    if isinstance(x, cupy.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
+    if hasattr(x, "__dlpack__"):
+        try:
+            return cupy.from_dlpack(x)
+        except Exception as e:
+            raise TypeError(f"{op}: {name} could not be taken through DLPack without a copy "
+                            f"({e})") from e
+    raise TypeError(f"{op}: {name} must be a GPU array (CuPy, or anything exposing "
+                    f"__cuda_array_interface__ / __dlpack__), got {type(x).__name__}")
+
+
+def check_array(x, *, name: str, op: str, shape=None, dtype: DType | None = None,
+                device: int | None = None, ndim: int | None = None):
+    """Validate a CuPy array; message names the op, the argument, expected and got."""
+    if ndim is not None and x.ndim != ndim:
+        raise ValueError(f"{op}: {name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must have shape {tuple(shape)}, got {tuple(x.shape)}")
+    if dtype is not None and x.dtype != dtype.storage:
+        want = f"{dtype.name} (stored as {dtype.storage})" if dtype.is_fp8 else dtype.name
+        raise TypeError(f"{op}: {name} must be {want}, got {x.dtype}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{op}: {name} must be C-contiguous (strides {x.strides})")
+    if device is not None and x.device.id != device:
+        raise ValueError(f"{op}: {name} is on device {x.device.id}, this rank uses device {device}")
+    return x
+
+
+def stream_of(stream):
+    """A cupy Stream-like object for `stream=` (CuPy stream, raw handle, torch stream, None)."""
+    import cupy
+
+    if stream is None:
+        return cupy.cuda.get_current_stream()
+    if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, cupy.cuda.ExternalStream):
+        return stream
+    if isinstance(stream, int):
+        return cupy.cuda.ExternalStream(stream)
+    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream has .cuda_stream
+        if hasattr(stream, attr):
+            return cupy.cuda.ExternalStream(int(getattr(stream, attr)))
+    raise TypeError(f"stream must be a CuPy stream, a raw handle or a torch stream, "
+                    f"got {type(stream).__name__}")

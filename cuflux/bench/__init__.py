@@ -1,0 +1,1 @@
+"""Benchmarks: `python -m cuflux.bench <op>` (under mpiexec for several ranks)."""

@@ -1,0 +1,89 @@
+"""Shared benchmark plumbing: event timing (median of many), ceilings, JSON results.
+
+Results go to scripts/results/<op>-<machine>-<date>.json in one shape for every op:
+{"op", "machine", "date", "command", "world_size", "rows": [{"case", "cuflux_ms", "baseline",
+ "baseline_ms", "speedup", ...}]}, speedup = baseline_ms / cuflux_ms.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import socket
+import sys
+
+import numpy as np
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "results"
+
+
+def time_ms(fn, warmup: int = 5, iters: int = 50, stream=None) -> float:
+    """Median milliseconds of fn() over `iters` runs, timed with CUDA events on `stream`."""
+    import cupy
+
+    s = stream or cupy.cuda.get_current_stream()
+    for _ in range(warmup):
+        fn()
+    s.synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(s)
+        fn()
+        b.record(s)
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b))
+    return float(np.median(times))
+
+
+def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
+    """Measured device-to-device copy rate, counting bytes read plus bytes written."""
+    import cupy
+
+    a = cupy.empty(num_bytes, dtype=cupy.uint8)
+    b = cupy.empty_like(a)
+    a.fill(1)
+    ms = time_ms(lambda: b.__setitem__(Ellipsis, a), warmup=3, iters=20)
+    del a, b
+    return 2 * num_bytes / (ms * 1e-3) / 1e9
+
+
+def machine_name() -> str:
+    try:
+        import cupy
+
+        name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        return name.replace("NVIDIA ", "").replace(" ", "-").lower()
+    except Exception:
+        return socket.gethostname()
+
+
+def write_results(op: str, world_size: int, rows: list[dict], extra: dict | None = None,
+                  outdir: str | None = None) -> pathlib.Path:
+    date = datetime.date.today().isoformat()
+    doc = {"op": op, "machine": machine_name(), "date": date,
+           "command": " ".join(["python -m cuflux.bench"] + sys.argv[1:]),
+           "world_size": world_size, "rows": rows}
+    if extra:
+        doc.update(extra)
+    d = pathlib.Path(outdir) if outdir else RESULTS_DIR
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / f"{op}-{doc['machine']}-W{world_size}-{date}.json"
+    path.write_text(json.dumps(doc, indent=1))
+    return path
+
+
+def print_table(rows: list[dict], cols: list[str]) -> None:
+    widths = [max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in cols]
+    print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(w) for c, w in zip(cols, widths)))
+    sys.stdout.flush()
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return "" if v is None else str(v)

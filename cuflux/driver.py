@@ -1,0 +1,85 @@
+"""The few CUDA driver calls CuPy lacks, through cuda-bindings; every CUresult is checked.
+
+Stream memory operations: `stream_write_value32/64` store a value to a device address (local
+or a peer's, through an IPC pointer) once all earlier work on the stream is done, with a
+memory barrier first, so data copied earlier on the stream is visible before the flag;
+`stream_wait_value32/64` hold the stream until a word reaches a value, using no SM. A stream
+wait is unbounded, so cuflux's own paths use the bounded wait kernel (ops/signal.py) and keep
+these for callers who want them.
+"""
+from __future__ import annotations
+
+__all__ = ["stream_write_value32", "stream_write_value64", "stream_wait_value32",
+           "stream_wait_value64", "stream_handle", "DriverError"]
+
+
+class DriverError(RuntimeError):
+    pass
+
+
+def _drv():
+    from cuda.bindings import driver
+
+    return driver
+
+
+def _check(result, what: str):
+    drv = _drv()
+    err = result[0] if isinstance(result, tuple) else result
+    if err != drv.CUresult.CUDA_SUCCESS:
+        name = drv.cuGetErrorName(err)[1] if hasattr(drv, "cuGetErrorName") else b""
+        raise DriverError(f"{what} failed: {err} {name.decode() if isinstance(name, bytes) else name}")
+    return result
+
+
+def stream_handle(stream) -> int:
+    """Raw handle of a CuPy stream, an object with .ptr / .cuda_stream, or an int (0: legacy)."""
+    if stream is None:
+        import cupy
+
+        return cupy.cuda.get_current_stream().ptr
+    if isinstance(stream, int):
+        return stream
+    for attr in ("ptr", "cuda_stream"):
+        if hasattr(stream, attr):
+            return int(getattr(stream, attr))
+    raise TypeError(f"cannot get a CUDA stream handle from {type(stream).__name__}")
+
+
+def _wait_flag(cmp: str):
+    drv = _drv()
+    return {"geq": drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ,
+            "eq": drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_EQ,
+            "and": drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_AND,
+            "nor": drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_NOR}[cmp]
+
+
+def stream_write_value32(stream, address: int, value: int) -> None:
+    drv = _drv()
+    _check(drv.cuStreamWriteValue32(drv.CUstream(stream_handle(stream)), drv.CUdeviceptr(address),
+                                    value & 0xFFFFFFFF,
+                                    drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+           f"cuStreamWriteValue32(0x{address:x}, {value})")
+
+
+def stream_write_value64(stream, address: int, value: int) -> None:
+    drv = _drv()
+    _check(drv.cuStreamWriteValue64(drv.CUstream(stream_handle(stream)), drv.CUdeviceptr(address),
+                                    value & 0xFFFFFFFFFFFFFFFF,
+                                    drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+           f"cuStreamWriteValue64(0x{address:x}, {value})")
+
+
+def stream_wait_value32(stream, address: int, value: int, cmp: str = "geq") -> None:
+    """Unbounded: the stream waits until the word compares true (GEQ is wrap-around aware)."""
+    drv = _drv()
+    _check(drv.cuStreamWaitValue32(drv.CUstream(stream_handle(stream)), drv.CUdeviceptr(address),
+                                   value & 0xFFFFFFFF, _wait_flag(cmp)),
+           f"cuStreamWaitValue32(0x{address:x}, {value})")
+
+
+def stream_wait_value64(stream, address: int, value: int, cmp: str = "geq") -> None:
+    drv = _drv()
+    _check(drv.cuStreamWaitValue64(drv.CUstream(stream_handle(stream)), drv.CUdeviceptr(address),
+                                   value & 0xFFFFFFFFFFFFFFFF, _wait_flag(cmp)),
+           f"cuStreamWaitValue64(0x{address:x}, {value})")

@@ -1,0 +1,238 @@
+"""Run-time compilation and loading of kernels_cu/*.cu.
+
+One loader for every op. Sources are compiled by NVRTC (through cuda-bindings, so it also
+works on a machine without a GPU: `compile_all` checks every kernel for sm_80 and sm_90a in CI)
+into cubins cached on disk under a key that covers the .cu, every header in
+kernels_cu/include, the options, the target and the NVRTC version (CuPy's own cache key does
+not cover headers). Cubins are loaded through cupy.RawModule and every kernel of a module is
+fetched at load time: with lazy module loading, loading a module while a stream is blocked on
+a flag can deadlock the process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import threading
+from typing import Callable, Iterable, Sequence
+
+__all__ = ["KERNEL_DIR", "KernelFamily", "register", "families", "compile_source", "compile_all",
+           "load", "device_arch", "CompileError"]
+
+KERNEL_DIR = pathlib.Path(__file__).resolve().parent.parent / "kernels_cu"
+if not KERNEL_DIR.is_dir():  # installed without the source tree: kernels ship inside the package
+    KERNEL_DIR = pathlib.Path(__file__).resolve().parent / "kernels_cu"
+INCLUDE_DIR = KERNEL_DIR / "include"
+
+BASE_OPTIONS = ("--std=c++17", "-default-device", "--use_fast_math", "-lineinfo")
+
+
+class CompileError(RuntimeError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelFamily:
+    """One .cu file and the kernels Python uses from it.
+
+    names: extern "C" names or template name expressions (e.g. "all2all<__nv_bfloat16, 16>").
+    min_arch: lowest compute capability (as 80, 90) the file supports (90 for wgmma/TMA code).
+    """
+
+    source: str
+    names: tuple[str, ...]
+    min_arch: int = 80
+
+
+_REGISTRY: dict[str, KernelFamily] = {}
+_LOADED: dict[tuple, "LoadedModule"] = {}
+_LOCK = threading.Lock()
+
+
+def register(source: str, names: Iterable[str], min_arch: int = 80) -> KernelFamily:
+    fam = KernelFamily(source, tuple(names), min_arch)
+    _REGISTRY[source] = fam
+    return fam
+
+
+def families() -> dict[str, KernelFamily]:
+    import cuflux.ops  # noqa: F401  (op modules register their kernels on import)
+
+    return dict(_REGISTRY)
+
+
+def _cuda_include_dirs() -> list[str]:
+    dirs = []
+    try:
+        from cuda import pathfinder
+
+        found = pathfinder.find_nvidia_header_directory("cudart")
+        if found:
+            dirs.append(str(found))
+    except Exception:
+        pass
+    for env in ("CUDA_PATH", "CUDA_HOME"):
+        if os.environ.get(env):
+            dirs.append(os.path.join(os.environ[env], "include"))
+    dirs += ["/usr/local/cuda/include"]
+    seen, out = set(), []
+    for d in dirs:
+        if d not in seen and os.path.isfile(os.path.join(d, "cuda_fp16.h")):
+            seen.add(d)
+            out.append(d)
+    return out
+
+
+def _headers_digest() -> str:
+    h = hashlib.sha256()
+    for p in sorted(INCLUDE_DIR.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(INCLUDE_DIR)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _nvrtc():
+    from cuda.bindings import nvrtc
+
+    return nvrtc
+
+
+def _check(nvrtc, result, what: str):
+    err = result[0] if isinstance(result, tuple) else result
+    if err != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"NVRTC {what} failed: {err}")
+    return result[1:] if isinstance(result, tuple) and len(result) > 1 else None
+
+
+def _cache_dir() -> pathlib.Path:
+    root = os.environ.get("CUFLUX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "cuflux")
+    p = pathlib.Path(root)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def compile_source(source: str, names: Sequence[str], arch: str,
+                   defines: Sequence[str] = ()) -> tuple[bytes, dict[str, str]]:
+    """Compile kernels_cu/<source> for `arch` ("sm_80", "sm_90a"); return (cubin, lowered names).
+
+    Needs no GPU. Results are cached on disk.
+    """
+    nvrtc = _nvrtc()
+    code = (KERNEL_DIR / source).read_bytes()
+    options = list(BASE_OPTIONS) + [f"-arch={arch}", f"-I{INCLUDE_DIR}"]
+    options += [f"-I{d}" for d in _cuda_include_dirs()] + [f"-D{d}" for d in defines]
+    version = _check(nvrtc, nvrtc.nvrtcVersion(), "version")
+    key = hashlib.sha256(json.dumps([source, code.hex(), _headers_digest(), options, list(names),
+                                     list(version)]).encode()).hexdigest()[:24]
+    cache = _cache_dir() / f"{pathlib.Path(source).stem}-{arch}-{key}"
+    cubin_path, names_path = cache.with_suffix(".cubin"), cache.with_suffix(".json")
+    if cubin_path.exists() and names_path.exists():
+        return cubin_path.read_bytes(), json.loads(names_path.read_text())
+
+    prog = _check(nvrtc, nvrtc.nvrtcCreateProgram(code, source.encode(), 0, [], []), "create")[0]
+    try:
+        for n in names:
+            _check(nvrtc, nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
+        opts = [o.encode() for o in options]
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        log_size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
+        log = b" " * log_size
+        nvrtc.nvrtcGetProgramLog(prog, log)
+        if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+            raise CompileError(f"compiling {source} for {arch} failed:\n"
+                               f"{log.decode(errors='replace').rstrip(chr(0))}")
+        size = _check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "cubin size")[0]
+        cubin = b" " * size
+        _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
+        lowered = {}
+        for n in names:
+            low = _check(nvrtc, nvrtc.nvrtcGetLoweredName(prog, n.encode()), f"lowered {n}")[0]
+            lowered[n] = low.decode() if isinstance(low, bytes) else str(low)
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+    tmp = cache.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(cubin)
+    os.replace(tmp, cubin_path)
+    tmp.write_text(json.dumps(lowered))
+    os.replace(tmp, names_path)
+    return cubin, lowered
+
+
+def compile_all(archs: Sequence[str] = ("sm_80", "sm_90a")) -> dict[tuple[str, str], int]:
+    """Compile every registered kernel family for every target; return cubin sizes."""
+    sizes = {}
+    for fam in families().values():
+        for arch in archs:
+            if int("".join(c for c in arch if c.isdigit())) < fam.min_arch:
+                continue
+            cubin, _ = compile_source(fam.source, fam.names, arch)
+            sizes[(fam.source, arch)] = len(cubin)
+    return sizes
+
+
+def device_arch(device_id: int | None = None) -> str:
+    """NVRTC target for a device: sm_XY, with the arch-specific 'a' suffix on 9.0 and 10.0."""
+    import cupy
+
+    dev = cupy.cuda.Device(device_id)
+    cc = int(dev.compute_capability)
+    return f"sm_{cc}a" if cc in (90, 100) else f"sm_{cc}"
+
+
+class LoadedModule:
+    """A loaded cubin with every registered kernel already fetched (eager loading)."""
+
+    def __init__(self, family: KernelFamily, arch: str):
+        import cupy
+
+        cubin, lowered = compile_source(family.source, family.names, arch)
+        key = hashlib.sha256(cubin).hexdigest()[:24]
+        path = _cache_dir() / f"load-{key}.cubin"
+        if not path.exists():
+            path.write_bytes(cubin)
+        self.family, self.arch = family, arch
+        self._module = cupy.RawModule(path=str(path))
+        self.functions = {n: self._module.get_function(lowered[n]) for n in family.names}
+
+    def __getitem__(self, name: str):
+        try:
+            return self.functions[name]
+        except KeyError:
+            raise KeyError(f"{self.family.source}: kernel {name!r} is not registered; "
+                           f"registered: {sorted(self.functions)}") from None
+
+
+def load(source: str, device_id: int | None = None) -> LoadedModule:
+    """The loaded module of a registered family on the current (or given) device, memoised."""
+    import cupy
+
+    fam = families().get(source)
+    if fam is None:
+        raise KeyError(f"kernel family {source!r} is not registered")
+    dev = cupy.cuda.Device(device_id).id if device_id is not None else cupy.cuda.Device().id
+    arch = device_arch(dev)
+    if int("".join(c for c in arch if c.isdigit())) < fam.min_arch:
+        raise RuntimeError(f"{source} needs compute capability >= {fam.min_arch}, "
+                           f"device {dev} is {arch}")
+    key = (source, dev, fam.names)
+    with _LOCK:
+        mod = _LOADED.get(key)
+        if mod is None:
+            with cupy.cuda.Device(dev):
+                mod = LoadedModule(fam, arch)
+            _LOADED[key] = mod
+    return mod
+
+
+def launch(kernel, grid, block, args, stream, *, op: str, name: str, shared_mem: int = 0) -> None:
+    """Launch a loaded kernel; a CUDA error raises CudaError naming the op and kernel."""
+    from cuflux.errors import CudaError
+
+    try:
+        kernel(grid, block, args, stream=stream, shared_mem=shared_mem)
+    except Exception as e:  # CuPy raises CUDADriverError / CUDARuntimeError
+        raise CudaError(f"{op}: launching kernel {name} failed: {e}") from e

@@ -1,0 +1,30 @@
+"""Stream-side bounded flag waits (kernels_cu/signal.cu), shared by the host-driven DMA paths."""
+from __future__ import annotations
+
+import numpy as np
+
+from cuflux import kernels
+from cuflux.errors import OP_CODES
+
+FAMILY = kernels.register("signal.cu", ["cuflux_wait_flags"])
+
+
+def wait_flags(flags_ptr: int, expected_epoch: int, err, stream, *, op: str, num_groups: int = 1,
+               per_group: int = 1, group_stride_words: int = 0, first_peer: int = 0) -> None:
+    """Make `stream` wait, bounded by err.timeout_s, until every flag reached `expected_epoch`.
+
+    Flags: num_groups groups of per_group uint32 words at flags_ptr (this rank's memory), group
+    g at g * group_stride_words and written by rank first_peer + g. err: the op's ErrorRecord.
+    """
+    num_flags = num_groups * per_group
+    if num_flags == 0:
+        return
+    mod = kernels.load("signal.cu")
+    threads = min(256, 32 * ((num_flags + 31) // 32))
+    kernels.launch(
+        mod["cuflux_wait_flags"], (1,), (threads,),
+        (np.uint64(flags_ptr), np.uint32(num_groups), np.uint32(per_group),
+         np.uint32(group_stride_words), np.uint32(first_peer),
+         np.uint32(expected_epoch & 0xFFFFFFFF), np.uint64(err.ptr), err.claim,
+         np.uint64(err.timeout_ns), np.uint32(OP_CODES.get(op, 0)), np.uint32(err.rank)),
+        stream, op=op, name="cuflux_wait_flags")

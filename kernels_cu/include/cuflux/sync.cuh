@@ -1,0 +1,112 @@
+// cuflux/sync.cuh — memory-ordered flag operations and bounded waits.
+//
+// Rules every kernel follows (DESIGN.md section 3):
+//   writer: data stores, then st_release_sys(flag, epoch)  -> the data is visible before the flag;
+//   reader: wait_flag_acquire(flag, epoch, ...) then reads  -> reads see what the writer stored.
+// Flags are epoch counters (call i writes i) and are compared with wrap-around arithmetic, so
+// nothing resets them between calls. A rank waits only on flags in its own memory; peers write
+// them remotely through IPC pointers (no peer atomics: they fail over PCIe).
+//
+// Every wait is bounded by a wall-clock budget read from %globaltimer (nanoseconds; unlike
+// clock64 it keeps counting while another process holds the GPU). On expiry the first waiter
+// records (op, rank, peer, observed, expected) in the op's error record, which lives in pinned
+// host memory so the host reads it without synchronising, and returns false. No trap: a trap
+// poisons the CUDA context and the process could do nothing afterwards.
+#pragma once
+// No <cstdint>: NVRTC has no standard library headers without CCCL on its include path.
+
+namespace cuflux {
+
+using u32 = unsigned int;
+using u64 = unsigned long long;
+using u16 = unsigned short;
+using u8 = unsigned char;
+
+// ---- ordered loads and stores, order and scope in the name ---------------------------------
+__device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ u32 ld_relaxed_sys(const u32* p) {
+  u32 v;
+  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) {
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void fence_acq_rel_sys() {
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+}
+__device__ __forceinline__ u64 globaltimer_ns() {
+  u64 t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+// Epochs wrap at 2^32: "reached" means the signed distance is not negative.
+__device__ __forceinline__ bool epoch_reached(u32 observed, u32 expected) {
+  return static_cast<int>(observed - expected) >= 0;
+}
+
+// ---- error record -----------------------------------------------------------------------------
+// One per op and rank, in pinned host memory, mirrored by cuflux/errors.py (ErrorRecord).
+// Words: [0] status (0 ok, 1 timeout, 2 aborted by host), [1] op code, [2] rank, [3] peer,
+// [4] observed, [5] expected, [6] flag index, [7] abort request (host writes 1 to release
+// every waiter, e.g. when it tears an op down after a failure).
+// The claim word (device memory, one per record) makes sure only the first waiter writes.
+enum : u32 { kStatusOk = 0, kStatusTimeout = 1, kStatusAborted = 2 };
+enum : int { kErrStatus = 0, kErrOp, kErrRank, kErrPeer, kErrObserved, kErrExpected, kErrIndex,
+             kErrAbort, kErrWords };
+
+struct WaitSite {
+  u32* err;         // error record (pinned host memory, kErrWords words)
+  u32* err_claim;   // device word: 0 until a waiter claims the record
+  u64 timeout_ns;   // budget for one wait
+  u32 op;           // op code (cuflux/errors.py OP_CODES)
+  u32 rank;         // this rank
+};
+
+__device__ __forceinline__ void record_error(const WaitSite& s, u32 status, u32 peer, u32 observed,
+                                             u32 expected, u32 index) {
+  if (atomicCAS(s.err_claim, 0u, 1u) == 0u) {
+    volatile u32* e = s.err;
+    e[kErrOp] = s.op; e[kErrRank] = s.rank; e[kErrPeer] = peer;
+    e[kErrObserved] = observed; e[kErrExpected] = expected; e[kErrIndex] = index;
+    __threadfence_system();
+    e[kErrStatus] = status;
+    __threadfence_system();
+  }
+}
+
+// True once the host asked to abort or another waiter of this op already failed.
+__device__ __forceinline__ bool op_failed(const WaitSite& s) {
+  volatile const u32* e = s.err;
+  return e[kErrAbort] != 0u || e[kErrStatus] != 0u;
+}
+
+// Spin (one thread) until *flag has reached `expected`, with acquire semantics at system scope.
+// Returns false on timeout or abort, after recording who waited for whom.
+__device__ __forceinline__ bool wait_flag_acquire(const u32* flag, u32 expected, const WaitSite& s,
+                                                  u32 peer, u32 index) {
+  u32 v = ld_acquire_sys(flag);
+  if (epoch_reached(v, expected)) return true;
+  const u64 start = globaltimer_ns();
+  for (u32 iter = 1;; ++iter) {
+    v = ld_acquire_sys(flag);
+    if (epoch_reached(v, expected)) return true;
+    if ((iter & 255u) == 0u) {
+      if (op_failed(s)) return false;  // someone already reported; leave quickly
+      if (globaltimer_ns() - start > s.timeout_ns) {
+        record_error(s, kStatusTimeout, peer, v, expected, index);
+        return false;
+      }
+      __nanosleep(128);  // ranks may time-share one GPU: let the writer's context run
+    }
+  }
+}
+
+}  // namespace cuflux
