@@ -67,14 +67,17 @@ def as_cupy(x, name: str = "x", op: str = "cuflux"):
 
     if isinstance(x, cupy.ndarray):
         return x
-    if hasattr(x, "__cuda_array_interface__"):
-        return cupy.asarray(x)
+    # DLPack first: it carries bfloat16, which __cuda_array_interface__ cannot name (torch
+    # exports bf16 there as opaque 2-byte voids).
     if hasattr(x, "__dlpack__"):
         try:
             return cupy.from_dlpack(x)
         except Exception as e:
-            raise TypeError(f"{op}: {name} could not be taken through DLPack without a copy "
-                            f"({e})") from e
+            if not hasattr(x, "__cuda_array_interface__"):
+                raise TypeError(f"{op}: {name} could not be taken through DLPack without a "
+                                f"copy ({e})") from e
+    if hasattr(x, "__cuda_array_interface__"):
+        return cupy.asarray(x)
     raise TypeError(f"{op}: {name} must be a GPU array (CuPy, or anything exposing "
                     f"__cuda_array_interface__ / __dlpack__), got {type(x).__name__}")
 

@@ -108,8 +108,8 @@ def allgather_exact(world, mode, chunk_rows, dtype, cols=777, max_rows=100, call
     W, me = world.size, world.rank
     info = cuflux.arrays.dtype_info(dtype)
     with cuflux.AllGather(world, max_rows, cols, dtype, mode=mode, chunk_rows=chunk_rows,
-                          timeout_s=30) as ag:
-        rows_seq = [max_rows, 1, 37, max_rows - 1, 0, 64][:calls]
+                          timeout_s=15) as ag:
+        rows_seq = [max_rows, 1, max_rows * 3 // 8 + 1, max_rows - 1, 0, min(64, max_rows)][:calls]
         for call, rows in enumerate(rows_seq):
             x = cupy.asarray(_input(me, call, rows, cols, dtype))
             out = cupy.empty((W * rows, cols), dtype=info.storage)

@@ -24,8 +24,10 @@ def main() -> int:
     with open(os.path.join(outdir, f"rank{rank}.json"), "w") as f:
         json.dump(outcome, f)
     sys.stdout.flush()
-    # Exit without MPI_Finalize's barrier: a failed rank must not hang the others.
-    os._exit(0 if outcome["ok"] else 1)
+    if not outcome["ok"]:
+        # Exit without MPI_Finalize: a failed rank must not hang waiting for the others.
+        os._exit(1)
+    return 0
 
 
 if __name__ == "__main__":

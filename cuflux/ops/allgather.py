@@ -130,10 +130,13 @@ class AllGather:
             check_array(out, name="out", op=_OP, shape=(W * rows, self.cols), dtype=self.dtype,
                         device=self.world.device)
         s = stream_of(stream)
+        nbytes = rows * self.row_bytes
+        if rows == 0:  # every rank has 0 rows (rows must agree): no exchange, no epoch
+            return out
         self.epoch += 1
         e = self.epoch
-        nbytes = rows * self.row_bytes
-        if rows == 0:
+        if W == 1:  # nothing to exchange: one copy, no flags
+            runtime.memcpyAsync(out.data.ptr, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
             return out
         if self.mode == "pull":
             self._pull(x, out, rows, nbytes, e, s, runtime)

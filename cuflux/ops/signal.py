@@ -10,12 +10,16 @@ FAMILY = kernels.register("signal.cu", ["cuflux_wait_flags"])
 
 
 def wait_flags(flags_ptr: int, expected_epoch: int, err, stream, *, op: str, num_groups: int = 1,
-               per_group: int = 1, group_stride_words: int = 0, first_peer: int = 0) -> None:
+               per_group: int = 1, group_stride_words: int | None = None,
+               first_peer: int = 0) -> None:
     """Make `stream` wait, bounded by err.timeout_s, until every flag reached `expected_epoch`.
 
     Flags: num_groups groups of per_group uint32 words at flags_ptr (this rank's memory), group
-    g at g * group_stride_words and written by rank first_peer + g. err: the op's ErrorRecord.
+    g at g * group_stride_words (default per_group: contiguous) and written by rank
+    first_peer + g. err: the op's ErrorRecord.
     """
+    if group_stride_words is None:
+        group_stride_words = per_group
     num_flags = num_groups * per_group
     if num_flags == 0:
         return
