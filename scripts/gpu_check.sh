@@ -12,7 +12,7 @@ export CUFLUX_TEST_WORLD_SIZES="${CUFLUX_TEST_WORLD_SIZES:-1,2,4,8}"
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
 KEXPR="${1:-}"
-python -m pytest -q -x ${KEXPR:+-k "$KEXPR"} tests 2>&1 | tee "$OUT/pytest.log"
+python -m pytest -q -x --durations=12 ${KEXPR:+-k "$KEXPR"} tests 2>&1 | tee "$OUT/pytest.log"
 rc=${PIPESTATUS[0]}
 MPI=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
 for W in 1 2 4 8; do

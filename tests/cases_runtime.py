@@ -102,13 +102,14 @@ def _input(rank, call, rows, cols, dtype_name):
     return rng.standard_normal((rows, cols)).astype(np.float32).astype(info.storage)
 
 
-def allgather_exact(world, mode, chunk_rows, dtype, cols=777, max_rows=100, calls=6):
+def allgather_exact(world, mode, chunk_rows, dtype, cols=777, max_rows=100, calls=6,
+                    wait="stream"):
     import cupy
 
     W, me = world.size, world.rank
     info = cuflux.arrays.dtype_info(dtype)
     with cuflux.AllGather(world, max_rows, cols, dtype, mode=mode, chunk_rows=chunk_rows,
-                          timeout_s=15) as ag:
+                          timeout_s=15, wait=wait) as ag:
         rows_seq = [max_rows, 1, max_rows * 3 // 8 + 1, max_rows - 1, 0, min(64, max_rows)][:calls]
         for call, rows in enumerate(rows_seq):
             x = cupy.asarray(_input(me, call, rows, cols, dtype))
@@ -147,14 +148,14 @@ def allgather_torch(world):
     return True
 
 
-def allgather_back_to_back(world, mode, calls=1000):
+def allgather_back_to_back(world, mode, wait, calls=1000):
     """Many calls with changing row counts and no host sync between them; verify every one."""
     import cupy
 
     W, me = world.size, world.rank
     cols = 256
     outs, rows_seq = [], []
-    with cuflux.AllGather(world, 64, cols, "float32", mode=mode, timeout_s=60) as ag:
+    with cuflux.AllGather(world, 64, cols, "float32", mode=mode, timeout_s=60, wait=wait) as ag:
         for i in range(calls):
             rows = 1 + (i * 37) % 64
             x = (me * 1_000_000 + i * 1000) + cupy.arange(rows * cols, dtype=cupy.float32).reshape(rows, cols) % 1000
@@ -168,14 +169,14 @@ def allgather_back_to_back(world, mode, calls=1000):
     return calls
 
 
-def allgather_timeout(world, mode, timeout_s=2.0):
+def allgather_timeout(world, mode, wait, timeout_s=2.0):
     """The last rank never calls: the others raise CommTimeoutError naming it within the timeout
     plus a second; afterwards the op closes and a new op runs correctly."""
     import cupy
 
     W, me = world.size, world.rank
     late = W - 1
-    ag = cuflux.AllGather(world, 16, 128, "float32", mode=mode, timeout_s=timeout_s)
+    ag = cuflux.AllGather(world, 16, 128, "float32", mode=mode, timeout_s=timeout_s, wait=wait)
     waited = None
     if me != late:
         x = cupy.ones((16, 128), dtype=cupy.float32)
@@ -197,5 +198,5 @@ def allgather_timeout(world, mode, timeout_s=2.0):
     world.barrier()
     ag.close()
     # The CUDA context is not poisoned: a new op works.
-    res = allgather_exact(world, mode, None, "float32", cols=33, max_rows=9, calls=3)
+    res = allgather_exact(world, mode, None, "float32", cols=33, max_rows=9, calls=3, wait=wait)
     return {"waited": waited, "after": res}

@@ -21,9 +21,10 @@ def run(world, args) -> None:
     rows = []
     cols = 8192
     shard_rows_list = [1024, 8192] if args.quick else [128, 1024, 4096, 8192]
-    for mode in ("pull", "push"):
+    for mode, wait in (("pull", "stream"), ("push", "stream"), ("pull", "kernel")):
         for shard_rows in shard_rows_list:
-            with cuflux.AllGather(world, shard_rows, cols, "bfloat16", mode=mode) as ag:
+            with cuflux.AllGather(world, shard_rows, cols, "bfloat16", mode=mode,
+                                  wait=wait) as ag:
                 x = cupy.random.standard_normal((shard_rows, cols), dtype=cupy.float32).astype(
                     ag.dtype.storage)
                 out = cupy.empty((W * shard_rows, cols), dtype=x.dtype)
@@ -36,7 +37,7 @@ def run(world, args) -> None:
                 all_ms = world.allgather(ms)
                 if me == 0:
                     total_rw = 2 * W * W * shard_bytes / (max(all_ms) * 1e-3) / 1e9
-                    rows.append({"case": f"{mode} shard {shard_rows}x{cols} bf16",
+                    rows.append({"case": f"{mode}/{wait}-wait shard {shard_rows}x{cols} bf16",
                                  "cuflux_ms": max(all_ms), "baseline": "d2d copy ceiling",
                                  "baseline_ms": 2 * W * W * shard_bytes / (ceiling * 1e9) * 1e3,
                                  "gbps_per_rank": per_rank_gbps,

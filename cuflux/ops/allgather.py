@@ -30,10 +30,11 @@ import numpy as np
 
 from cuflux import driver
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
-from cuflux.errors import CufluxError, ErrorRecord
+from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
 from cuflux.ops.signal import wait_flags
 from cuflux.symmetric import Layout
 from cuflux.topology import transfer_order
+from cuflux.watchdog import StreamWaiter
 
 __all__ = ["AllGather"]
 
@@ -52,12 +53,14 @@ class AllGather:
       mode: "pull" (read peers' staged shards) or "push" (write into peers).
       chunk_rows: rows per flagged chunk (None: one chunk per shard).
       timeout_s: bound of every wait; on expiry the op raises CommTimeoutError.
+      wait: "stream" (cuStreamWaitValue32 watched by a host thread: no SM used) or "kernel"
+        (a one-block bounded spin kernel per wait).
 
     Errors of device-side waits surface at the next call or at `synchronize()`.
     """
 
     def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
-                 chunk_rows: int | None = None, timeout_s: float = 30.0):
+                 chunk_rows: int | None = None, timeout_s: float = 30.0, wait: str = "stream"):
         if mode not in ("pull", "push"):
             raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
         if max_rows < 1 or cols < 1:
@@ -66,6 +69,8 @@ class AllGather:
             raise ValueError(f"{_OP}: chunk_rows must be >= 1 or None, got {chunk_rows}")
         if timeout_s <= 0:
             raise ValueError(f"{_OP}: timeout_s must be > 0, got {timeout_s}")
+        if wait not in ("stream", "kernel"):
+            raise ValueError(f"{_OP}: wait must be 'stream' or 'kernel', got {wait!r}")
         import cupy
 
         self.world, self.mode, self.cols = world, mode, int(cols)
@@ -85,6 +90,8 @@ class AllGather:
             layout.add(name, (W,), np.uint32)
         self.layout = layout
         self.err = ErrorRecord(_OP, world.rank, timeout_s)
+        self.wait_mode = wait
+        self.waiter = StreamWaiter(self.err, world.device, OP_CODES[_OP])
         self.buf = world.alloc_layout(layout)
         self.order = transfer_order(world.topology, W)
         num_lanes = max([len(stage) for stage in self.order], default=0)
@@ -105,6 +112,23 @@ class AllGather:
     def _chunks(self, rows: int):
         for c, r0 in enumerate(range(0, rows, self.chunk_rows)):
             yield c, r0, min(self.chunk_rows, rows - r0)
+
+    def _wait(self, stream, rank_flag_name: str, expected: int, first_peer: int, num_groups: int = 1,
+              per_group: int = 1, group_stride: int | None = None, index0: int = 0) -> None:
+        """Bounded wait of `stream` on flags in this rank's memory (group g written by rank
+        first_peer + g): a stream wait watched by the host, or the spinning wait kernel."""
+        me = self.world.rank
+        stride = per_group if group_stride is None else group_stride
+        if self.wait_mode == "kernel":
+            wait_flags(self._flag(me, rank_flag_name, index0), expected, self.err, stream, op=_OP,
+                       num_groups=num_groups, per_group=per_group, group_stride_words=stride,
+                       first_peer=first_peer)
+            return
+        for g in range(num_groups):
+            for j in range(per_group):
+                i = index0 + g * stride + j
+                self.waiter.wait(stream, self._flag(me, rank_flag_name, i), expected,
+                                 first_peer + g, i)
 
     # ---- call ----------------------------------------------------------------------------------
     def __call__(self, x, out=None, stream=None):
@@ -164,7 +188,8 @@ class AllGather:
         W, me = self.world.size, self.world.rank
         staging = self.buf.ptr(me, "data")
         # Peers may still be reading our staging slot from call e-1.
-        wait_flags(self._flag(me, "done"), e - 1, self.err, s, op=_OP, num_groups=W)
+        if e > 1:
+            self._wait(s, "done", e - 1, 0, num_groups=W)
         runtime.memcpyAsync(staging, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
         for p in range(W):
             if p != me:
@@ -176,7 +201,7 @@ class AllGather:
         self._fork(s)
         for stage in self.order:
             for lane, p in zip(self.lanes, stage):
-                wait_flags(self._flag(me, "ready", p), e, self.err, lane, op=_OP, first_peer=p)
+                self._wait(lane, "ready", e, p, index0=p)
                 src = self.buf.ptr(p, "data")
                 for c, r0, n in self._chunks(rows):
                     off = r0 * self.row_bytes
@@ -197,7 +222,8 @@ class AllGather:
         for stage in self.order:
             for lane, p in zip(self.lanes, stage):
                 # Rank p's gathered rows of call e-1 must be consumed before we overwrite them.
-                wait_flags(self._flag(me, "free", p), e - 1, self.err, lane, op=_OP, first_peer=p)
+                if e > 1:
+                    self._wait(lane, "free", e - 1, p, index0=p)
                 dst = self.buf.ptr(p, "data", me * nbytes)
                 for c, r0, n in self._chunks(rows):
                     off = r0 * self.row_bytes
@@ -206,8 +232,8 @@ class AllGather:
                     driver.stream_write_value32(lane, self._chunk_flag(p, me, c), e)
         self._join(s)
         nchunks = -(-rows // self.chunk_rows)
-        wait_flags(self._chunk_flag(me, 0, 0), e, self.err, s, op=_OP, num_groups=W,
-                   per_group=nchunks, group_stride_words=self.max_chunks)
+        self._wait(s, "chunk", e, 0, num_groups=W, per_group=nchunks,
+                   group_stride=self.max_chunks)
         runtime.memcpyAsync(out.data.ptr, self.buf.ptr(me, "data"), W * nbytes, _MEMCPY_DEFAULT,
                             s.ptr)
         for p in range(W):
@@ -228,6 +254,7 @@ class AllGather:
             return
         self._closed = True
         self.buf.close()
+        self.waiter.close()
         self.err.close()
 
     def __enter__(self):
