@@ -5,7 +5,7 @@ import argparse
 import importlib
 import sys
 
-OPS = {"allgather": "cuflux.bench.allgather"}
+OPS = {"allgather": "cuflux.bench.allgather", "allreduce": "cuflux.bench.allreduce"}
 
 
 def main(argv=None) -> int:

@@ -1,3 +1,4 @@
 """Op families; importing this registers every kernel family with cuflux.kernels."""
 from cuflux.ops import signal  # noqa: F401
 from cuflux.ops import allgather  # noqa: F401
+from cuflux.ops import allreduce  # noqa: F401

@@ -1,0 +1,531 @@
+"""AllReduce and fused AllReduce + residual add + RMSNorm over P2P loads and stores.
+
+The kernel and its protocol (one-shot / two-shot, staging, barriers, why no end barrier) are
+described at the top of kernels_cu/allreduce.cu. This module owns, per op: the symmetric
+buffer (stage, tmp rows, start/mid epoch flags), the device epoch counter, the error record
+and the compiled kernels; it checks arguments before any launch, plans each launch (vector
+width, block, grid), and holds the one place where one-shot vs two-shot is decided
+(`choose_algo`). The NumPy float64 golden models live here too (`reference_allreduce`,
+`reference_allreduce_rmsnorm`).
+
+Calls never synchronise the host (the epoch lives in device memory), so they can be captured
+in a CUDA graph and replayed. Calls of one op must be ordered on each rank (one stream, or
+streams ordered by the caller), and every rank must pass the same number of tokens.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from cuflux import kernels
+from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
+from cuflux.symmetric import Layout
+
+__all__ = ["AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "choose_algo", "token_slice",
+           "plan_launch", "reference_allreduce", "reference_allreduce_rmsnorm", "MODES"]
+
+_SRC = "allreduce.cu"
+DTYPES = ("bfloat16", "float16", "float32")
+MODES = {"plain": 0, "replicated": 1, "sharded_residual": 2, "sequence_parallel": 3}
+OUTPUTS = ("replicated", "sharded_residual", "sequence_parallel")
+ALGOS = ("auto", "one_shot", "two_shot")
+MAX_THREADS = 1024
+PLAIN_ROW_VECS = 1024       # AllReduce views its flat array as rows of 1024 vectors
+DEFAULT_MAX_BLOCKS = 32     # spinning grid: enough loads in flight, few flags per barrier
+MAX_ELEMS = 2**31 - 1       # the kernel's copy loops index vectors with 32-bit ints
+
+
+def _two_shot_only(mode: str) -> bool:
+    # Sharded residual / sequence parallel: only a slice's owner has its residual rows.
+    return mode in ("sharded_residual", "sequence_parallel")
+
+
+def _kernel_name(cuda_type: str, vec_bytes: int, mode: str, two_shot: bool) -> str:
+    return (f"allreduce_rmsnorm<{cuda_type}, {vec_bytes}, {MODES[mode]}, "
+            f"{'true' if two_shot else 'false'}>")
+
+
+LOCAL_REG_VECS = 4          # rmsnorm_local_reg: vectors of a row each thread holds,
+LOCAL_REG_THREADS = 256     # in blocks of at most this many threads
+
+
+def _local_name(cuda_type: str, vec_bytes: int, in_registers: bool) -> str:
+    if in_registers:
+        return f"rmsnorm_local_reg<{cuda_type}, {vec_bytes}, {LOCAL_REG_VECS}>"
+    return f"rmsnorm_local<{cuda_type}, {vec_bytes}>"
+
+
+def _all_names() -> list[str]:
+    names = []
+    for name in DTYPES:
+        d = dtype_info(name)
+        for vec in sorted({16, d.itemsize}):
+            names += [_local_name(d.cuda_type, vec, False), _local_name(d.cuda_type, vec, True)]
+            for mode in MODES:
+                for two_shot in (False, True):
+                    if two_shot or not _two_shot_only(mode):
+                        names.append(_kernel_name(d.cuda_type, vec, mode, two_shot))
+    return names
+
+
+FAMILY = kernels.register(_SRC, _all_names())
+
+
+# ---- token slices and the one-shot / two-shot crossover ---------------------------------------
+def token_slice(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Rows [start, stop) owned by `rank`: contiguous, sizes differ by at most one, the first
+    rows % world_size ranks get one more (so rows < world_size leaves the last ranks empty).
+    The kernel (kernels_cu/allreduce.cu, token_slice) uses the same formula."""
+    base, rem = divmod(rows, world_size)
+    start = rank * base + min(rank, rem)
+    return start, start + base + (1 if rank < rem else 0)
+
+
+# The crossover, the one place it lives. One-shot: every rank loads all W copies of all rows,
+# (W - 1) * B bytes from peers, one barrier. Two-shot: (W - 1) / W * B for the reduce-scatter,
+# plus (W - 1) / W * B per gathered tensor (out; out and residual when replicated), and a second
+# barrier (~ a few microseconds of NVLink round trip). So one-shot always wins for W = 2 (plain)
+# and W <= 3 (replicated: two-shot gathers two tensors); above that only below a size where
+# the extra barrier costs more than the extra bytes. Byte limits are per rank's x; the values
+# follow vLLM's measured custom all-reduce thresholds (512 KiB at W <= 4, 256 KiB at W <= 8)
+# and are to be re-measured with `python -m cuflux.bench allreduce` on ranks with their own GPUs
+# (ranks sharing one GPU cannot measure a link).
+ONE_SHOT_MAX_BYTES = {4: 512 << 10, 8: 256 << 10}
+ONE_SHOT_ALWAYS = {"plain": 2, "replicated": 3}
+
+
+def choose_algo(num_bytes: int, world_size: int, mode: str) -> str:
+    """'one_shot' or 'two_shot' for a call moving num_bytes of x per rank."""
+    if _two_shot_only(mode):
+        return "two_shot"
+    if world_size <= ONE_SHOT_ALWAYS[mode]:
+        return "one_shot"
+    limit = ONE_SHOT_MAX_BYTES[4] if world_size <= 4 else ONE_SHOT_MAX_BYTES[8]
+    if mode == "replicated":
+        limit *= 2  # two-shot also gathers the residual
+    return "one_shot" if num_bytes <= limit else "two_shot"
+
+
+# ---- launch planning (pure: tested on the CPU) ---------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    kernel: str        # name expression in kernels_cu/allreduce.cu
+    local: bool        # rmsnorm_local (W = 1 norm): no peers, no flags
+    vec_bytes: int
+    rows: int
+    cols: int
+    num_elems: int
+    grid: int
+    block: int
+    shared_mem: int
+    two_shot: bool
+
+
+def plan_launch(mode: str, dtype, num_elems: int, cols: int | None, world_size: int, algo: str,
+                aligned: bool, max_blocks: int, num_sms: int) -> LaunchPlan:
+    """Kernel, vector width, grid and block of one call.
+
+    mode "plain": num_elems elements, viewed as rows of PLAIN_ROW_VECS vectors (cols=None).
+    Norm modes: cols = hidden, num_elems = T * hidden. 16-byte vectors when every row starts
+    16-byte aligned and `aligned` (every pointer is), else one element per access (narrow).
+    One thread per vector of a row, up to 1024 (then each thread takes several); W = 1 norm
+    rows use rmsnorm_local_reg (LOCAL_REG_VECS vectors per thread in registers) where they fit.
+    W = 1 never spins: one block per row. W > 1 keeps at most max_blocks blocks (co-resident
+    when ranks share a GPU), and two-shot no more than the rows of the largest slice.
+    """
+    d = dtype_info(dtype)
+    wide = aligned and (num_elems if mode == "plain" else cols) * d.itemsize % 16 == 0
+    vec_bytes = 16 if wide else d.itemsize
+    elems_per_vec = vec_bytes // d.itemsize
+    if mode == "plain":
+        cols = PLAIN_ROW_VECS * elems_per_vec
+    rows = -(-num_elems // cols)
+    nvec = cols // elems_per_vec
+    block = min(MAX_THREADS, max(32, -(-nvec // 32) * 32))
+    h_bytes = 0 if mode == "plain" else -(-cols * 4 // 16) * 16
+    if world_size == 1 and mode != "plain":
+        in_registers = nvec <= LOCAL_REG_VECS * LOCAL_REG_THREADS
+        if in_registers:  # a row's vectors spread over the block, LOCAL_REG_VECS per thread
+            block = max(32, -(-nvec // (32 * LOCAL_REG_VECS)) * 32)
+        grid = rows  # one row per block: the hardware keeps every SM full, no tail imbalance
+        return LaunchPlan(_local_name(d.cuda_type, vec_bytes, in_registers), True, vec_bytes,
+                          rows, cols, num_elems, grid, block, 0 if in_registers else h_bytes,
+                          False)
+    if world_size == 1:
+        grid = rows
+    else:
+        work = -(-rows // world_size) if algo == "two_shot" else rows
+        grid = max(1, min(work, max_blocks))
+    two_shot = algo == "two_shot"
+    return LaunchPlan(_kernel_name(d.cuda_type, vec_bytes, mode, two_shot), False, vec_bytes,
+                      rows, cols, num_elems, grid, block, h_bytes + 8 * world_size, two_shot)
+
+
+def _aligned(*arrays) -> bool:
+    return all(a is None or a.data.ptr % 16 == 0 for a in arrays)
+
+
+# ---- the op ------------------------------------------------------------------------------------
+class _P2PReduce:
+    """Buffers, flags, epoch counter, error record and kernels shared by both public ops."""
+
+    def __init__(self, world, op: str, mode: str, max_elems: int, dtype, algo: str,
+                 timeout_s: float, max_blocks: int | None, hidden: int | None = None):
+        import cupy
+
+        self.world, self.op, self.mode, self.algo = world, op, mode, algo
+        self.max_elems = int(max_elems)
+        self.dtype = dtype_info(dtype, DTYPES, op)
+        W = world.size
+        if world.device is None:
+            raise CufluxError(f"{op}: needs a CUDA device; rank {world.rank} has none")
+        rt = cupy.cuda.runtime
+        self.num_sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, world.device)
+        self.smem_optin = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                world.device)
+        if hidden is not None:  # a row of h in fp32, the peers' bases, static shared memory
+            need = -(-hidden * 4 // 16) * 16 + 8 * W + 1024
+            if need > self.smem_optin:
+                raise ValueError(f"{op}: hidden={hidden} needs {need} bytes of shared memory "
+                                 f"per block, the device allows {self.smem_optin}")
+        # Ranks sharing this GPU all spin at once (under MPS side by side): split the SMs.
+        sharing = 1 + sum(1 for link in world.topology.links
+                          if link.same_gpu and link.peer != world.rank)
+        cap = min(max_blocks or DEFAULT_MAX_BLOCKS, max(1, self.num_sms // sharing))
+        self.max_blocks = min(world.allgather(cap))  # one grid for every rank
+        self.two_shot_ok = algo != "one_shot" and W > 1
+        layout = Layout()
+        padded = -(-self.max_elems * self.dtype.itemsize // 128) * 128 // self.dtype.itemsize
+        if W > 1:
+            layout.add("stage", (2, padded), self.dtype.storage)
+            if self.two_shot_ok and mode != "sequence_parallel":
+                layout.add("tmp_out", (padded,), self.dtype.storage)
+            if self.two_shot_ok and mode == "replicated":
+                layout.add("tmp_res", (padded,), self.dtype.storage)
+        self.flag_stride = -(-W // 32) * 32  # 128-byte slot per block
+        layout.add("start", (self.max_blocks, self.flag_stride), np.uint32)
+        layout.add("mid", (self.max_blocks, self.flag_stride), np.uint32)
+        self.layout = layout
+        self._offsets = {n: r.offset for n, r in layout.regions.items()}
+        self._stage_parity_bytes = padded * self.dtype.itemsize
+        self.err = ErrorRecord(op, world.rank, timeout_s)
+        self.buf = world.alloc_layout(layout)
+        self.state = cupy.zeros(2, dtype=cupy.uint32)  # [epoch, blocks finished this call]
+        self.module = kernels.load(_SRC)  # eager: nothing may load a module while peers spin
+        self._static_args()
+        self._plans: dict[tuple, LaunchPlan] = {}
+        self._closed = False
+
+    def _static_args(self):
+        """Kernel arguments that never change, built once (small calls are host-bound)."""
+        o = self._offsets
+        self._args_mid = (self.buf.ptrs_dev, np.uint64(o.get("stage", 0)),
+                          np.uint64(self._stage_parity_bytes), np.uint64(o.get("tmp_out", 0)),
+                          np.uint64(o.get("tmp_res", 0)), np.uint64(o["start"]),
+                          np.uint64(o["mid"]), np.int32(self.flag_stride), self.state)
+        self._args_tail = (np.int32(self.world.size), np.int32(self.world.rank))
+        self._args_err = (np.uint64(self.err.ptr), self.err.claim,
+                          np.uint64(self.err.timeout_ns), np.uint32(OP_CODES[self.op]))
+
+    def _plan(self, num_elems, cols, algo, *arrays) -> LaunchPlan:
+        key = (num_elems, algo, _aligned(*arrays))
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan
+        chosen = algo
+        if algo == "auto":
+            chosen = choose_algo(num_elems * self.dtype.itemsize, self.world.size, self.mode)
+        if chosen == "two_shot" and not self.two_shot_ok and self.world.size > 1:
+            raise ValueError(f"{self.op}: this op was built with algo='one_shot'; "
+                             f"build it with algo='auto' or 'two_shot' to run two-shot")
+        plan = plan_launch(self.mode, self.dtype, num_elems, cols, self.world.size, chosen,
+                           key[2], self.max_blocks, self.num_sms)
+        if len(self._plans) < 4096:
+            self._plans[key] = plan
+        return plan
+
+    def _launch(self, plan: LaunchPlan, x, out, residual, weight, eps, stream):
+        if plan.local:
+            _launch_local(plan, self.module, x, out, residual, weight, eps, stream, self.op)
+            return
+        fn = _kernel(self.module, plan)
+        args = ((np.uint64(x.data.ptr), np.uint64(out.data.ptr),
+                 np.uint64(0 if residual is None else residual.data.ptr),
+                 np.uint64(0 if weight is None else weight.data.ptr)) + self._args_mid
+                + (np.int32(plan.rows), np.int32(plan.cols), np.int64(plan.num_elems))
+                + self._args_tail + (np.float32(eps),) + self._args_err)
+        kernels.launch(fn, (plan.grid,), (plan.block,), args, stream, op=self.op,
+                       name=plan.kernel, shared_mem=plan.shared_mem)
+
+    def _check_open(self):
+        if self._closed:
+            raise CufluxError(f"{self.op}: the op is closed")
+        self.err.check()  # host memory read: no synchronisation, capture-safe
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for this rank's work on `stream`; raise CommTimeoutError if a wait failed."""
+        stream_of(stream).synchronize()
+        self.err.check()
+
+    def close(self) -> None:
+        """Collective and idempotent: every rank must call it. After a CommTimeoutError the op
+        cannot run again (its epochs disagree across ranks): close it and build a new one."""
+        if self._closed:
+            return
+        self._closed = True
+        self.buf.close()
+        self.err.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _check_common(op, world, dtype, algo, timeout_s, max_blocks):
+    if algo not in ALGOS:
+        raise ValueError(f"{op}: algo must be one of {ALGOS}, got {algo!r}")
+    if timeout_s <= 0:
+        raise ValueError(f"{op}: timeout_s must be > 0, got {timeout_s}")
+    if max_blocks is not None and max_blocks < 1:
+        raise ValueError(f"{op}: max_blocks must be >= 1 or None, got {max_blocks}")
+    return dtype_info(dtype, DTYPES, op)
+
+
+class AllReduce(_P2PReduce):
+    """Sum of x over the ranks, on every rank: y = ar(x).
+
+    Args:
+      world: cuflux.World.
+      max_elems: largest x.size any call will use.
+      dtype: bfloat16, float16 or float32 (sums in fp32, rank order 0..W-1: bit-identical
+        on every rank).
+      algo: "auto" (choose_algo per call), "one_shot" or "two_shot".
+      timeout_s: bound of every wait; on expiry CommTimeoutError (at synchronize() or the
+        next call).
+      max_blocks: cap on the grid when W > 1 (default DEFAULT_MAX_BLOCKS, and SMs / ranks
+        sharing a GPU).
+    """
+
+    def __init__(self, world, max_elems: int, dtype, algo: str = "auto", timeout_s: float = 30.0,
+                 max_blocks: int | None = None):
+        op = "AllReduce"
+        d = _check_common(op, world, dtype, algo, timeout_s, max_blocks)
+        if not 1 <= max_elems <= MAX_ELEMS:
+            raise ValueError(f"{op}: max_elems must be in [1, {MAX_ELEMS}], got {max_elems}")
+        world.check_same((int(max_elems), d.name, algo, max_blocks),
+                         f"{op} arguments (max_elems, dtype, algo, max_blocks)")
+        super().__init__(world, op, "plain", max_elems, d, algo, timeout_s, max_blocks)
+
+    def __call__(self, x, out=None, stream=None, algo: str | None = None):
+        """x: any shape, C-contiguous, x.size <= max_elems, the same on every rank ->
+        out (same shape) = sum over ranks. `algo` overrides the op's choice for this call."""
+        import cupy
+
+        self._check_open()
+        x = as_cupy(x, "x", self.op)
+        check_array(x, name="x", op=self.op, dtype=self.dtype, device=self.world.device)
+        if x.size > self.max_elems:
+            raise ValueError(f"{self.op}: x has {x.size} elements, more than "
+                             f"max_elems={self.max_elems}")
+        if algo is not None and algo not in ALGOS:
+            raise ValueError(f"{self.op}: algo must be one of {ALGOS}, got {algo!r}")
+        if out is None:
+            out = cupy.empty(x.shape, dtype=self.dtype.storage)
+        else:
+            out = as_cupy(out, "out", self.op)
+            check_array(out, name="out", op=self.op, shape=x.shape, dtype=self.dtype,
+                        device=self.world.device)
+        if x.size == 0:
+            return out
+        plan = self._plan(x.size, None, algo or self.algo, x, out)
+        self._launch(plan, x, out, None, None, 0.0, stream_of(stream))
+        return out
+
+
+class AllReduceRMSNorm(_P2PReduce):
+    """out = RMSNorm(sum_ranks(x) + residual) * weight, residual <- the sum, in one kernel.
+
+    Per token: h = sum_ranks(x) + residual; residual <- h; out = h * rsqrt(mean(h^2) + eps) *
+    weight (fp32 inside, dtype outside). x [T, hidden] (T <= max_tokens, the same on every
+    rank); weight [hidden]. Rank r owns the token slice token_slice(T, W, r). output:
+      "replicated"        residual [T, hidden] updated for every token; out [T, hidden];
+      "sharded_residual"  residual [T, hidden], only slice rows read and updated; out [T, hidden];
+      "sequence_parallel" residual [n_slice, hidden] (this rank's slice); out [n_slice, hidden].
+    The residual is updated in place; out is returned (or written into `out`).
+    """
+
+    def __init__(self, world, max_tokens: int, hidden: int, dtype, eps: float = 1e-6,
+                 output: str = "replicated", algo: str = "auto", timeout_s: float = 30.0,
+                 max_blocks: int | None = None):
+        op = "AllReduceRMSNorm"
+        d = _check_common(op, world, dtype, algo, timeout_s, max_blocks)
+        if output not in OUTPUTS:
+            raise ValueError(f"{op}: output must be one of {OUTPUTS}, got {output!r}")
+        if _two_shot_only(output) and algo == "one_shot":
+            raise ValueError(f"{op}: output={output!r} needs the two-shot algorithm (only a "
+                             f"slice's owner holds its residual rows); got algo='one_shot'")
+        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+            raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
+        if max_tokens < 1 or hidden < 1:
+            raise ValueError(f"{op}: max_tokens and hidden must be >= 1, got {max_tokens}, "
+                             f"{hidden}")
+        if max_tokens * hidden > MAX_ELEMS:
+            raise ValueError(f"{op}: max_tokens * hidden must be <= {MAX_ELEMS}, got "
+                             f"{max_tokens * hidden}")
+        world.check_same((int(max_tokens), int(hidden), d.name, float(eps), output, algo,
+                          max_blocks), f"{op} arguments (max_tokens, hidden, dtype, eps, output, "
+                                       f"algo, max_blocks)")
+        super().__init__(world, op, output, max_tokens * hidden, d, algo, timeout_s, max_blocks,
+                         hidden)
+        self.max_tokens, self.hidden, self.eps, self.output = int(max_tokens), int(hidden), \
+            float(eps), output
+
+    def out_rows(self, num_tokens: int) -> int:
+        """Rows of out (and of residual) this rank holds for a call with num_tokens tokens."""
+        if self.output == "sequence_parallel":
+            start, stop = token_slice(num_tokens, self.world.size, self.world.rank)
+            return stop - start
+        return num_tokens
+
+    def __call__(self, x, residual, weight, out=None, stream=None, algo: str | None = None):
+        import cupy
+
+        self._check_open()
+        x, residual, weight, out = check_norm_call(self, x, residual, weight, out, algo)
+        if out is None:
+            out = cupy.empty((self.out_rows(x.shape[0]), self.hidden), dtype=self.dtype.storage)
+        if x.shape[0] == 0:
+            return out
+        plan = self._plan(x.size, self.hidden, algo or self.algo, x, out, residual, weight)
+        self._launch(plan, x, out, residual, weight, self.eps, stream_of(stream))
+        return out
+
+
+def check_norm_call(op, x, residual, weight, out, algo):
+    """Argument checks of AllReduceRMSNorm.__call__ (before anything is launched)."""
+    name, dev, d = op.op, op.world.device, op.dtype
+    x = as_cupy(x, "x", name)
+    check_array(x, name="x", op=name, ndim=2, dtype=d, device=dev)
+    T = x.shape[0]
+    if x.shape[1] != op.hidden:
+        raise ValueError(f"{name}: x must be [T, {op.hidden}], got shape {tuple(x.shape)}")
+    if T > op.max_tokens:
+        raise ValueError(f"{name}: x has {T} tokens, more than max_tokens={op.max_tokens}")
+    rows = op.out_rows(T)
+    residual = as_cupy(residual, "residual", name)
+    check_array(residual, name="residual", op=name, shape=(rows, op.hidden), dtype=d, device=dev)
+    weight = as_cupy(weight, "weight", name)
+    check_array(weight, name="weight", op=name, shape=(op.hidden,), dtype=d, device=dev)
+    if out is not None:
+        out = as_cupy(out, "out", name)
+        check_array(out, name="out", op=name, shape=(rows, op.hidden), dtype=d, device=dev)
+    if algo is not None and algo not in ALGOS:
+        raise ValueError(f"{name}: algo must be one of {ALGOS}, got {algo!r}")
+    if algo == "one_shot" and _two_shot_only(op.output):
+        raise ValueError(f"{name}: output={op.output!r} needs algo='two_shot', got 'one_shot'")
+    return x, residual, weight, out
+
+
+def _kernel(module, plan: LaunchPlan):
+    fn = module[plan.kernel]
+    if plan.shared_mem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < plan.shared_mem:
+        fn.max_dynamic_shared_size_bytes = plan.shared_mem  # opt in above the 48 KiB default
+    return fn
+
+
+def _launch_local(plan, module, x, out, residual, weight, eps, stream, op):
+    args = (np.uint64(x.data.ptr), np.uint64(out.data.ptr), np.uint64(residual.data.ptr),
+            np.uint64(weight.data.ptr), np.int32(plan.rows), np.int32(plan.cols),
+            np.float32(eps))
+    kernels.launch(_kernel(module, plan), (plan.grid,), (plan.block,), args, stream, op=op,
+                   name=plan.kernel, shared_mem=plan.shared_mem)
+
+
+# ---- local fused residual add + RMSNorm (the unfused baseline's second kernel) --------------
+_NUM_SMS: dict[int, int] = {}
+
+
+def rmsnorm_residual(x, residual, weight, eps: float = 1e-6, out=None, stream=None):
+    """residual <- x + residual; out = RMSNorm(residual) * weight, on this GPU only.
+
+    The kernel AllReduceRMSNorm runs at W = 1 (so fused vs unfused differs only by the
+    fusion). x, residual, out [T, H]; weight [H]; dtype bfloat16, float16 or float32.
+    """
+    import cupy
+
+    op = "rmsnorm_residual"
+    x = as_cupy(x, "x", op)
+    d = dtype_info(x.dtype, DTYPES, op)
+    dev = x.device.id
+    check_array(x, name="x", op=op, ndim=2, dtype=d, device=dev)
+    T, H = x.shape
+    residual = check_array(as_cupy(residual, "residual", op), name="residual", op=op,
+                           shape=(T, H), dtype=d, device=dev)
+    weight = check_array(as_cupy(weight, "weight", op), name="weight", op=op, shape=(H,),
+                         dtype=d, device=dev)
+    if not eps > 0:
+        raise ValueError(f"{op}: eps must be > 0, got {eps}")
+    if out is None:
+        out = cupy.empty((T, H), dtype=d.storage)
+    else:
+        out = check_array(as_cupy(out, "out", op), name="out", op=op, shape=(T, H), dtype=d,
+                          device=dev)
+    if T == 0:
+        return out
+    with cupy.cuda.Device(dev):
+        if dev not in _NUM_SMS:
+            _NUM_SMS[dev] = cupy.cuda.runtime.deviceGetAttribute(
+                cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, dev)
+        plan = plan_launch("replicated", d, T * H, H, 1, "one_shot",
+                           _aligned(x, out, residual, weight), 1, _NUM_SMS[dev])
+        _launch_local(plan, kernels.load(_SRC, dev), x, out, residual, weight, eps,
+                      stream_of(stream), op)
+    return out
+
+
+# ---- NumPy float64 golden models -----------------------------------------------------------
+def reference_allreduce(xs) -> np.ndarray:
+    """Sum of the ranks' arrays in float64."""
+    xs = [np.asarray(x, dtype=np.float64) for x in xs]
+    total = np.zeros_like(xs[0])
+    for x in xs:
+        total += x
+    return total
+
+
+def reference_allreduce_rmsnorm(xs, residual, weight, eps, mode, W):
+    """What each rank holds after AllReduceRMSNorm, in float64.
+
+    xs: W arrays [T, H] (rank r's partial sums); residual [T, H]: the residual stream before
+    the call; weight [H]. Returns W pairs (out, residual_after) for ranks 0..W-1:
+      replicated:        (out [T, H], h [T, H]);
+      sharded_residual:  (out [T, H], residual [T, H] with the rows of rank r's slice set to h,
+                          the other rows as given);
+      sequence_parallel: (out, h) restricted to rank r's slice, [n_r, H].
+    """
+    if mode not in OUTPUTS:
+        raise ValueError(f"reference_allreduce_rmsnorm: mode must be one of {OUTPUTS}, got {mode!r}")
+    if len(xs) != W:
+        raise ValueError(f"reference_allreduce_rmsnorm: got {len(xs)} inputs for W={W}")
+    res = np.asarray(residual, dtype=np.float64)
+    h = reference_allreduce(xs) + res
+    w = np.asarray(weight, dtype=np.float64)
+    out = h / np.sqrt(np.mean(h * h, axis=-1, keepdims=True) + eps) * w
+    T = h.shape[0]
+    result = []
+    for r in range(W):
+        a, b = token_slice(T, W, r)
+        if mode == "replicated":
+            result.append((out, h))
+        elif mode == "sharded_residual":
+            after = res.copy()
+            after[a:b] = h[a:b]
+            result.append((out, after))
+        else:
+            result.append((out[a:b], h[a:b]))
+    return result
