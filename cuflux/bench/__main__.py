@@ -5,7 +5,8 @@ import argparse
 import importlib
 import sys
 
-OPS = {"allgather": "cuflux.bench.allgather", "allreduce": "cuflux.bench.allreduce"}
+OPS = {"allgather": "cuflux.bench.allgather", "allreduce": "cuflux.bench.allreduce",
+       "all2all": "cuflux.bench.all2all"}
 
 
 def main(argv=None) -> int:

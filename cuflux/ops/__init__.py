@@ -2,3 +2,4 @@
 from cuflux.ops import signal  # noqa: F401
 from cuflux.ops import allgather  # noqa: F401
 from cuflux.ops import allreduce  # noqa: F401
+from cuflux.ops import all2all  # noqa: F401

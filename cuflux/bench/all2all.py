@@ -1,0 +1,225 @@
+"""All2AllHeads benchmark: achieved GB/s against the measured device-to-device copy rate, and
+against NCCL all-to-all (plus the two permute copies it needs) when ranks have GPUs of their own.
+
+Bytes counted per rank and call: the input read plus the output written (2 x B*T_r*H*D*itemsize),
+whatever the op moves internally. At W = 1 the op is one pass over the data, so its rate compares
+directly with a device-to-device copy (read + write).
+
+Two timings per case:
+  cuflux_ms  back-to-back calls between two CUDA events, divided by the number of calls: the
+             GPU-side cost when the host keeps ahead (how the op runs inside a model step);
+  single_ms  one call between events after an idle GPU (common.time_ms): includes the host's
+             launch overhead (validation, 1-3 kernel launches).
+Inputs rotate over buffers larger than the L2 cache, filled with random data.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuflux.bench.common import copy_bandwidth_gbps, print_table, time_ms, write_results
+
+L2_BYTES = 60 << 20
+
+
+def _back_to_back_ms(call, stream, calls: int, reps: int = 5, warmup: int = 3) -> float:
+    import cupy
+
+    for i in range(warmup):
+        call(i)
+    stream.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+        a.record(stream)
+        for i in range(calls):
+            call(i)
+        b.record(stream)
+        b.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(a, b) / calls)
+    return float(np.median(times))
+
+
+def _inputs(shape, dtype_name, count, storage):
+    import cupy
+
+    if dtype_name.startswith("float8"):
+        return [cupy.random.randint(0, 255, shape, dtype=cupy.uint8) for _ in range(count)]
+    return [cupy.random.standard_normal(shape, dtype=cupy.float32).astype(storage)
+            for _ in range(count)]
+
+
+def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, scales=False,
+          kernel=False):
+    """Time one configuration on every rank; return rank 0's row (None elsewhere)."""
+    import cupy
+
+    from cuflux.ops.all2all import All2AllHeads
+
+    W, me = world.size, world.rank
+    T = T_total // W
+    tokens = (T,) * W
+    S = T * W
+    s = cupy.cuda.Stream(non_blocking=True)
+    with All2AllHeads(world, T, H, D, dtype, batch=B, num_sms=num_sms) as op, s:
+        info = op.spec.dtype
+        in_shape = (B, S, H // W, D) if direction == "gather" else (B, T, H, D)
+        in_bytes = int(np.prod(in_shape)) * info.itemsize
+        count = max(2, -(-4 * L2_BYTES // max(in_bytes, 1)))
+        xs = _inputs(in_shape, dtype, count, info.storage)
+        sc = None
+        if scales:
+            sc_shape = (B, S) if direction == "gather" else (B, T)
+            sc = [cupy.random.random(sc_shape, dtype=cupy.float32) for _ in range(count)]
+        out_shape = (B, T, H, D) if direction == "gather" else (B, S, H // W, D)
+        outs = [cupy.empty(out_shape, dtype=info.storage) for _ in range(count)] \
+            if mode == "out" else None
+        fn = op.gather_heads if direction == "gather" else op.scatter_heads
+        op._w1_memcpy = not kernel  # W = 1: the plain copy the op uses, or its kernel
+
+        def call(i):
+            k = i % count
+            fn(xs[k], tokens, None if sc is None else sc[k],
+               out=None if outs is None else outs[k], view=(mode == "view"), stream=s)
+
+        world.barrier()
+        ms = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
+        world.barrier()
+        single = time_ms(lambda: call(0), warmup=3, iters=max(10, args.iters // 2), stream=s)
+        op.synchronize()
+    all_ms, all_single = world.allgather(ms), world.allgather(single)
+    if me != 0:
+        return None
+    moved = 2 * in_bytes  # read + written per rank (input and output have the same size)
+    return {"case": f"{direction} B={B} T={T_total} H={H} D={D} {dtype}"
+                    + (" +scales" if scales else "") + f" {mode}"
+                    + (f" sms={num_sms}" if num_sms else "") + (" kernel" if kernel else ""),
+            "cuflux_ms": max(all_ms), "single_ms": max(all_single),
+            "gbps_per_rank": moved / (max(all_ms) * 1e-3) / 1e9,
+            "gbps_all_ranks": W * moved / (max(all_ms) * 1e-3) / 1e9}
+
+
+def _copy_row(args, B, T, H, D):
+    """A plain device-to-device copy of the same bytes, timed the same way (W = 1 reference)."""
+    import cupy
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        shape, nbytes = (B, T, H, D), B * T * H * D * 2
+        count = max(2, -(-4 * L2_BYTES // nbytes))
+        xs = [cupy.random.randint(0, 1 << 15, shape, dtype=cupy.uint16) for _ in range(count)]
+        outs = [cupy.empty_like(xs[0]) for _ in range(count)]
+    ms = _back_to_back_ms(lambda i: cupy.cuda.runtime.memcpyAsync(
+        outs[i % count].data.ptr, xs[i % count].data.ptr, nbytes, 4, s.ptr), s,
+        calls=max(10, args.iters // 2))
+    return {"case": f"cudaMemcpyAsync of the same bytes B={B} T={T} H={H} D={D} bf16",
+            "cuflux_ms": ms, "gbps_per_rank": 2 * nbytes / (ms * 1e-3) / 1e9,
+            "gbps_all_ranks": 2 * nbytes / (ms * 1e-3) / 1e9}
+
+
+def _distinct_gpus(world) -> bool:
+    return world.size > 1 and not any(l.same_gpu for l in world.topology.links)
+
+
+def _link_gbps(world, num_bytes=256 << 20) -> float:
+    """Measured one-way copy rate from this rank's GPU to the next rank's (cudaMemcpyPeer)."""
+    import cupy
+    from cupy.cuda import runtime
+
+    peer_dev = world.allgather(world.device)[(world.rank + 1) % world.size]
+    src = cupy.empty(num_bytes, dtype=cupy.uint8)
+    with cupy.cuda.Device(peer_dev):
+        dst = cupy.empty(num_bytes, dtype=cupy.uint8)
+    s = cupy.cuda.get_current_stream()
+    ms = time_ms(lambda: runtime.memcpyPeerAsync(dst.data.ptr, peer_dev, src.data.ptr,
+                                                 world.device, num_bytes, s.ptr), iters=10)
+    return num_bytes / (ms * 1e-3) / 1e9
+
+
+def _nccl_row(world, args, B, T_total, H, D):
+    """NCCL all-to-all of the head groups plus the two permute copies (bf16 moved as uint16)."""
+    import cupy
+    from cupy.cuda import nccl
+
+    W, me = world.size, world.rank
+    T, hpr = T_total // W, H // W
+    uid = world.allgather(nccl.get_unique_id() if me == 0 else None)[0]
+    comm = nccl.NcclCommunicator(W, uid, me)
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        x = cupy.random.randint(0, 1 << 15, (B, T, H, D), dtype=cupy.uint16)
+        send = cupy.empty((W, B, T, hpr, D), dtype=cupy.uint16)
+        recv = cupy.empty_like(send)
+        y = cupy.empty((B, W * T, hpr, D), dtype=cupy.uint16)
+    chunk = B * T * hpr * D * 2
+
+    def call(_i=0):
+        with s:
+            send[...] = x.reshape(B, T, W, hpr, D).transpose(2, 0, 1, 3, 4)
+            nccl.groupStart()
+            for p in range(W):
+                comm.send(send[p].data.ptr, chunk, nccl.NCCL_UINT8, p, s.ptr)
+                comm.recv(recv[p].data.ptr, chunk, nccl.NCCL_UINT8, p, s.ptr)
+            nccl.groupEnd()
+            y.reshape(B, W, T, hpr, D)[...] = recv.transpose(1, 0, 2, 3, 4)
+
+    world.barrier()
+    ms = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
+    ok = bool(cupy.all(y.reshape(B, W, T, hpr, D)[:, me] == x[:, :, me * hpr:(me + 1) * hpr]))
+    comm.destroy()
+    return max(world.allgather(ms)), all(world.allgather(ok))
+
+
+def run(world, args) -> None:
+    W, me = world.size, world.rank
+    ceiling = copy_bandwidth_gbps() if me == 0 else None
+    world.barrier()
+    rows = []
+    bar = (1, 8192, 32, 128, "bfloat16")
+    cases = [bar] if args.quick else [bar, (1, 32768, 32, 128, "bfloat16"),
+                                      (2, 4096, 64, 80, "bfloat16")]
+    for B, T, H, D, dt in cases:
+        for direction in ("scatter", "gather"):
+            for mode in ("owned", "out", "view"):
+                rows.append(_case(world, args, B, T, H, D, dt, mode, direction))
+    rows.append(_case(world, args, 1, 8192, 32, 128, "float8_e4m3fn", "owned", "scatter",
+                      scales=True))
+    # The default num_sms (every SM) comes from this sweep (at W = 1: of the kernel).
+    for sms in ((33, 66, 132, 264) if W == 1 else (33, 132)):
+        rows.append(_case(world, args, *bar, "owned", "scatter", num_sms=sms, kernel=True))
+    if W == 1:
+        rows.append(_copy_row(args, *bar[:4]))
+    extra = {"copy_ceiling_gbps": ceiling}
+    if _distinct_gpus(world):
+        from cupy.cuda import nccl
+
+        link = _link_gbps(world)
+        extra["link_gbps_one_way"] = max(world.allgather(link))
+        if nccl.available:
+            for B, T, H, D, _ in cases:
+                nccl_ms, ok = _nccl_row(world, args, B, T, H, D)
+                ours = _case(world, args, B, T, H, D, "bfloat16", "owned", "scatter")
+                if me == 0:
+                    sent = B * (T // W) * H * D * 2 * (W - 1) / W  # bytes leaving each GPU
+                    ours.update({"baseline": "nccl all-to-all + 2 permutes", "baseline_ms": nccl_ms,
+                                 "speedup": nccl_ms / ours["cuflux_ms"], "nccl_correct": ok,
+                                 "link_gbps_per_gpu": sent / (ours["cuflux_ms"] * 1e-3) / 1e9,
+                                 "fraction_of_link": sent / (ours["cuflux_ms"] * 1e-3) / 1e9
+                                 / extra["link_gbps_one_way"]})
+                    rows.append(ours)
+    if me != 0:
+        return
+    for r in rows:
+        r.setdefault("baseline", "d2d copy ceiling")
+        if r["baseline"] == "d2d copy ceiling":
+            # the copy moving the same bytes at the ceiling; with ranks sharing one GPU every
+            # rank's bytes cross the same memory, so all ranks' bytes are compared
+            moved = r["gbps_all_ranks"] * r["cuflux_ms"] * 1e-3 * 1e9
+            r["baseline_ms"] = moved / (ceiling * 1e9) * 1e3
+            r["speedup"] = r["baseline_ms"] / r["cuflux_ms"]
+            r["fraction_of_copy"] = r["gbps_all_ranks"] / ceiling
+    print(f"All2AllHeads, W={W}, device-to-device copy ceiling {ceiling:.0f} GB/s (read+write)"
+          + (", ranks share one GPU" if W > 1 and not _distinct_gpus(world) else ""))
+    print_table(rows, ["case", "cuflux_ms", "single_ms", "gbps_per_rank", "gbps_all_ranks",
+                       "fraction_of_copy", "baseline_ms", "speedup"])
+    path = write_results("all2all", W, rows, extra, outdir=args.outdir)
+    print("wrote", path)

@@ -1,0 +1,569 @@
+"""All2All of attention heads for Ulysses sequence parallelism (kernels_cu/all2all.cu).
+
+scatter_heads: x [B, T_r, H, D] on rank r -> y [B, S, H/W, D] on every rank t, holding heads
+               [t*H/W, (t+1)*H/W) of every rank's tokens, rank r's at token offset sum(T[:r]).
+gather_heads:  the inverse, y [B, S, H/W, D] -> x [B, T_r, H, D].
+S = sum(tokens_per_rank); token counts may differ between ranks and may be 0.
+
+Push through CUDA IPC: each rank's kernel writes every peer's rows into that peer's symmetric
+receive slot (already in the output's layout) and its own rows straight into its output; after
+the peers' flags arrive the receiver copies their rows from the slot into its output, or hands
+out a view of the slot (`view=True`, no copy). Two slots alternate between calls, so no start
+barrier is needed (the .cu header says why that is safe). fp8 data travels as uint8 storage;
+optional float32 scales (per token, or per token and head) travel with their rows.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import operator
+import time
+
+import numpy as np
+
+from cuflux import kernels
+from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of
+from cuflux.errors import (EXPECTED, OBSERVED, OP_CODES, PEER, RANK, STATUS, CommTimeoutError,
+                           CufluxError, ErrorRecord)
+from cuflux.symmetric import Layout
+
+__all__ = ["All2AllHeads", "reference_scatter_heads", "reference_gather_heads"]
+
+_OP = "All2AllHeads"
+_VEC_BYTES = (16, 8, 4, 2, 1)
+THREADS = 512          # threads per block of the copy kernels
+BLOCKS_PER_SM = 2      # num_sms SMs -> num_sms * BLOCKS_PER_SM blocks (1024 threads per SM)
+FLAG_BYTES = 128       # one flag slot per (sender, block); kFlagWords in the .cu
+STATUS_MISMATCH = 3    # kStatusMismatch in the .cu: a peer's call had other arguments
+CACHE_MAX = 1024       # distinct token lists remembered (checked across ranks, uploaded)
+CHECK_TAG = 7301       # MPI tag of the per-distinct-call argument check (on the op's own comm)
+MEMCPY_DEFAULT = 4     # cudaMemcpyDefault
+MAX_ROWS = 2**31 - 1   # rows per kernel (u32 row indices in the .cu)
+
+
+def _name_push(vec: int, gather: bool) -> str:
+    return f"a2a_push<{vec}, {'true' if gather else 'false'}>"
+
+
+def _name_copy_out(vec: int) -> str:
+    return f"a2a_copy_out<{vec}>"
+
+
+FAMILY = kernels.register(
+    "all2all.cu",
+    [_name_push(v, g) for v in _VEC_BYTES for g in (False, True)]
+    + [_name_copy_out(v) for v in _VEC_BYTES] + ["a2a_wait"])
+
+
+# ---- argument checks (pure Python: the CPU tests call them) --------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """What one op was built for; the shapes of both directions follow from it."""
+
+    world_size: int
+    rank: int
+    device: int | None
+    max_tokens: int
+    num_heads: int
+    head_dim: int
+    dtype: DType
+    batch: int
+
+    @property
+    def heads_per_rank(self) -> int:
+        return self.num_heads // self.world_size
+
+    @property
+    def row_bytes(self) -> int:
+        """One token's head group on one rank: the unit the kernels move."""
+        return self.heads_per_rank * self.head_dim * self.dtype.itemsize
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.batch * self.max_tokens * self.num_heads * self.head_dim * self.dtype.itemsize
+
+
+def check_op_args(world_size: int, max_tokens_per_rank, num_heads, head_dim, batch, num_sms,
+                  timeout_s) -> None:
+    for name, v in (("max_tokens_per_rank", max_tokens_per_rank), ("num_heads", num_heads),
+                    ("head_dim", head_dim), ("batch", batch)):
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{_OP}: {name} must be an integer >= 1, got {v!r}")
+    if num_heads % world_size:
+        raise ValueError(f"{_OP}: num_heads must be divisible by the world size {world_size}, "
+                         f"got num_heads={num_heads}")
+    if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
+        raise ValueError(f"{_OP}: num_sms must be an integer >= 1 or None, got {num_sms!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"{_OP}: timeout_s must be > 0, got {timeout_s!r}")
+    if batch * world_size * max_tokens_per_rank * (num_heads // world_size) > MAX_ROWS:
+        raise ValueError(f"{_OP}: batch * world size * max_tokens_per_rank * num_heads / world "
+                         f"size must stay below 2**31 rows, got {batch}, {world_size}, "
+                         f"{max_tokens_per_rank}, {num_heads}")
+
+
+def check_tokens(tokens_per_rank, world_size: int, max_tokens: int) -> tuple[int, ...]:
+    """tokens_per_rank as a tuple of W ints in [0, max_tokens], or a clear error."""
+    try:
+        tokens = tuple(operator.index(t) for t in tokens_per_rank)
+    except TypeError:
+        raise TypeError(f"{_OP}: tokens_per_rank must be a sequence of {world_size} integers, "
+                        f"got {tokens_per_rank!r}") from None
+    if len(tokens) != world_size:
+        raise ValueError(f"{_OP}: tokens_per_rank must have one entry per rank ({world_size}), "
+                         f"got {len(tokens)}: {list(tokens)}")
+    for r, t in enumerate(tokens):
+        if t < 0 or t > max_tokens:
+            raise ValueError(f"{_OP}: tokens_per_rank[{r}] must be in [0, max_tokens_per_rank="
+                             f"{max_tokens}], got {t}")
+    return tokens
+
+
+def io_shapes(spec: Spec, gather: bool, batch: int, tokens) -> tuple[tuple, tuple]:
+    """(input shape, output shape) of one call on spec.rank."""
+    H, D, hpr = spec.num_heads, spec.head_dim, spec.heads_per_rank
+    mine, total = (batch, tokens[spec.rank], H, D), (batch, sum(tokens), hpr, D)
+    return (total, mine) if gather else (mine, total)
+
+
+def scale_shapes(spec: Spec, gather: bool, batch: int, tokens, per_head: bool):
+    """(input, output) shapes of the scales. Scatter: [B, T_r] or [B, T_r, H] -> [B, S] or
+    [B, S, H/W]. Gather: [B, S] -> [B, T_r, W] (one scale per token and source rank's head
+    group) or [B, S, H/W] -> [B, T_r, H]."""
+    T, S, W, hpr = tokens[spec.rank], sum(tokens), spec.world_size, spec.heads_per_rank
+    if gather:
+        return ((batch, S, hpr), (batch, T, W * hpr)) if per_head else ((batch, S), (batch, T, W))
+    return ((batch, T, W * hpr), (batch, S, hpr)) if per_head else ((batch, T), (batch, S))
+
+
+def check_call(spec: Spec, gather: bool, a, tokens, scale=None) -> tuple[int, int]:
+    """Validate the input (and its scales) of one call; return (batch, scale mode).
+
+    Scale mode: 0 none, 1 per token, 2 per token and head."""
+    name = "y" if gather else "x"
+    check_array(a, name=name, op=_OP, ndim=4, dtype=spec.dtype, device=spec.device)
+    B = int(a.shape[0])
+    if not 1 <= B <= spec.batch:
+        raise ValueError(f"{_OP}: {name} has batch {B}; this op was built for batch 1 to "
+                         f"{spec.batch}")
+    want, _ = io_shapes(spec, gather, B, tokens)
+    if tuple(a.shape) != want:
+        what = "[B, sum(tokens), H/W, D]" if gather else "[B, tokens_per_rank[rank], H, D]"
+        raise ValueError(f"{_OP}: {name} must have shape {what} = {want} on rank {spec.rank}, "
+                         f"got {tuple(a.shape)}")
+    mode = 0
+    if scale is not None:
+        f32 = dtype_info("float32")
+        per_token, _ = scale_shapes(spec, gather, B, tokens, False)
+        per_head, _ = scale_shapes(spec, gather, B, tokens, True)
+        if tuple(scale.shape) == per_token:
+            mode = 1
+        elif tuple(scale.shape) == per_head:
+            mode = 2
+        else:
+            raise ValueError(f"{_OP}: scale must have shape {per_token} (per token) or "
+                             f"{per_head} (per token and head), got {tuple(scale.shape)}")
+        check_array(scale, name="scale", op=_OP, dtype=f32, device=spec.device)
+    return B, mode
+
+
+def build_layout(spec: Spec, blocks_per_target: int) -> Layout:
+    """The symmetric buffer, as the .cu header describes it: two receive slots of data and of
+    scales, and the flags [2][W][blocks per target][32 words]."""
+    layout = Layout()
+    for parity in (0, 1):
+        layout.add(f"data{parity}", (spec.slot_bytes,), np.uint8)
+    for parity in (0, 1):
+        layout.add(f"scale{parity}", (spec.batch * spec.max_tokens * spec.num_heads,), np.float32)
+    layout.add("flags", (2, spec.world_size, blocks_per_target, FLAG_BYTES // 4), np.uint32)
+    return layout
+
+
+def vec_bytes(row_bytes: int, *ptrs: int) -> int:
+    """Widest vector (16, 8, 4, 2, 1 bytes) that divides the row and every pointer."""
+    for v in _VEC_BYTES:
+        if row_bytes % v == 0 and all(p % v == 0 for p in ptrs):
+            return v
+    return 1
+
+
+def call_hash(key) -> int:
+    """32-bit hash of a call's collective arguments, carried beside each flag."""
+    return call_digest(key) & 0xFFFFFFFF
+
+
+def call_digest(key) -> int:
+    """64-bit digest of a call's collective arguments, compared across ranks on the host."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=8).digest(), "little")
+
+
+# ---- NumPy golden model --------------------------------------------------------------------------
+def reference_scatter_heads(xs, tokens_per_rank, W, scales=None):
+    """xs: W arrays [B, T_r, H, D] -> W arrays [B, S, H/W, D] (and the scales, if given: W arrays
+    [B, T_r] or [B, T_r, H] -> [B, S] or [B, S, H/W])."""
+    assert len(xs) == W and all(x.shape[1] == t for x, t in zip(xs, tokens_per_rank))
+    hpr = xs[0].shape[2] // W
+    ys = [np.concatenate([x[:, :, t * hpr:(t + 1) * hpr] for x in xs], axis=1) for t in range(W)]
+    if scales is None:
+        return ys
+    if scales[0].ndim == 2:
+        y_scales = [np.concatenate(list(scales), axis=1) for _ in range(W)]
+    else:
+        y_scales = [np.concatenate([s[:, :, t * hpr:(t + 1) * hpr] for s in scales], axis=1)
+                    for t in range(W)]
+    return ys, y_scales
+
+
+def reference_gather_heads(ys, tokens_per_rank, W, scales=None):
+    """ys: W arrays [B, S, H/W, D] -> W arrays [B, T_r, H, D] (and the scales, if given: W arrays
+    [B, S] or [B, S, H/W] -> [B, T_r, W] or [B, T_r, H])."""
+    prefix = np.concatenate([[0], np.cumsum(tokens_per_rank)]).astype(int)
+    assert len(ys) == W and all(y.shape[1] == prefix[-1] for y in ys)
+    xs = [np.concatenate([y[:, prefix[r]:prefix[r + 1]] for y in ys], axis=2) for r in range(W)]
+    if scales is None:
+        return xs
+    if scales[0].ndim == 2:
+        x_scales = [np.stack([s[:, prefix[r]:prefix[r + 1]] for s in scales], axis=2)
+                    for r in range(W)]
+    else:
+        x_scales = [np.concatenate([s[:, prefix[r]:prefix[r + 1]] for s in scales], axis=2)
+                    for r in range(W)]
+    return xs, x_scales
+
+
+# ---- the op --------------------------------------------------------------------------------------
+class All2AllHeads:
+    """Redistribute attention heads between the ranks of a World (Ulysses sequence parallelism).
+
+    Args:
+      world: cuflux.World.
+      max_tokens_per_rank: largest token count any rank passes in any call.
+      num_heads, head_dim: H and D (H divisible by the world size; any D).
+      dtype: bfloat16, float16, float32, float8_e4m3fn or float8_e5m2 (fp8 as uint8 storage).
+      batch: largest batch B of any call.
+      num_sms: SMs the copy kernels use (num_sms * BLOCKS_PER_SM blocks of THREADS threads);
+        None: every SM of the device (the best measured on the H200, see cuflux/bench/all2all.py).
+      timeout_s: bound of every wait; on expiry the op raises CommTimeoutError.
+
+    Every rank calls scatter_heads / gather_heads in the same order with the same
+    tokens_per_rank, batch and kind of scales: checked across ranks the first time a combination
+    is seen (bounded by timeout_s), and on every call by a hash the kernels compare. At W = 1 a
+    call is one cudaMemcpyAsync (input and output have the same layout). Each call returns at
+    once; a failed wait surfaces at the next call or at `synchronize()`. After any failure the
+    op refuses to run: close it (collectively) and build a new one.
+    """
+
+    def __init__(self, world, max_tokens_per_rank: int, num_heads: int, head_dim: int, dtype,
+                 batch: int = 1, num_sms: int | None = None, timeout_s: float = 30.0):
+        W = world.size
+        check_op_args(W, max_tokens_per_rank, num_heads, head_dim, batch, num_sms, timeout_s)
+        info = dtype_info(dtype, op=_OP)
+        self.world = world
+        self.spec = Spec(W, world.rank, world.device, int(max_tokens_per_rank), int(num_heads),
+                         int(head_dim), info, int(batch))
+        if num_sms is None:
+            from cupy.cuda import runtime
+
+            num_sms = runtime.getDeviceProperties(world.device)["multiProcessorCount"]
+        self.num_blocks = max(int(num_sms) * BLOCKS_PER_SM, W)  # every target gets a block
+        world.check_same((self.spec.max_tokens, num_heads, head_dim, info.name, batch,
+                          self.num_blocks),
+                         f"{_OP} arguments (max_tokens_per_rank, num_heads, head_dim, dtype, "
+                         f"batch, blocks)")
+        self.blocks_per_target = -(-self.num_blocks // W)
+        self.layout = layout = build_layout(self.spec, self.blocks_per_target)
+        self._closed = True  # until the buffers exist
+        self.err = ErrorRecord(_OP, world.rank, timeout_s)
+        try:
+            self.buf = world.alloc_layout(layout)
+        except Exception:
+            self.err.close()
+            raise
+        mod = kernels.load("all2all.cu")  # eager: nothing may load a module while we spin
+        self._push = {(v, g): mod[_name_push(v, g)] for v in _VEC_BYTES for g in (False, True)}
+        self._copy_out = {v: mod[_name_copy_out(v)] for v in _VEC_BYTES}
+        self._wait = mod["a2a_wait"]
+        # Launch arguments that never change, as the kernels take them (per-call cost matters:
+        # at W = 1 a call moves 128 MiB in ~31 us).
+        off = {name: reg.offset for name, reg in layout.regions.items()}
+        base = self.buf.base_ptrs[world.rank]
+        flags_bytes = W * self.blocks_per_target * FLAG_BYTES
+        self._slots = []
+        for parity in (0, 1):
+            d, sc = off[f"data{parity}"], off[f"scale{parity}"]
+            f = off["flags"] + parity * flags_bytes
+            self._slots.append({"data_off": np.uint64(d), "scale_off": np.uint64(sc),
+                                "flags_off": np.uint64(f), "data": np.uint64(base + d),
+                                "scale": np.uint64(base + sc), "flags": np.uint64(base + f)})
+        self._err_args = (np.uint64(self.err.ptr), self.err.claim, np.uint64(self.err.timeout_ns),
+                          np.uint32(OP_CODES[_OP]))
+        self._row_bytes = self.spec.row_bytes
+        self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._agreed: dict = {}
+        self._host_failure: Exception | None = None
+        # Own communicator for the argument checks: a check abandoned on timeout leaves its
+        # messages here, not in the caller's communicator.
+        self._comm = world.comm.Dup() if W > 1 else None
+        self._last_stream = None
+        self._w1_memcpy = True  # W = 1: the op is a plain copy; False runs the kernel (bench)
+        self.epoch = 0
+        self._closed = False
+
+    # ---- public calls ------------------------------------------------------------------------
+    def scatter_heads(self, x, tokens_per_rank, scale=None, *, out=None, out_scale=None,
+                      view: bool = False, stream=None):
+        """x [B, T_r, H, D] -> y [B, S, H/W, D]; with `scale` ([B, T_r] or [B, T_r, H] float32)
+        returns (y, y_scale) with y_scale [B, S] or [B, S, H/W].
+
+        out / out_scale: write into the caller's arrays. view=True: return views of the op's
+        receive slot instead of a copy; a view stays valid until the next call of this op is
+        issued (work enqueued on the same stream before that call reads it safely) and dies
+        with close().
+        """
+        return self._run(False, x, tokens_per_rank, scale, out, out_scale, view, stream)
+
+    def gather_heads(self, y, tokens_per_rank, scale=None, *, out=None, out_scale=None,
+                     view: bool = False, stream=None):
+        """y [B, S, H/W, D] -> x [B, T_r, H, D]; with `scale` ([B, S] or [B, S, H/W] float32)
+        returns (x, x_scale) with x_scale [B, T_r, W] (per source rank's head group) or
+        [B, T_r, H]. out / out_scale / view as in scatter_heads."""
+        return self._run(True, y, tokens_per_rank, scale, out, out_scale, view, stream)
+
+    __call__ = scatter_heads
+
+    # ---- one call ------------------------------------------------------------------------------
+    def _plan(self, tokens_per_rank):
+        """Validated tokens and their device prefix sums, cached per distinct list."""
+        key = tokens_per_rank if isinstance(tokens_per_rank, tuple) else None
+        plan = self._plans.get(key) if key is not None else None
+        if plan is None:
+            spec = self.spec
+            tokens = check_tokens(tokens_per_rank, spec.world_size, spec.max_tokens)
+            plan = self._plans.get(tokens)
+            if plan is None:
+                if len(self._plans) >= CACHE_MAX:
+                    self._forget()
+                prefix = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32)
+                plan = _Plan(tokens, prefix)
+                self._plans[tokens] = plan
+        return plan
+
+    def _forget(self):
+        """Drop every cached list (deterministic on every rank: same calls, same moment). A
+        kernel may still read a cached prefix array, so wait for the device first."""
+        import cupy
+
+        cupy.cuda.Device(self.spec.device).synchronize()
+        self._plans.clear()
+        self._agreed.clear()
+
+    def _agree(self, key) -> int:
+        """The call's hash; the first time a key is seen, check it against every peer.
+
+        Ranks that pass the same calls have the same cache, so either all of them check or none
+        does. A rank whose key differs from the others' is caught here when the key is new to
+        it and to them; when both are old (each used before), by the kernels, which compare the
+        hash each sender stored beside its flag (ValueError at the next call or synchronize).
+        When one rank's key is new and another's old, the check times out instead of hanging.
+        """
+        h = self._agreed.get(key)
+        if h is None:
+            if self.spec.world_size > 1:
+                self._compare_with_peers(key)
+            h = self._agreed[key] = call_hash(key)
+        return h
+
+    def _compare_with_peers(self, key) -> None:
+        """Exchange a 64-bit digest of the key with every peer, bounded by the op's timeout."""
+        from mpi4py import MPI
+
+        W, me, comm = self.spec.world_size, self.spec.rank, self._comm
+        mine = np.array([call_digest(key)], dtype=np.uint64)
+        theirs = np.zeros(W, dtype=np.uint64)
+        peers = [p for p in range(W) if p != me]
+        sends = [comm.Isend(mine, dest=p, tag=CHECK_TAG) for p in peers]
+        recvs = {p: comm.Irecv(theirs[p:p + 1], source=p, tag=CHECK_TAG) for p in peers}
+        deadline = time.monotonic() + self.err.timeout_s
+        while recvs:
+            for p in [p for p, r in recvs.items() if r.Test()]:
+                del recvs[p]
+            if recvs and time.monotonic() > deadline:
+                for r in recvs.values():
+                    r.Cancel()
+                MPI.Request.Waitall(list(recvs.values()))
+                self._host_failure = CommTimeoutError(
+                    _OP, me, min(recvs), self.err.timeout_s,
+                    "checking a new tokens_per_rank list: the peer did not make this call, or "
+                    "passed a list it had used before while this one is new here")
+                raise self._host_failure
+        MPI.Request.Waitall(sends)  # 8-byte messages: sent eagerly, every peer received ours
+        differ = [p for p in peers if theirs[p] != mine[0]]
+        if differ:
+            direction, tokens, batch, mode = key
+            raise ValueError(
+                f"{_OP}: the call's tokens_per_rank, batch, direction or scales differs between "
+                f"ranks: rank {me} passed {'gather' if direction else 'scatter'}_heads with "
+                f"tokens_per_rank={list(tokens)}, batch {batch}, scale mode {mode}; ranks "
+                f"{differ} passed something else")
+
+    def _run(self, gather, a, tokens_per_rank, scale, out, out_scale, view, stream):
+        import cupy
+
+        if self._closed:
+            raise CufluxError(f"{_OP}: the op is closed")
+        self._raise_if_failed()
+        spec = self.spec
+        name = "y" if gather else "x"
+        a = as_cupy(a, name, _OP)
+        plan = self._plan(tokens_per_rank)
+        tokens = plan.tokens
+        if scale is not None:
+            scale = as_cupy(scale, "scale", _OP)
+        B, mode = check_call(spec, gather, a, tokens, scale)
+        _, out_shape = io_shapes(spec, gather, B, tokens)
+        sc_shape = scale_shapes(spec, gather, B, tokens, mode == 2)[1] if mode else None
+        if view and (out is not None or out_scale is not None):
+            raise ValueError(f"{_OP}: pass either view=True or out=/out_scale=, not both")
+        if out_scale is not None and not mode:
+            raise ValueError(f"{_OP}: out_scale given without scale")
+        h = self._agree((gather, tokens, B, mode))
+        s = stream_of(stream)
+        if self._last_stream is not None and self._last_stream.ptr != s.ptr:
+            # Keep every call of the op in one stream order (double buffering relies on it).
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(self._last_stream)
+            s.wait_event(ev)
+        self._last_stream = s
+        parity = (self.epoch + 1) & 1
+        if view:
+            out = self._slot_view(f"data{parity}", out_shape, spec.dtype.storage)
+            out_scale = self._slot_view(f"scale{parity}", sc_shape, np.float32) if mode else None
+        else:
+            out = self._output(out, "out", out_shape, spec.dtype, s)
+            if mode:
+                out_scale = self._output(out_scale, "out_scale", sc_shape, dtype_info("float32"), s)
+        result = (out, out_scale) if mode else out
+        S = plan.total
+        if B * S == 0:  # nothing moves anywhere (every rank knows: the list is the same)
+            return result
+        self.epoch += 1
+        self._launch(gather, a, scale, out, out_scale, plan, B, mode, h, parity, view, s)
+        return result
+
+    def _launch(self, gather, a, scale, out, out_scale, plan, B, mode, h, parity, view, s):
+        import cupy
+
+        spec, W, me = self.spec, self.spec.world_size, self.spec.rank
+        row_bytes, slot = self._row_bytes, self._slots[parity]
+        scale_cols = 0 if mode == 0 else (1 if mode == 1 else spec.heads_per_rank)
+        if W == 1 and self._w1_memcpy:
+            # One rank: input and output have the same layout, the op is one copy.
+            from cupy.cuda import runtime
+
+            rows = B * plan.total
+            runtime.memcpyAsync(out.data.ptr, a.data.ptr, rows * row_bytes, MEMCPY_DEFAULT, s.ptr)
+            if mode:
+                runtime.memcpyAsync(out_scale.data.ptr, scale.data.ptr, rows * 4 * scale_cols,
+                                    MEMCPY_DEFAULT, s.ptr)
+            return
+        vec = vec_bytes(row_bytes, a.data.ptr, out.data.ptr)
+        if plan.prefix_dev is None:
+            with s:
+                plan.prefix_dev = cupy.asarray(plan.prefix)
+        scale_ptr = np.uint64(scale.data.ptr if mode else 0)
+        out_scale_ptr = np.uint64(out_scale.data.ptr if mode else 0)
+        epoch, h = np.uint32(self.epoch & 0xFFFFFFFF), np.uint32(h)
+        kernels.launch(
+            self._push[vec, gather], (self.num_blocks,), (THREADS,),
+            (np.uint64(a.data.ptr), scale_ptr, np.uint64(out.data.ptr), out_scale_ptr,
+             self.buf.ptrs_dev, slot["data_off"], slot["scale_off"], slot["flags_off"],
+             plan.prefix_dev, np.uint32(me), np.uint32(W), np.uint32(B), np.uint64(row_bytes),
+             np.uint32(scale_cols), np.uint32(mode == 2), epoch, h),
+            s, op=_OP, name="a2a_push")
+        if W == 1:
+            return
+        kernels.launch(
+            self._wait, (1,), (256,),
+            (slot["flags"], np.uint32(me), np.uint32(W), np.uint32(self.num_blocks), epoch, h)
+            + self._err_args, s, op=_OP, name="a2a_wait")
+        if view:
+            return
+        T, S, P = plan.tokens[me], plan.total, int(plan.prefix[me])
+        if gather:
+            num_rows, n_keep, skip_at, skip_len = B * T * (W - 1), W - 1, me, 1
+        else:
+            num_rows, n_keep, skip_at, skip_len = B * (S - T), S - T, P, T
+        if num_rows == 0:
+            return
+        kernels.launch(
+            self._copy_out[vec], (self.num_blocks,), (THREADS,),
+            (slot["data"], np.uint64(out.data.ptr), np.uint64(row_bytes), slot["scale"],
+             out_scale_ptr, np.uint64(4 * scale_cols), np.uint32(num_rows), np.uint32(n_keep),
+             np.uint32(skip_at), np.uint32(skip_len)),
+            s, op=_OP, name="a2a_copy_out")
+
+    def _output(self, arr, name, shape, dtype, s):
+        import cupy
+
+        if arr is None:
+            with s:
+                return cupy.empty(shape, dtype=dtype.storage)
+        arr = as_cupy(arr, name, _OP)
+        return check_array(arr, name=name, op=_OP, shape=shape, dtype=dtype,
+                           device=self.spec.device)
+
+    def _slot_view(self, region, shape, dtype):
+        import cupy
+
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        mem = cupy.cuda.UnownedMemory(self.buf.ptr(self.spec.rank, region), max(n, 1), self.buf,
+                                      device_id=self.spec.device)
+        return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+
+    # ---- errors and lifetime -----------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self._host_failure is not None:
+            raise self._host_failure
+        w = self.err.words
+        if int(w[STATUS]) == STATUS_MISMATCH:
+            raise ValueError(
+                f"{_OP}: rank {int(w[RANK])}: rank {int(w[PEER])} ran the same call with other "
+                f"tokens_per_rank, batch, direction or scales (call hash {int(w[OBSERVED]):#x}, "
+                f"expected {int(w[EXPECTED]):#x}); every rank must pass the same list")
+        self.err.check()
+
+    def synchronize(self, stream=None) -> None:
+        """Wait for this op's work (on `stream` and on the stream of its last call) and raise
+        CommTimeoutError if a wait failed."""
+        if stream is not None:
+            stream_of(stream).synchronize()
+        if self._last_stream is not None:
+            self._last_stream.synchronize()
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Collective and idempotent: every rank must call it. Views of the slots die here."""
+        if self._closed:
+            return
+        self._closed = True
+        self._plans.clear()
+        self._agreed.clear()
+        self.buf.close()
+        self.err.close()
+        if self._comm is not None:
+            self._comm.Free()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class _Plan:
+    __slots__ = ("tokens", "prefix", "total", "prefix_dev")
+
+    def __init__(self, tokens, prefix):
+        self.tokens, self.prefix, self.total = tokens, prefix, int(prefix[-1])
+        self.prefix_dev = None

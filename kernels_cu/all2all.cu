@@ -1,0 +1,202 @@
+// all2all.cu — All2All of attention heads for Ulysses sequence parallelism (push, CUDA IPC).
+//
+// Problem. W ranks; rank r holds x_r [B, T_r, H, D] (token counts T_r may differ, may be 0);
+// hpr = H / W heads per rank, S = sum(T), P_r = sum(T[:r]).
+//   scatter: rank t receives heads [t*hpr, (t+1)*hpr) of every rank's tokens:
+//            y_t [B, S, hpr, D], rank r's tokens at token offset P_r.
+//   gather:  the inverse: y_t [B, S, hpr, D] on every t -> x_r [B, T_r, H, D], rank t's rows
+//            landing in heads [t*hpr, (t+1)*hpr).
+// A "row" is the hpr*D elements of one token and one head group: contiguous on both sides
+// (row_bytes = hpr * D * itemsize), so a row is the unit of work. Optional fp32 scales (per token,
+// or per token and head) are rows too (1 or hpr floats) and move the same way.
+//
+// Push model, up to three kernels per call on the caller's stream:
+//   a2a_push<V, gather>: block i serves target t = i % W (round-robin: a grid that W does not
+//     divide still uses every block); the blocks of one target cover its rows in a strided
+//     loop, V-byte vectors (16, 8, 4, 2 or 1: the widest that row_bytes and the pointers allow),
+//     kUnroll rows in flight per thread, any row width (a row wider than the block is looped).
+//     Rows for t == me go straight to the caller's output (one pass over the data at W = 1);
+//     rows for a peer go into the peer's receive slot through its IPC pointer, already in the
+//     output's layout. Then each block raises its flag in the target's memory.
+//   a2a_wait (one block, W > 1): bounded acquire-waits on the flags of every peer block dealt to
+//     this rank, and checks the call hash each sender stored beside its flag.
+//   a2a_copy_out<V> (W > 1, unless the caller asked for a view of the slot): copies the peers'
+//     rows from our slot into the output. It has no waits (it runs after a2a_wait on the stream),
+//     so no grid size can deadlock against peers that share the GPU.
+// Remote buffers: the peers' receive slots and flags are written; nothing remote is ever read.
+// Reads are local only (x or y of the caller, our own slot) and use the read-only path.
+//
+// Symmetric layout (built by cuflux/ops/all2all.py:build_layout, regions 128-byte aligned):
+//   data0, data1    u8  [slot_bytes]          receive slots, batch*max_tokens*H*D*itemsize bytes
+//   scale0, scale1  f32 [batch*max_tokens*H]  receive slots of the scales
+//   flags           u32 [2][W][G][kFlagWords] flags[e % 2][p][j], 128 bytes each: word 0 = epoch of
+//                   the call whose rows block j of sender p has written here, word 1 = that call's
+//                   hash; G = ceil(grid / W)
+// Sync points. Double buffering instead of a start barrier: call e uses slot and flags e % 2.
+//   Sender p writes our slot e % 2 only in call e, after its call e-1 has finished; that needed our
+//   call e-1 flags, which our a2a_push(e-1) raised after everything earlier on our stream, our
+//   copy-out of call e-2 (the last reader of slot e % 2) included. The op keeps all its calls in
+//   one stream order (cuflux/ops/all2all.py joins streams when the caller changes stream).
+//   End barrier: the epoch flags (block: data stores -> __syncthreads -> release; waiter: acquire).
+#include <cuflux/sync.cuh>
+#include <cuflux/vec.cuh>
+
+namespace cuflux {
+namespace a2a {
+
+constexpr u32 kFlagWords = 32;      // one 128-byte flag slot per (sender, block)
+constexpr u32 kStatusMismatch = 3;  // error record status: a peer's call had other arguments
+constexpr int kUnroll = 4;          // rows in flight per thread: enough bytes in flight for HBM
+constexpr int kMaxThreads = 1024;
+
+// Push: row r -> b = r / n_tok, tok = r % n_tok; source row b*src_b + tok*src_tok + src_col,
+// destination row b*dst_b + tok*dst_tok + dst_col (in units of rows).
+struct RowMap {
+  u32 n_tok;
+  u64 src_b, src_tok, src_col, dst_b, dst_tok, dst_col;
+  __device__ __forceinline__ void operator()(u32 r, u64& src, u64& dst) const {
+    const u32 b = r / n_tok, tok = r - b * n_tok;
+    src = b * src_b + tok * src_tok + src_col;
+    dst = b * dst_b + tok * dst_tok + dst_col;
+  }
+};
+
+// Copy-out: the rows of our slot that came from peers, at the same place in slot and output:
+// r -> outer o = r / n_keep, k = r % n_keep, inner i = k < skip_at ? k : k + skip_len (our own
+// rows, written straight to the output by a2a_push, are skipped), row o*(n_keep+skip_len) + i.
+//   scatter: n_keep = S - T_me, skip_at = P_me, skip_len = T_me  (outer = batch, inner = token)
+//   gather:  n_keep = W - 1,    skip_at = me,   skip_len = 1 (outer = batch*token, inner = rank)
+struct SkipMap {
+  u32 n_keep, skip_at, skip_len;
+  __device__ __forceinline__ void operator()(u32 r, u64& src, u64& dst) const {
+    const u32 o = r / n_keep, k = r - o * n_keep;
+    const u32 i = k < skip_at ? k : k + skip_len;
+    src = dst = static_cast<u64>(o) * (n_keep + skip_len) + i;
+  }
+};
+
+// This block's share (worker of num_workers) of num_rows rows of row_bytes bytes. Rows narrower
+// than the block are packed several to a pass; wider ones are looped over by the whole block.
+template <int kVec, class Map>
+__device__ __forceinline__ void copy_rows(const u8* __restrict__ src, u8* dst, u64 row_bytes,
+                                          u32 num_rows, const Map& map, u32 worker,
+                                          u32 num_workers) {
+  const u32 vecs_per_row = static_cast<u32>(row_bytes / kVec);
+  if (num_rows == 0 || vecs_per_row == 0) return;
+  const u32 threads_per_row = min(blockDim.x, vecs_per_row);
+  const u32 rows_per_pass = blockDim.x / threads_per_row;
+  const u32 sub = threadIdx.x / threads_per_row, col0 = threadIdx.x % threads_per_row;
+  if (sub >= rows_per_pass) return;  // the few threads that do not fill a whole row
+  const u32 row_step = num_workers * rows_per_pass;
+  for (u32 r0 = worker * rows_per_pass + sub; r0 < num_rows; r0 += kUnroll * row_step) {
+    u64 src_off[kUnroll], dst_off[kUnroll];
+    const u32 n = min(static_cast<u32>(kUnroll), (num_rows - r0 + row_step - 1) / row_step);
+#pragma unroll
+    for (int k = 0; k < kUnroll; ++k) {
+      if (k < n) {
+        map(r0 + k * row_step, src_off[k], dst_off[k]);
+        src_off[k] *= row_bytes;
+        dst_off[k] *= row_bytes;
+      }
+    }
+    for (u32 c = col0; c < vecs_per_row; c += threads_per_row) {
+      const u64 col = static_cast<u64>(c) * kVec;
+      RawVec<kVec> v[kUnroll];
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k)  // all loads first: kUnroll requests in flight
+        if (k < n) v[k] = ld_nc<kVec>(src + src_off[k] + col);
+#pragma unroll
+      for (int k = 0; k < kUnroll; ++k)
+        if (k < n) st_na<kVec>(dst + dst_off[k] + col, v[k]);
+    }
+  }
+}
+
+}  // namespace a2a
+}  // namespace cuflux
+
+using namespace cuflux;
+using namespace cuflux::a2a;
+
+// src: x [B, T_me, H, D] (scatter) or y [B, S, hpr, D] (gather), local. src_scale: its scales
+// ([B, T_me] or [B, T_me, H]; [B, S] or [B, S, hpr]) or null. local_dst / local_dst_scale: where
+// this rank's own rows go (the output, or our slot for a view). bases: the W base pointers of the
+// symmetric buffer; data_off / scale_off / flags_off: byte offsets of this call's slot and flags.
+// prefix: W+1 token prefix sums (device). scale_cols: floats per scale row (0: no scales);
+// scale_per_head: scatter's source scales are [B, T_me, H] (else [B, T_me]).
+template <int kVec, bool kGather>
+__global__ void __launch_bounds__(kMaxThreads) a2a_push(
+    const u8* __restrict__ src, const u8* __restrict__ src_scale, u8* local_dst,
+    u8* local_dst_scale, const u64* __restrict__ bases, u64 data_off, u64 scale_off, u64 flags_off,
+    const int* __restrict__ prefix, u32 me, u32 world, u32 batch, u64 row_bytes, u32 scale_cols,
+    u32 scale_per_head, u32 epoch, u32 call_hash) {
+  const u32 t = blockIdx.x % world, worker = blockIdx.x / world;
+  const u32 num_workers = (gridDim.x - t + world - 1) / world;  // blocks dealt to target t
+  const u64 S = static_cast<u32>(prefix[world]);
+  RowMap map;
+  if (kGather) {  // y_me rows (b, P_t + tok) -> x_t rows (b, tok), head group me
+    const u32 n_tok = prefix[t + 1] - prefix[t];
+    map = {n_tok, S, 1, static_cast<u64>(prefix[t]), static_cast<u64>(n_tok) * world, world, me};
+  } else {  // x_me rows (b, tok), head group t -> y_t rows (b, P_me + tok)
+    const u32 n_tok = prefix[me + 1] - prefix[me];
+    map = {n_tok, static_cast<u64>(n_tok) * world, world, t, S, 1, static_cast<u64>(prefix[me])};
+  }
+  const u32 num_rows = batch * map.n_tok;
+  u8* dst = t == me ? local_dst : reinterpret_cast<u8*>(bases[t] + data_off);
+  copy_rows<kVec>(src, dst, row_bytes, num_rows, map, worker, num_workers);
+  if (scale_cols != 0) {
+    RowMap smap = map;
+    if (!kGather && !scale_per_head) {  // one scale per token, the same for every head group
+      smap.src_b = map.n_tok;
+      smap.src_tok = 1;
+      smap.src_col = 0;
+    }
+    u8* sdst = t == me ? local_dst_scale : reinterpret_cast<u8*>(bases[t] + scale_off);
+    copy_rows<4>(src_scale, sdst, 4ull * scale_cols, num_rows, smap, worker, num_workers);
+  }
+  if (t == me) return;  // own rows are ordered before their readers by the stream
+  // Every thread's stores happen before the barrier; thread 0's release (after a system fence)
+  // then makes them visible to the target before it can observe the flag.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u32 G = (gridDim.x + world - 1) / world;
+    u32* flag = reinterpret_cast<u32*>(bases[t] + flags_off) +
+                (static_cast<u64>(me) * G + worker) * kFlagWords;
+    fence_acq_rel_sys();
+    st_relaxed_sys(flag + 1, call_hash);
+    st_release_sys(flag, epoch);
+  }
+}
+
+// One block. flags: this call's flags (parity e % 2) in our memory, [W][G][kFlagWords].
+// Waits for every block each peer dealt to us; on timeout or a hash mismatch records who and
+// returns (the host raises).
+extern "C" __global__ void a2a_wait(const u32* flags, u32 me, u32 world, u32 grid, u32 epoch,
+                                    u32 call_hash, u32* err, u32* err_claim, u64 timeout_ns,
+                                    u32 op) {
+  const WaitSite site{err, err_claim, timeout_ns, op, me};
+  const u32 G = (grid + world - 1) / world;
+  const u32 g_me = (grid - me + world - 1) / world;  // blocks each sender dealt to us
+  for (u32 i = threadIdx.x; i < world * g_me; i += blockDim.x) {
+    const u32 p = i / g_me, j = i % g_me;
+    if (p == me) continue;
+    const u32* flag = flags + (static_cast<u64>(p) * G + j) * kFlagWords;
+    if (!wait_flag_acquire(flag, epoch, site, p, i)) return;
+    const u32 hash = ld_relaxed_sys(flag + 1);  // after the acquire: the sender's hash of call e
+    if (hash != call_hash) {
+      record_error(site, kStatusMismatch, p, hash, call_hash, i);
+      return;
+    }
+  }
+}
+
+// Copy the peers' rows (and scale rows) from our slot into the output; see SkipMap.
+template <int kVec>
+__global__ void __launch_bounds__(kMaxThreads) a2a_copy_out(
+    const u8* __restrict__ slot, u8* out, u64 row_bytes, const u8* __restrict__ slot_scale,
+    u8* out_scale, u64 scale_row_bytes, u32 num_rows, u32 n_keep, u32 skip_at, u32 skip_len) {
+  const SkipMap map{n_keep, skip_at, skip_len};
+  copy_rows<kVec>(slot, out, row_bytes, num_rows, map, blockIdx.x, gridDim.x);
+  if (scale_row_bytes != 0)
+    copy_rows<4>(slot_scale, out_scale, scale_row_bytes, num_rows, map, blockIdx.x, gridDim.x);
+}

@@ -1,0 +1,345 @@
+"""Rank bodies of the All2AllHeads GPU tests (run under tests/mpi.py, ranks sharing the GPU).
+
+Every rank can rebuild every rank's input from (seed, rank, case, call), so each rank checks its
+output against the NumPy reference of the whole exchange: a check proves who sent what. Outputs
+are poisoned (all bits set) before a call, so an element that is not written fails the check;
+random inputs never hold that bit pattern (fp8 bytes are drawn below 0xFF).
+"""
+import time
+
+import numpy as np
+
+from cuflux.arrays import dtype_info
+from cuflux.errors import CommTimeoutError
+from cuflux.ops.all2all import All2AllHeads, reference_gather_heads, reference_scatter_heads
+
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
+
+
+def _data(shape, dtype_name, *key):
+    rng = np.random.default_rng(list(key))
+    info = dtype_info(dtype_name)
+    if info.is_fp8:
+        return rng.integers(0, 0xFF, shape, dtype=np.uint8)
+    return rng.standard_normal(shape).astype(np.float32).astype(info.storage)
+
+
+def _scales(shape, *key):
+    return np.random.default_rng(list(key) + [7]).standard_normal(shape).astype(np.float32)
+
+
+def _poisoned(shape, storage):
+    import cupy
+
+    a = cupy.empty(shape, dtype=storage)
+    a.view(cupy.uint8)[...] = 0xFF
+    return a
+
+
+def _same_bits(got, want, what):
+    import cupy
+
+    got = cupy.asnumpy(got)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, want {want.shape}"
+    g, w = np.ascontiguousarray(got).view(np.uint8), np.ascontiguousarray(want).view(np.uint8)
+    if not np.array_equal(g, w):
+        bad = np.argwhere(g.reshape(want.shape + (-1,)) != w.reshape(want.shape + (-1,)))
+        raise AssertionError(f"{what}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
+
+
+def _tokens(W, max_tokens, *key):
+    """Uneven counts, rank 1 has none (when W > 1), the last rank has max_tokens."""
+    rng = np.random.default_rng(list(key) + [3])
+    t = [int(v) for v in rng.integers(1, max_tokens + 1, W)]
+    if W > 1:
+        t[1] = 0
+    t[-1] = max_tokens
+    return t
+
+
+def _exchange(world, op, dtype, B, tokens, key, scale_mode=0, via="out"):
+    """scatter (checked), gather back (round trip bitwise), gather of fresh y (checked)."""
+    import cupy
+
+    W, me = world.size, world.rank
+    H, D, hpr = op.spec.num_heads, op.spec.head_dim, op.spec.heads_per_rank
+    S, storage = sum(tokens), op.spec.dtype.storage
+    xs = [_data((B, tokens[r], H, D), dtype, *key, r, 0) for r in range(W)]
+    scales = None
+    if scale_mode:
+        scales = [_scales((B, tokens[r]) + ((H,) if scale_mode == 2 else ()), *key, r, 0)
+                  for r in range(W)]
+    want = reference_scatter_heads(xs, tokens, W, scales)
+    want_y, want_ys = (want, None) if scales is None else want
+    x = cupy.asarray(xs[me])
+    sc = None if scales is None else cupy.asarray(scales[me])
+    kw = {}
+    if via == "out":
+        kw["out"] = _poisoned((B, S, hpr, D), storage)
+        if scale_mode:
+            kw["out_scale"] = _poisoned(want_ys[me].shape, np.float32)
+    res = op.scatter_heads(x, tokens, sc, view=(via == "view"), **kw)
+    y, y_scale = (res, None) if sc is None else res
+    if via == "out":
+        assert y is kw["out"]
+    op.synchronize()
+    what = f"rank {me} {dtype} B={B} D={D} tokens={tokens} scales={scale_mode} via={via}"
+    _same_bits(y, want_y[me], "scatter " + what)
+    if sc is not None:
+        _same_bits(y_scale, want_ys[me], "scatter scales " + what)
+    y, y_scale = y.copy(), None if y_scale is None else y_scale.copy()  # views die at next call
+    back = op.gather_heads(y, tokens, y_scale)
+    x2, x2_scale = (back, None) if sc is None else back
+    op.synchronize()
+    _same_bits(x2, xs[me], "round trip " + what)
+    if sc is not None:
+        want_back = scales[me] if scale_mode == 2 else np.repeat(scales[me][:, :, None], W, 2)
+        _same_bits(x2_scale, want_back, "round trip scales " + what)
+    # gather of fresh data that no scatter produced
+    ys = [_data((B, S, hpr, D), dtype, *key, r, 1) for r in range(W)]
+    yscales = None
+    if scale_mode:
+        yscales = [_scales((B, S) + ((hpr,) if scale_mode == 2 else ()), *key, r, 1)
+                   for r in range(W)]
+    want = reference_gather_heads(ys, tokens, W, yscales)
+    want_x, want_xs = (want, None) if yscales is None else want
+    kw = {}
+    if via == "out":
+        kw["out"] = _poisoned((B, tokens[me], H, D), storage)
+        if scale_mode:
+            kw["out_scale"] = _poisoned(want_xs[me].shape, np.float32)
+    res = op.gather_heads(cupy.asarray(ys[me]), tokens,
+                          None if yscales is None else cupy.asarray(yscales[me]),
+                          view=(via == "view"), **kw)
+    x3, x3_scale = (res, None) if yscales is None else res
+    op.synchronize()
+    _same_bits(x3, want_x[me], "gather " + what)
+    if yscales is not None:
+        _same_bits(x3_scale, want_xs[me], "gather scales " + what)
+
+
+def exact(world, seed, dtypes=DTYPES, head_dims=(64, 80, 128, 67)):
+    """Both directions against the reference: every dtype, head_dim 64, 80, 128 and an odd one,
+    B = 1 and 3, uneven tokens with a rank that has none, fp8 with both kinds of scales."""
+    W = world.size
+    n = 0
+    for i, dtype in enumerate(dtypes):
+        for j, D in enumerate(head_dims):
+            H = W * (1 + (i + j) % 3)  # 1, 2 or 3 heads per rank
+            max_tokens = 37
+            with All2AllHeads(world, max_tokens, H, D, dtype, batch=3, num_sms=8,
+                              timeout_s=60) as op:
+                for B in (1, 3):
+                    key = (seed, i, j, B)
+                    tokens = _tokens(W, max_tokens, *key)
+                    fp8 = dtype.startswith("float8")
+                    scale_mode = (1 + (j + B) % 2) if fp8 else 0
+                    _exchange(world, op, dtype, B, tokens, key, scale_mode,
+                              via=("out", "owned", "view")[(i + j + B) % 3])
+                    n += 1
+    return n
+
+
+def features(world, seed):
+    """Rows wider than a block, misaligned input (narrow vectors), the default grid, views,
+    caller streams, torch tensors through DLPack."""
+    import cupy
+
+    W, me = world.size, world.rank
+    # hpr * D * 2 bytes = 40 * 128 * 2 = 10 KiB per row: wider than a 512-thread block's 8 KiB
+    with All2AllHeads(world, 9, 40 * W, 128, "bfloat16", timeout_s=60) as op:
+        for k, tokens in enumerate(([9] * W, _tokens(W, 9, seed, 50))):
+            _exchange(world, op, "bfloat16", 1, tokens, (seed, 50, k), via="out")
+        op._w1_memcpy = False  # at W = 1 run the kernel instead of the plain copy
+        _exchange(world, op, "bfloat16", 1, _tokens(W, 9, seed, 52), (seed, 52), via="owned")
+        op._w1_memcpy = True
+        # misaligned x: a contiguous view 2 bytes past a 256-byte boundary -> 2-byte vectors
+        tokens = _tokens(W, 9, seed, 51)
+        xs = [_data((1, tokens[r], 40 * W, 128), "bfloat16", seed, 51, r) for r in range(W)]
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:  # inputs made on the stream that uses them
+            big = cupy.empty(xs[me].size + 1, dtype=xs[me].dtype)
+            x = big[1:].reshape(xs[me].shape)
+            x[...] = cupy.asarray(xs[me])
+        assert x.data.ptr % 16 == 2 and x.flags.c_contiguous
+        y = op.scatter_heads(x, tokens, stream=s)
+        op.synchronize(stream=s)
+        _same_bits(y, reference_scatter_heads(xs, tokens, W)[me], f"misaligned rank {me}")
+    # default grid (every SM), odd head_dim in fp8 (1-byte vectors), view then copy on the stream
+    with All2AllHeads(world, 33, 3 * W, 67, "float8_e5m2", batch=2, timeout_s=60) as op:
+        for k in range(3):
+            tokens = _tokens(W, 33, seed, 60, k)
+            xs = [_data((2, tokens[r], 3 * W, 67), "float8_e5m2", seed, 60, k, r)
+                  for r in range(W)]
+            s = cupy.cuda.Stream(non_blocking=True)
+            with s:
+                v = op.scatter_heads(cupy.asarray(xs[me]), tokens, view=True, stream=s)
+                kept = v.copy()  # enqueued before the next call: the view is still valid
+            op.synchronize()
+            _same_bits(kept, reference_scatter_heads(xs, tokens, W)[me], f"view rank {me} {k}")
+    return _torch(world, seed)
+
+
+def _torch(world, seed):
+    try:
+        import torch
+    except ImportError:
+        return "torch missing"
+    W, me = world.size, world.rank
+    dev = f"cuda:{world.device}"
+    tokens = _tokens(W, 16, seed, 70)
+    xs = [_data((1, tokens[r], 2 * W, 64), "bfloat16", seed, 70, r) for r in range(W)]
+    with All2AllHeads(world, 16, 2 * W, 64, torch.bfloat16, timeout_s=60) as op:
+        x = torch.from_numpy(xs[me].view(np.int16)).view(torch.bfloat16).to(dev)
+        ts = torch.cuda.Stream(device=dev)
+        ts.wait_stream(torch.cuda.current_stream())  # x was made on the current stream
+        with torch.cuda.stream(ts):
+            y = op.scatter_heads(x, tokens, stream=ts.cuda_stream)
+        op.synchronize(stream=ts.cuda_stream)
+        _same_bits(y, reference_scatter_heads(xs, tokens, W)[me], f"torch rank {me}")
+    return True
+
+
+def errors(world, seed):
+    """Bad input raises before any launch and writes nothing to any peer."""
+    import cupy
+
+    W, me = world.size, world.rank
+    expect = []
+
+    def raises(exc, match, fn, *a, **k):
+        try:
+            fn(*a, **k)
+        except exc as e:
+            assert match in str(e), f"{match!r} not in {e!r}"
+            expect.append(match)
+            return
+        raise AssertionError(f"no {exc.__name__} ({match})")
+
+    if W > 1:
+        raises(ValueError, "divisible", All2AllHeads, world, 8, W + 1, 64, "bfloat16")
+    raises(ValueError, "max_tokens_per_rank", All2AllHeads, world, 0, W, 64, "bfloat16")
+    raises(TypeError, "not supported", All2AllHeads, world, 8, W, 64, "int8")
+    op = All2AllHeads(world, 8, 2 * W, 64, "bfloat16", batch=2, num_sms=4, timeout_s=30)
+    tokens = [8 - (r % 3) for r in range(W)]
+    T, S = tokens[me], sum(tokens)
+    x = cupy.zeros((1, T, 2 * W, 64), dtype=op.spec.dtype.storage)
+    raises(ValueError, "one entry per rank", op.scatter_heads, x, tokens + [1])
+    raises(ValueError, "must be in [0", op.scatter_heads, x, [-1] + tokens[1:])
+    raises(ValueError, "must be in [0", op.scatter_heads, x, [9] + tokens[1:])
+    raises(TypeError, "sequence", op.scatter_heads, x, [1.5] * W)
+    raises(ValueError, "must have shape", op.scatter_heads, x[:, :T - 1], tokens)
+    raises(ValueError, "batch", op.scatter_heads, cupy.zeros((3, T, 2 * W, 64), x.dtype), tokens)
+    raises(TypeError, "must be bfloat16", op.scatter_heads, x.astype(cupy.float32), tokens)
+    wide = cupy.zeros((1, T, 2 * W, 128), dtype=x.dtype)
+    raises(ValueError, "C-contiguous", op.scatter_heads, wide[..., ::2], tokens)
+    raises(ValueError, "scale must have shape", op.scatter_heads, x, tokens,
+           cupy.zeros((1, T + 1), cupy.float32))
+    raises(TypeError, "scale must be float32", op.scatter_heads, x, tokens,
+           cupy.zeros((1, T), cupy.float16))
+    raises(ValueError, "out must have shape", op.scatter_heads, x, tokens,
+           out=cupy.zeros((1, S + 1, 2, 64), x.dtype))
+    raises(ValueError, "not both", op.scatter_heads, x, tokens, view=True,
+           out=cupy.zeros((1, S, 2, 64), x.dtype))
+    if W > 1:  # at W = 1 a gather input has the scatter input's shape
+        raises(ValueError, "must have shape", op.gather_heads, x, tokens)
+    if W > 1:
+        # Each rank's own input matches its own list, but the lists differ (and are new to
+        # every rank): caught by the check across ranks, on every rank.
+        mine = list(tokens)
+        mine[0] = (tokens[0] + me + 1) % 9
+        xm = cupy.zeros((1, mine[me], 2 * W, 64), dtype=x.dtype)
+        raises(ValueError, "differs between ranks", op.scatter_heads, xm, mine)
+    cupy.cuda.Device().synchronize()
+    world.barrier()
+    assert op.epoch == 0, "a rejected call advanced the epoch"
+    flags = cupy.asnumpy(op.buf.local("flags"))
+    assert not flags.any(), "a rejected call wrote a flag"
+    for region in ("data0", "data1"):
+        assert not cupy.asnumpy(op.buf.local(region)).any(), "a rejected call wrote data"
+    # The op still works after all that.
+    _exchange(world, op, "bfloat16", 2, tokens, (seed, 80), via="out")
+    op.close()
+    op.close()  # idempotent
+    raises(Exception, "closed", op.scatter_heads, x, tokens)
+    return len(expect)
+
+
+def back_to_back(world, seed, calls=1000):
+    """Many calls with changing token counts, no host sync between them, two streams taking
+    turns, every third call a view copied on its stream; every result checked at the end."""
+    import cupy
+
+    W, me = world.size, world.rank
+    H, D, max_tokens = 2 * W, 64, 16
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    kept, plan, inputs = [], [], []
+    with All2AllHeads(world, max_tokens, H, D, "bfloat16", num_sms=4, timeout_s=60) as op:
+        for i in range(calls):
+            tokens = [(i * 7 + r * 5) % (max_tokens + 1) for r in range(W)]
+            s = streams[i % 2]
+            with s:  # made on the stream that reads it; kept alive until the end
+                x = cupy.asarray(_data((1, tokens[me], H, D), "bfloat16", seed, i, me))
+            inputs.append(x)
+            gather = i % 4 == 3
+            if gather:  # gather of the scatter two calls back: the round trip
+                y = op.gather_heads(kept[i - 2], plan[i - 2], stream=s)
+            elif i % 3 == 2:
+                with s:
+                    y = op.scatter_heads(x, tokens, view=True, stream=s).copy()
+            else:
+                y = op.scatter_heads(x, tokens, stream=s)
+            kept.append(y)
+            plan.append(tokens if not gather else plan[i - 2])
+        op.synchronize(stream=streams[0])
+        op.synchronize(stream=streams[1])
+    for i, (y, tokens) in enumerate(zip(kept, plan)):
+        if i % 4 == 3:  # round trip of call i-2
+            want = _data((1, tokens[me], H, D), "bfloat16", seed, i - 2, me)
+        else:
+            xs = [_data((1, tokens[r], H, D), "bfloat16", seed, i, r) for r in range(W)]
+            want = reference_scatter_heads(xs, tokens, W)[me]
+        _same_bits(y, want, f"call {i} rank {me} tokens {tokens}")
+    return calls
+
+
+def timeout(world, seed, timeout_s=2.0):
+    """The last rank skips a call: the others raise CommTimeoutError naming op, rank and peer
+    within timeout + 1 s, whether the call's arguments were checked before (the device wait
+    times out) or are new (the check across ranks times out); afterwards the op closes and a new
+    op works."""
+    import cupy
+
+    W, me = world.size, world.rank
+    late = W - 1
+    x = cupy.ones((1, 16, 2 * W, 64), dtype=cupy.float16)
+    waited = {}
+    for case in ("device", "host"):
+        op = All2AllHeads(world, 16, 2 * W, 64, "float16", timeout_s=timeout_s)
+        tokens = [16] * W
+        op.scatter_heads(x, tokens)  # every rank: the arguments are now agreed
+        op.synchronize()
+        if case == "host":
+            tokens = [16] * (W - 1) + [15]  # new to every rank: checked across ranks again
+        if me != late:
+            xs = cupy.ones((1, tokens[me], 2 * W, 64), dtype=cupy.float16)
+            t0 = time.perf_counter()
+            try:
+                op.scatter_heads(xs, tokens)
+                op.synchronize()
+                raise AssertionError(f"{case}: no CommTimeoutError although rank {late} never sent")
+            except CommTimeoutError as e:
+                waited[case] = time.perf_counter() - t0
+                assert (e.op, e.rank, e.peer) == ("All2AllHeads", me, late), f"{case}: {e}"
+                assert "All2AllHeads" in str(e) and f"rank {late}" in str(e), str(e)
+                assert waited[case] < timeout_s + 1.0, (case, waited[case])
+            try:
+                op.scatter_heads(xs, tokens)
+                raise AssertionError(f"{case}: a failed op ran again")
+            except CommTimeoutError:
+                pass
+        world.barrier()
+        op.close()
+    with All2AllHeads(world, 16, 2 * W, 64, "float16", timeout_s=30) as op2:
+        _exchange(world, op2, "float16", 1, _tokens(W, 16, seed, 90), (seed, 90))
+    return waited or None
