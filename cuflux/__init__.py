@@ -14,13 +14,14 @@ from cuflux.errors import CommTimeoutError, CudaError, CufluxError  # noqa: E402
 from cuflux.world import World, init, device_count  # noqa: E402
 from cuflux.symmetric import Layout, SymmetricBuffer  # noqa: E402
 from cuflux.ops.allgather import AllGather  # noqa: E402
+from cuflux.ops.gemm import gemm  # noqa: E402
 from cuflux.ops.all2all import (All2AllHeads, reference_gather_heads,  # noqa: E402
                                 reference_scatter_heads)
 from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, rmsnorm_residual,  # noqa: E402
                                   reference_allreduce, reference_allreduce_rmsnorm)
 
 __version__ = "0.1.0"
-__all__ = ["init", "World", "device_count", "Layout", "SymmetricBuffer", "AllGather",
+__all__ = ["init", "World", "device_count", "Layout", "SymmetricBuffer", "AllGather", "gemm",
            "All2AllHeads", "reference_scatter_heads", "reference_gather_heads",
            "AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "reference_allreduce",
            "reference_allreduce_rmsnorm",

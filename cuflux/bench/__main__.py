@@ -6,7 +6,7 @@ import importlib
 import sys
 
 OPS = {"allgather": "cuflux.bench.allgather", "allreduce": "cuflux.bench.allreduce",
-       "all2all": "cuflux.bench.all2all"}
+       "all2all": "cuflux.bench.all2all", "gemm": "cuflux.bench.gemm"}
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,390 @@
+"""cuflux.gemm: C = A @ B (+ bias) on the project's own GEMM cores (kernels_cu/gemm.cu).
+
+a [M, K]; b [K, N] (b_layout="kn") or [N, K] ("nk", a Linear layer's weight); bias [N] in the
+input dtype; bf16 or fp16 in, fp32 accumulation, out in bf16 / fp16 / fp32. Any M, N, K with
+K % 8 == 0 and N % 8 == 0 (16-byte rows: TMA and cp.async move 16-byte pieces).
+
+Two implementations behind one call: "sm90" (Hopper, sm_90a: TMA + mbarrier pipeline, wgmma,
+warp-specialised, persistent, optional 2-CTA clusters) and "sm80" (mma.sync + cp.async,
+sm_80 and later). impl="auto" takes sm90 where the device is sm_90a.
+
+Tile shape, pipeline depth and cluster size of the Hopper path come from a small tuner: on the
+first call of a (GPU, dtype, layout, shape class) it times the candidate configurations for at
+most CUFLUX_GEMM_TUNE_BUDGET_S seconds (default 2) on the caller's own operands and keeps the
+winner in <cache dir>/gemm_tuner.json (at most 512 entries). CUFLUX_GEMM_TUNE=0 disables it
+(a fixed heuristic is used instead).
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import os
+import threading
+import time
+
+import numpy as np
+
+from cuflux import kernels
+from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+
+__all__ = ["gemm", "Sm90Config", "SM90_CONFIGS", "SM80_CONFIG", "tuner_path"]
+
+_OP = "cuflux.gemm"
+_IN = ("bfloat16", "float16")
+_OUT_KIND = {"bfloat16": 0, "float16": 1, "float32": 2}
+_LAYOUTS = ("kn", "nk")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm90Config:
+    """One instantiation of the Hopper core: tile bm x bn (x 64), stages, CTAs per cluster, and
+    whether bf16/fp16 outputs leave through shared memory and TMA stores (name suffix "t")."""
+
+    bm: int
+    bn: int
+    stages: int
+    cluster: int
+    tma_store: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn}s{self.stages}c{self.cluster}" + ("t" if self.tma_store else "")
+
+    @property
+    def smem_bytes(self) -> int:  # mirrors sm90::Config::kSmemBytes
+        wg_rows = self.bm // 2
+        epi = 2 * (2 if wg_rows == 64 else 1) * wg_rows * 128 if self.tma_store else 0
+        return self.stages * (self.bm + self.bn) * 64 * 2 + epi + 2 * self.stages * 8 + 1024
+
+    def kernel(self, cuda_type: str, transposed: bool) -> str:
+        return (f"gemm_sm90<{cuda_type}, {self.bm}, {self.bn}, {self.stages}, {self.cluster}, "
+                f"{'true' if transposed else 'false'}, {'true' if self.tma_store else 'false'}>")
+
+
+SM90_CONFIGS = {c.name: c for c in (
+    Sm90Config(128, 256, 4, 1), Sm90Config(128, 256, 4, 2), Sm90Config(256, 128, 4, 1),
+    Sm90Config(128, 128, 6, 1), Sm90Config(256, 128, 4, 1, True), Sm90Config(128, 256, 4, 1, True))}
+SM90_DEFAULT = "256x128s4c1"  # fastest on 8 of the 10 bar cases measured (docs/gemm_notes.md)
+# The tuner's candidates. 128x256s4c2 (2-CTA clusters, B multicast) is correct but measured at
+# about half the speed of its 1-CTA twin (docs/gemm_notes.md, v1), so it is left out until that
+# is understood; the TMA-store configurations ("...t", v2) join once a GPU run has passed their
+# tests and timed them. All stay callable through config=.
+TUNER_CANDIDATES = ("256x128s4c1", "128x256s4c1", "128x128s6c1")
+SM80_CONFIG = "128x128x32s4"  # fixed in gemm.cu (Sm80Cfg)
+_SM80_TILE, _SM80_THREADS, _SM80_SMEM, _SM80_PER_SM = (128, 128), 256, 4 * 2 * 128 * 32 * 2, 2
+
+_CUDA_TYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
+
+
+def _sm80_kernel(cuda_type: str, transposed: bool) -> str:
+    return f"gemm_sm80<{cuda_type}, {'true' if transposed else 'false'}>"
+
+
+def _names() -> list[str]:
+    names = []
+    for t in _CUDA_TYPE.values():
+        for tr in (False, True):
+            names += [c.kernel(t, tr) for c in SM90_CONFIGS.values()]
+            names.append(_sm80_kernel(t, tr))
+    names += ["gemm_hooks_sm90<__nv_bfloat16>", "gemm_hooks_sm80<__nv_bfloat16>"]
+    return names
+
+
+FAMILY = kernels.register("gemm.cu", _names(), min_arch=80)
+
+
+# ---- argument checks ------------------------------------------------------------------------------
+def _check_args(a, b, bias, out, out_dtype, b_layout, impl):
+    import cupy
+
+    if b_layout not in _LAYOUTS:
+        raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [K, N]) or 'nk' (b is [N, K]), "
+                         f"got {b_layout!r}")
+    if impl not in ("auto", "sm90", "sm80"):
+        raise ValueError(f"{_OP}: impl must be 'auto', 'sm90' or 'sm80', got {impl!r}")
+    a = as_cupy(a, "a", _OP)
+    b = as_cupy(b, "b", _OP)
+    dt = dtype_info(a.dtype, _IN, _OP)
+    dev = cupy.cuda.Device().id
+    check_array(a, name="a", op=_OP, ndim=2, dtype=dt, device=dev)
+    check_array(b, name="b", op=_OP, ndim=2, dtype=dt, device=dev)
+    M, K = a.shape
+    if b_layout == "kn":
+        if b.shape[0] != K:
+            raise ValueError(f"{_OP}: b (layout 'kn') must be [K={K}, N], got {tuple(b.shape)}")
+        N = b.shape[1]
+    else:
+        if b.shape[1] != K:
+            raise ValueError(f"{_OP}: b (layout 'nk') must be [N, K={K}], got {tuple(b.shape)}")
+        N = b.shape[0]
+    if K % 8 or K == 0:
+        raise ValueError(f"{_OP}: K must be a positive multiple of 8 (rows of a and b move in "
+                         f"16-byte pieces), got K={K}")
+    if N % 8 or N == 0:
+        raise ValueError(f"{_OP}: N must be a positive multiple of 8 (rows of b and of the output "
+                         f"move in 16-byte pieces), got N={N}")
+    if max(M, N, K) >= 2**31:
+        raise ValueError(f"{_OP}: dimensions must be < 2**31, got M={M}, N={N}, K={K}")
+    for name, x in (("a", a), ("b", b)):
+        if x.data.ptr % 16:
+            raise ValueError(f"{_OP}: {name} must start at a 16-byte aligned address "
+                             f"(got {x.data.ptr:#x})")
+    if bias is not None:
+        bias = as_cupy(bias, "bias", _OP)
+        check_array(bias, name="bias", op=_OP, shape=(N,), dtype=dt, device=dev)
+        if bias.data.ptr % 4:
+            raise ValueError(f"{_OP}: bias must start at a 4-byte aligned address")
+    if out is not None:
+        out = as_cupy(out, "out", _OP)
+        odt = dtype_info(out_dtype if out_dtype is not None else out.dtype, _OUT_KIND, _OP)
+        check_array(out, name="out", op=_OP, shape=(M, N), dtype=odt, device=dev)
+        if out.data.ptr % 16:
+            raise ValueError(f"{_OP}: out must start at a 16-byte aligned address")
+    else:
+        odt = dtype_info(out_dtype if out_dtype is not None else dt.name, _OUT_KIND, _OP)
+        out = cupy.empty((M, N), dtype=odt.storage)
+    return a, b, bias, out, dt, odt, M, N, K
+
+
+def _device_props():
+    import cupy
+
+    dev = cupy.cuda.Device()
+    return dev.id, kernels.device_arch(dev.id), dev.attributes["MultiProcessorCount"]
+
+
+# ---- TMA descriptors -------------------------------------------------------------------------------
+_TMAP_CACHE: "collections.OrderedDict[tuple, np.void]" = collections.OrderedDict()
+_TMAP_LOCK = threading.Lock()
+
+
+def _tensor_map(ptr: int, rows: int, cols: int, box_cols: int, box_rows: int, dt) -> np.void:
+    """128-byte CUtensorMap of a row-major [rows, cols] matrix, 128-byte swizzle, zero fill."""
+    key = (ptr, rows, cols, box_cols, box_rows, dt.name)
+    with _TMAP_LOCK:
+        hit = _TMAP_CACHE.get(key)
+        if hit is not None:
+            _TMAP_CACHE.move_to_end(key)
+            return hit
+    from cuda.bindings import driver as cu
+
+    dtype = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dt.name == "bfloat16"
+             else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
+    def encode(u64, u32):
+        return cu.cuTensorMapEncodeTiled(
+            dtype, 2, ptr, [u64(cols), u64(rows)], [u64(cols * 2)], [u32(box_cols), u32(box_rows)],
+            [u32(1), u32(1)], cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+
+    try:
+        err, tmap = encode(int, int)
+    except TypeError:  # bindings that want their own integer types
+        err, tmap = encode(cu.cuuint64_t, cu.cuuint32_t)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{_OP}: cuTensorMapEncodeTiled failed ({err}) for a [{rows}, {cols}] "
+                           f"matrix at {ptr:#x}, box [{box_rows}, {box_cols}]")
+    raw = np.array([int(w) for w in tmap.opaque], dtype=np.uint64).view(np.dtype((np.void, 128)))[0]
+    with _TMAP_LOCK:
+        _TMAP_CACHE[key] = raw
+        while len(_TMAP_CACHE) > 256:
+            _TMAP_CACHE.popitem(last=False)
+    return raw
+
+
+# ---- launches --------------------------------------------------------------------------------------
+_FUNC_READY: dict = {}
+_CLUSTERS: dict = {}
+
+
+def _prepare(fn, smem: int):
+    key = id(fn)
+    if key not in _FUNC_READY:
+        fn.max_dynamic_shared_size_bytes = smem
+        _FUNC_READY[key] = True
+
+
+def _max_ctas(fn, cfg: Sm90Config, sm_count: int) -> int:
+    """CTAs that are resident at once: one per SM, or whole clusters of cfg.cluster."""
+    if cfg.cluster == 1:
+        return sm_count
+    key = (id(fn), sm_count)
+    if key not in _CLUSTERS:
+        n = sm_count // cfg.cluster
+        try:
+            from cuda.bindings import driver as cu
+
+            lc = cu.CUlaunchConfig()
+            lc.gridDimX, lc.gridDimY, lc.gridDimZ = n * cfg.cluster, 1, 1
+            lc.blockDimX, lc.blockDimY, lc.blockDimZ = 384, 1, 1
+            lc.sharedMemBytes = cfg.smem_bytes
+            err, got = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(fn.kernel.ptr), lc)
+            if err == cu.CUresult.CUDA_SUCCESS and got > 0:
+                n = min(n, int(got))
+        except Exception:
+            pass
+        _CLUSTERS[key] = n
+    return _CLUSTERS[key] * cfg.cluster
+
+
+def _launch_sm90(cfg: Sm90Config, a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
+                 group_m: int = 8, grid_cap: int | None = None) -> None:
+    _, _, sm_count = _device_props()
+    transposed = b_layout == "kn"
+    fn = kernels.load("gemm.cu")[cfg.kernel(dt.cuda_type, transposed)]
+    _prepare(fn, cfg.smem_bytes)
+    tma_a = _tensor_map(a.data.ptr, M, K, 64, cfg.bm, dt)
+    if transposed:
+        tma_b = _tensor_map(b.data.ptr, K, N, 64, 64, dt)
+    else:
+        tma_b = _tensor_map(b.data.ptr, N, K, 64, cfg.bn // cfg.cluster, dt)
+    if cfg.tma_store and odt.itemsize == 2:
+        tma_c = _tensor_map(out.data.ptr, M, N, 64, cfg.bm // 2, odt)
+    else:
+        tma_c = tma_a  # not read by the kernel
+    tiles_m = -(-M // cfg.bm)
+    rows = -(-tiles_m // cfg.cluster)  # the scheduler's rows: clusters of tiles stacked along M
+    tiles = rows * cfg.cluster * -(-N // cfg.bn)
+    grid = min(tiles, _max_ctas(fn, cfg, sm_count))
+    if grid_cap is not None:  # benchmarks: a smaller persistent grid (a multiple of the cluster)
+        grid = max(cfg.cluster, min(grid, grid_cap // cfg.cluster * cfg.cluster))
+    kernels.launch(fn, (grid,), (384,),
+                   (tma_a, tma_b, tma_c, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
+                    np.int32(_OUT_KIND[odt.name]),
+                    bias if bias is not None else np.uint64(0), np.int32(group_m)),
+                   stream, op=_OP, name=cfg.kernel(dt.cuda_type, transposed),
+                   shared_mem=cfg.smem_bytes)
+
+
+def _launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, group_m: int = 8) -> None:
+    _, _, sm_count = _device_props()
+    name = _sm80_kernel(dt.cuda_type, b_layout == "kn")
+    fn = kernels.load("gemm.cu")[name]
+    _prepare(fn, _SM80_SMEM)
+    tiles = -(-M // _SM80_TILE[0]) * -(-N // _SM80_TILE[1])
+    grid = min(tiles, _SM80_PER_SM * sm_count)
+    kernels.launch(fn, (grid,), (_SM80_THREADS,),
+                   (a, b, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
+                    np.int32(_OUT_KIND[odt.name]),
+                    bias if bias is not None else np.uint64(0), np.int32(group_m)),
+                   stream, op=_OP, name=name, shared_mem=_SM80_SMEM)
+
+
+# ---- tuner -----------------------------------------------------------------------------------------
+_TUNER_LOCK = threading.Lock()
+_TUNER_MAX_ENTRIES = 512
+
+
+def tuner_path():
+    return kernels._cache_dir() / "gemm_tuner.json"
+
+
+def _shape_class(M: int, N: int, K: int) -> str:
+    return "x".join(str(max(3, math.ceil(math.log2(max(x, 1))))) for x in (M, N, K))
+
+
+def _heuristic(M: int, N: int, K: int) -> str:
+    return "128x128s6c1" if N <= 128 else SM90_DEFAULT
+
+
+def _load_tuner() -> dict:
+    try:
+        return json.loads(tuner_path().read_text())
+    except Exception:
+        return {}
+
+
+def _tuned_config(key: str, run_candidate, stream) -> str | None:
+    """The cached choice for `key`, or time the candidates (bounded) and remember the winner."""
+    with _TUNER_LOCK:
+        table = _load_tuner()
+        if key in table and table[key].get("config") in SM90_CONFIGS:
+            return table[key]["config"]
+    import cupy
+
+    budget_s = float(os.environ.get("CUFLUX_GEMM_TUNE_BUDGET_S", "2"))
+    t_end = time.monotonic() + budget_s
+    times = {}
+    for name in TUNER_CANDIDATES:
+        if time.monotonic() > t_end:
+            break
+        run_candidate(name)  # warm-up (first launch of the kernel)
+        ev = [cupy.cuda.Event() for _ in range(4)]
+        ev[0].record(stream)
+        for i in range(1, 4):
+            run_candidate(name)
+            ev[i].record(stream)
+        ev[3].synchronize()
+        times[name] = min(cupy.cuda.get_elapsed_time(ev[i - 1], ev[i]) for i in range(1, 4))
+    if not times:
+        return None
+    best = min(times, key=times.get)
+    with _TUNER_LOCK:
+        table = _load_tuner()
+        table.pop(key, None)
+        table[key] = {"config": best, "ms": times, "when": time.strftime("%Y-%m-%d")}
+        while len(table) > _TUNER_MAX_ENTRIES:
+            table.pop(next(iter(table)))
+        path = tuner_path()
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(table, indent=0))
+        os.replace(tmp, path)
+    return best
+
+
+# ---- public API ------------------------------------------------------------------------------------
+def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: str = "auto",
+         stream=None, config: str | None = None, group_m: int = 8):
+    """C = a @ b (+ bias) with fp32 accumulation; returns C (a CuPy array).
+
+    Args:
+      a: [M, K], bfloat16 or float16 (any array CuPy takes without a copy), C-contiguous.
+      b: [K, N] for b_layout="kn", [N, K] for "nk" (a Linear weight), a's dtype.
+      bias: [N] in a's dtype, added to every row, or None.
+      out: [M, N] output to write, or None (allocated). out_dtype: bfloat16 / float16 /
+        float32 (default: out's dtype, else a's dtype).
+      impl: "auto" (Hopper core on sm_90a, else the portable core), "sm90" or "sm80".
+      stream: CuPy stream, raw handle or torch stream (default: CuPy's current stream).
+      config: a Hopper configuration name from SM90_CONFIGS (skips the tuner).
+      group_m: tile rows per L2 group of the tile order (1: row-major order).
+    K and N must be multiples of 8 (16-byte rows).
+    """
+    a, b, bias, out, dt, odt, M, N, K = _check_args(a, b, bias, out, out_dtype, b_layout, impl)
+    if M == 0:
+        return out
+    s = stream_of(stream)
+    _, arch, _ = _device_props()
+    hopper = arch == "sm_90a"
+    if impl == "sm90" and not hopper:
+        raise RuntimeError(f"{_OP}: impl='sm90' needs an sm_90a device (Hopper), this one is "
+                           f"{arch}")
+    if not isinstance(group_m, int) or group_m < 1:
+        raise ValueError(f"{_OP}: group_m must be an int >= 1, got {group_m!r}")
+    if config is not None and config not in SM90_CONFIGS:
+        raise ValueError(f"{_OP}: config must be one of {sorted(SM90_CONFIGS)}, got {config!r}")
+    if impl == "sm80" or (impl == "auto" and not hopper):
+        _launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, s, group_m)
+        return out
+
+    def run(name):
+        _launch_sm90(SM90_CONFIGS[name], a, b, bias, out, dt, odt, M, N, K, b_layout, s, group_m)
+
+    if config is None:
+        if os.environ.get("CUFLUX_GEMM_TUNE", "1") != "0":
+            import cupy
+
+            gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
+            gpu = gpu.decode() if isinstance(gpu, bytes) else gpu
+            key = f"{gpu}|{dt.name}|{b_layout}|{_shape_class(M, N, K)}"
+            config = _tuned_config(key, run, s)
+        config = config or _heuristic(M, N, K)
+    run(config)
+    return out
+
+
+def hooks_kernel(impl: str) -> str:
+    """Name of the hook-exercising kernel of gemm.cu (tests)."""
+    return "gemm_hooks_sm90<__nv_bfloat16>" if impl == "sm90" else "gemm_hooks_sm80<__nv_bfloat16>"

@@ -1,0 +1,167 @@
+"""CPU tests of the GEMM family: both cores compile for their targets and emit the instructions
+they are built on; the tile order formula; argument checks that need no GPU."""
+import os
+import pathlib
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from cuflux import kernels
+from cuflux.ops import gemm as G
+
+
+def _ptx(arch: str, names) -> str:
+    """PTX of gemm.cu for `arch`, compiled with the loader's own options."""
+    from cuda.bindings import nvrtc
+
+    code = (kernels.KERNEL_DIR / "gemm.cu").read_bytes()
+    opts = list(kernels.BASE_OPTIONS) + [f"-arch={arch}", f"-I{kernels.INCLUDE_DIR}"]
+    opts += [f"-I{d}" for d in kernels._cuda_include_dirs()]
+    err, prog = nvrtc.nvrtcCreateProgram(code, b"gemm.cu", 0, [], [])
+    try:
+        for n in names:
+            nvrtc.nvrtcAddNameExpression(prog, n.encode())
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"NVRTC failed for {arch}"
+        size = nvrtc.nvrtcGetPTXSize(prog)[1]
+        buf = b" " * size
+        nvrtc.nvrtcGetPTX(prog, buf)
+        return buf.decode(errors="replace")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def _cuobjdump():
+    exe = shutil.which("cuobjdump")
+    if exe is None:
+        try:
+            import nvidia
+
+            cand = pathlib.Path(nvidia.__path__[0]) / "cu13" / "bin" / "cuobjdump"
+            exe = str(cand) if cand.exists() else None
+        except Exception:
+            exe = None
+    return exe
+
+
+def test_family_registered_for_both_targets():
+    fam = kernels.families()["gemm.cu"]
+    assert fam.min_arch == 80
+    assert any(n.startswith("gemm_sm90<") for n in fam.names)
+    assert any(n.startswith("gemm_sm80<") for n in fam.names)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_both_cores_compile(arch):
+    fam = kernels.families()["gemm.cu"]
+    cubin, lowered = kernels.compile_source(fam.source, fam.names, arch)
+    assert cubin[:4] == b"\x7fELF"
+    assert set(lowered) == set(fam.names)
+
+
+def test_hopper_core_emits_wgmma_tma_setmaxnreg():
+    cfg = G.SM90_CONFIGS[G.SM90_DEFAULT]
+    names = [cfg.kernel("__nv_bfloat16", t) for t in (False, True)]
+    ptx = _ptx("sm_90a", names)
+    for instr in (f"wgmma.mma_async.sync.aligned.m64n{cfg.bn}k16.f32.bf16.bf16",
+                  "cp.async.bulk.tensor.2d", "mbarrier.try_wait.parity", "setmaxnreg.inc",
+                  "setmaxnreg.dec", "wgmma.wait_group"):
+        assert instr in ptx, instr
+
+
+def test_tma_store_epilogue_emits_bulk_stores():
+    cfg = G.SM90_CONFIGS["256x128s4c1t"]
+    ptx = _ptx("sm_90a", [cfg.kernel("__nv_bfloat16", False)])
+    for instr in ("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group",
+                  "cp.async.bulk.wait_group.read", "fence.proxy.async.shared::cta"):
+        assert instr in ptx, instr
+
+
+def test_hopper_core_is_empty_below_sm90a():
+    ptx = _ptx("sm_80", [G.SM90_CONFIGS[G.SM90_DEFAULT].kernel("__nv_bfloat16", False),
+                         "gemm_sm80<__nv_bfloat16, true>"])
+    assert "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx
+    for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "cp.async.cg.shared.global",
+                  "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16"):
+        assert instr in ptx, instr
+
+
+def test_sass_has_hgmma_when_cuobjdump_is_present(tmp_path):
+    fam = kernels.families()["gemm.cu"]
+    cubin, _ = kernels.compile_source(fam.source, fam.names, "sm_90a")
+    exe = _cuobjdump()
+    path = tmp_path / "gemm.cubin"
+    path.write_bytes(cubin)
+    if exe is None:  # CI image without the disassembler: the PTX test above still holds
+        assert b"gemm_sm90" in cubin
+        return
+    env = dict(os.environ, PATH=os.path.dirname(exe) + os.pathsep + os.environ.get("PATH", ""))
+    out = subprocess.run([exe, "-sass", str(path)], capture_output=True, text=True, env=env)
+    if "nvdisasm" in out.stderr:  # cuobjdump without nvdisasm beside it
+        assert b"gemm_sm90" in cubin
+        return
+    assert "HGMMA.64x256x16.F32.BF16" in out.stdout
+    assert "UTMALDG.2D" in out.stdout
+
+
+# ---- the tile order (mirror of gemm_hooks.cuh ChunkedScheduler::tile) ---------------------------
+def _tile(slot, tiles_m, tiles_n, chunk_tiles_m, group_m, order):
+    per_chunk = chunk_tiles_m * tiles_n
+    visit, r = divmod(slot, per_chunk)
+    group, in_group = divmod(r, group_m * tiles_n)
+    first = group * group_m
+    rows = min(group_m, chunk_tiles_m - first)
+    tm = order(visit) * chunk_tiles_m + first + in_group % rows
+    return (tm, in_group // rows) if tm < tiles_m else None
+
+
+@pytest.mark.parametrize("tiles_m,tiles_n,chunk,group", [(9, 5, 9, 4), (64, 32, 64, 8), (7, 3, 2, 3),
+                                                          (13, 1, 4, 16), (1, 40, 1, 8)])
+def test_tile_order_visits_every_tile_once(tiles_m, tiles_n, chunk, group):
+    num_chunks = -(-tiles_m // chunk)
+    for rank in range(3):
+        order = lambda i: (i + rank) % num_chunks  # noqa: E731  rank-offset
+        got = [_tile(s, tiles_m, tiles_n, chunk, group, order)
+               for s in range(num_chunks * chunk * tiles_n)]
+        got = [t for t in got if t is not None]
+        assert sorted(got) == [(m, n) for m in range(tiles_m) for n in range(tiles_n)]
+        first_chunk = got[0][0] // chunk
+        assert first_chunk == rank % num_chunks  # rank r starts on chunk r
+
+
+def test_listed_chunk_order_is_followed():
+    order = [3, 0, 2, 1]
+    tiles = [_tile(s, 8, 3, 2, 1, lambda i: order[i]) for s in range(8 * 3)]
+    chunks_in_visit_order = [t[0] // 2 for t in tiles]
+    assert chunks_in_visit_order == [c for c in order for _ in range(2 * 3)]
+
+
+# ---- arguments --------------------------------------------------------------------------------------
+def test_bad_layout_and_impl_are_named():
+    a = np.zeros((8, 8), np.float32)
+    with pytest.raises(ValueError, match="b_layout"):
+        G.gemm(a, a, b_layout="tn")
+    with pytest.raises(ValueError, match="impl"):
+        G.gemm(a, a, impl="cuda")
+
+
+def test_host_arrays_are_refused():
+    a = np.zeros((8, 8), np.float32)
+    with pytest.raises(TypeError, match=r"cuflux\.gemm: a "):
+        G.gemm(a, a)
+
+
+def test_config_smem_fits_one_sm():
+    for cfg in G.SM90_CONFIGS.values():
+        assert cfg.smem_bytes <= 227 * 1024, cfg.name
+        assert cfg.bm in (128, 256) and cfg.bn in (128, 256) and cfg.cluster in (1, 2)
+    assert set(G.TUNER_CANDIDATES) <= set(G.SM90_CONFIGS) and G.SM90_DEFAULT in G.SM90_CONFIGS
+
+
+def test_shape_class_and_heuristic():
+    assert G._shape_class(8192, 8192, 8192) == "13x13x13"
+    assert G._shape_class(777, 1536, 2048) == "10x11x11"
+    assert G._heuristic(4096, 8, 4096) in G.SM90_CONFIGS
+    assert G._heuristic(4096, 4096, 4096) in G.SM90_CONFIGS
