@@ -17,9 +17,9 @@ for op in allgather allreduce all2all; do step 45 "${MPI[@]}" -np 1 python -m cu
 LOG=$T
 CUFLUX_TEST_WORLD_SIZES=1,2,4,8 step 120 python -m pytest -q -rf --durations=5 tests/test_allreduce.py
 CUFLUX_TEST_WORLD_SIZES=1,2,4,8 step 120 python -m pytest -q -rf --durations=5 tests/test_all2all.py
-CUFLUX_TEST_WORLD_SIZES=8 step 45 python -m pytest -q -rf tests/test_gpu_runtime.py -k "exact or symmetric or flags or back_to_back"
+CUFLUX_TEST_WORLD_SIZES=8 step 40 python -m pytest -q -rf tests/test_gpu_runtime.py -k "exact or symmetric or flags"
 CUFLUX_TEST_WORLD_SIZES=2 step 30 python -m pytest -q -rf tests/test_gpu_runtime.py -k "timeout"
-CUFLUX_TEST_WORLD_SIZES=1,2 step 45 python -m pytest -q -rf tests/test_gemm.py -k "every_hopper_config or hooks or bounded"
+CUFLUX_TEST_WORLD_SIZES=1,2 step 40 python -m pytest -q -rf tests/test_gemm.py -k "every_hopper_config or hooks or bounded"
 LOG=$B
 step 45 "${MPI[@]}" -np 1 python -m cuflux.bench gemm --quick --iters 20 --outdir "$OUT"
 grep -E "^=== |passed|failed|FAILED|Error" "$T" | tail -40
