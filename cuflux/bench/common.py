@@ -26,15 +26,16 @@ def time_ms(fn, warmup: int = 5, iters: int = 50, stream=None) -> float:
     for _ in range(warmup):
         fn()
     s.synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
+    # Enqueue every run before waiting on any: the host runs ahead, so each [start, end] event
+    # pair brackets the GPU time of one call and not the host's time to issue it (a per-call
+    # synchronize would leave the GPU idle while Python issues the next call).
+    events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
+    for a, b in events:
         a.record(s)
         fn()
         b.record(s)
-        b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b))
-    return float(np.median(times))
+    events[-1][1].synchronize()
+    return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in events]))
 
 
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
