@@ -126,8 +126,11 @@ def compile_source(source: str, names: Sequence[str], arch: str,
     options = list(BASE_OPTIONS) + [f"-arch={arch}", f"-I{INCLUDE_DIR}"]
     options += [f"-I{d}" for d in _cuda_include_dirs()] + [f"-D{d}" for d in defines]
     version = _check(nvrtc, nvrtc.nvrtcVersion(), "version")
-    key = hashlib.sha256(json.dumps([source, code.hex(), _headers_digest(), options, list(names),
-                                     list(version)]).encode()).hexdigest()[:24]
+    # The key names the include dirs by content (our headers' digest) rather than by absolute
+    # path, so a cache filled by one checkout serves another.
+    key_options = [o for o in options if not o.startswith("-I")]
+    key = hashlib.sha256(json.dumps([source, code.hex(), _headers_digest(), key_options,
+                                     list(names), list(version)]).encode()).hexdigest()[:24]
     cache = _cache_dir() / f"{pathlib.Path(source).stem}-{arch}-{key}"
     cubin_path, names_path = cache.with_suffix(".cubin"), cache.with_suffix(".json")
     if cubin_path.exists() and names_path.exists():

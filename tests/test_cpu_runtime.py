@@ -110,3 +110,22 @@ def test_timeout_error_names_everything():
     e = CommTimeoutError("AllGather", 3, 1, 2.5, "flag 0")
     assert "AllGather" in str(e) and "rank 3" in str(e) and "rank 1" in str(e)
     assert (e.op, e.rank, e.peer, e.seconds) == ("AllGather", 3, 1, 2.5)
+
+
+def test_package_data_ships_every_kernel_source():
+    """A plain `pip install .` must carry every .cu and header (setup.cfg package_data)."""
+    import configparser
+    import fnmatch
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    cfg = configparser.ConfigParser()
+    cfg.read(root / "setup.cfg")
+    patterns = [p.strip() for p in cfg["options.package_data"]["kernels_cu"].split(",")]
+    kdir = root / "kernels_cu"
+    files = [f.relative_to(kdir).as_posix() for f in kdir.rglob("*") if f.is_file()
+             and f.suffix in (".cu", ".cuh", ".h")]
+    assert files
+    missing = [f for f in files if not any(fnmatch.fnmatch(f, p) and f.count("/") == p.count("/")
+                                           for p in patterns)]
+    assert not missing, f"not shipped by setup.cfg package_data: {missing}"
