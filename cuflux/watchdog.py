@@ -12,6 +12,7 @@ raises CommTimeoutError.
 """
 from __future__ import annotations
 
+import collections
 import threading
 import time
 
@@ -30,7 +31,7 @@ class StreamWaiter:
         import cupy
 
         self.err, self.device, self.op_code = err, device, op_code
-        self._pending: list[tuple] = []
+        self._pending: dict[int, collections.deque] = {}
         self._lock = threading.Lock()
         self._release = cupy.cuda.Stream(non_blocking=True)
         self._observed = cupy.cuda.alloc_pinned_memory(4)
@@ -43,12 +44,18 @@ class StreamWaiter:
 
         if self.err.failed():
             return  # the op already failed: do not block the stream behind a dead peer
+        # The budget counts from when the stream reaches the wait (event `reached`), not from
+        # when the host queued it: a long queue of back-to-back calls must not time out.
+        reached = cupy.cuda.Event(disable_timing=True)
+        reached.record(stream)
         driver.stream_wait_value32(stream, flag_addr, expected, "geq")
-        ev = cupy.cuda.Event(disable_timing=True)
-        ev.record(stream)
-        deadline = time.monotonic() + self.err.timeout_s
+        passed = cupy.cuda.Event(disable_timing=True)
+        passed.record(stream)
+        item = [reached, passed, None, flag_addr, expected & 0xFFFFFFFF, peer, index, False]
         with self._lock:
-            self._pending.append((ev, deadline, flag_addr, expected & 0xFFFFFFFF, peer, index))
+            # One FIFO per stream: a stream passes its waits in order, so only the head of each
+            # queue can be blocked and each poll looks at one wait per stream.
+            self._pending.setdefault(driver.stream_handle(stream), collections.deque()).append(item)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="cuflux-watchdog",
                                                 daemon=True)
@@ -57,27 +64,41 @@ class StreamWaiter:
     def _run(self) -> None:
         import cupy
 
-        cupy.cuda.Device(self.device).use()
+        if self.device is not None:
+            cupy.cuda.Device(self.device).use()
         while not self._stop.is_set():
             time.sleep(_POLL_S)
+            w = self.err.words
+            aborted = w is not None and int(w[E.ABORT]) != 0
+            # Once one wait of the op expired the op is failed: release every later wait as soon
+            # as its stream reaches it, so a dead peer costs one timeout, not one per flag.
+            failed = w is not None and int(w[E.STATUS]) != E.STATUS_OK
             with self._lock:
-                items, self._pending = self._pending, []
-            now, keep = time.monotonic(), []
-            aborted = self.err.words is not None and int(self.err.words[E.ABORT]) != 0
-            for item in items:
-                if item[0].done:
-                    continue
-                if aborted or now > item[1]:
-                    self._expire(item, E.STATUS_ABORTED if aborted else E.STATUS_TIMEOUT)
-                else:
-                    keep.append(item)
-            with self._lock:
-                self._pending = keep + self._pending
+                queues = list(self._pending.values())
+            for q in queues:
+                while True:
+                    with self._lock:
+                        if not q:
+                            break
+                        item = q[0]
+                    reached, passed, started = item[0], item[1], item[2]
+                    if passed.done:
+                        with self._lock:
+                            q.popleft()
+                        continue
+                    now = time.monotonic()
+                    if started is None and reached.done:
+                        item[2] = started = now
+                    if not item[7] and (aborted or (started is not None and (
+                            failed or now - started > self.err.timeout_s))):
+                        self._expire(item, E.STATUS_ABORTED if aborted else E.STATUS_TIMEOUT)
+                        item[7] = True  # released: it passes shortly and is popped then
+                    break
 
     def _expire(self, item, status: int) -> None:
         from cupy.cuda import runtime
 
-        _, _, flag_addr, expected, peer, index = item
+        flag_addr, expected, peer, index = item[3:7]
         runtime.memcpyAsync(self._observed.ptr, flag_addr, 4, 2, self._release.ptr)  # D2H
         self._release.synchronize()
         observed = int(np.frombuffer(self._observed, dtype=np.uint32, count=1)[0])

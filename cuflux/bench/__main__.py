@@ -6,7 +6,8 @@ import importlib
 import sys
 
 OPS = {"allgather": "cuflux.bench.allgather", "allreduce": "cuflux.bench.allreduce",
-       "all2all": "cuflux.bench.all2all", "gemm": "cuflux.bench.gemm"}
+       "all2all": "cuflux.bench.all2all", "gemm": "cuflux.bench.gemm",
+       "ag_gemm": "cuflux.bench.ag_gemm"}
 
 
 def main(argv=None) -> int:

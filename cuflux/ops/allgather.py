@@ -23,6 +23,12 @@ Pull, call e:  S: wait done[*] >= e-1; stage x; ready[me] -> every peer; copy ow
 Push, call e:  S: copy own rows; lane(p): wait free[p] >= e-1; copy chunks of x into p's data,
                raise chunk[me, c] on p.  Then S: wait chunk[*] >= e; copy out; free[me] = e ->
                every peer.
+
+Inside a stage of the transfer order the lanes' copies are queued chunk-major (chunk 0 of every
+peer of the stage, then chunk 1, ...), so chunks land in the order `arrival_order` lists; the
+fused AllGather+GEMM visits its tiles in that order. It drives the same protocol through
+`begin` / `send_peers` / `release`, queuing its GEMM between them and reading the gathered rows
+in place (pull: the caller's gathered array; push: this rank's data region).
 """
 from __future__ import annotations
 
@@ -36,10 +42,38 @@ from cuflux.symmetric import Layout
 from cuflux.topology import transfer_order
 from cuflux.watchdog import StreamWaiter
 
-__all__ = ["AllGather"]
+__all__ = ["AllGather", "arrival_order", "arrival_stages"]
 
 _OP = "AllGather"
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: UVA decides the direction (peer pointers included)
+
+
+def arrival_stages(rank: int, orders, mode: str) -> list[list[int]]:
+    """The stages in which the peers' rows reach `rank`, given orders[p] = rank p's transfer
+    order (topology.transfer_order). Pull: rank's own order (it fetches). Push: stage i holds
+    the senders whose stage i writes into rank (on a PCIe ring, rank+1 first: every sender
+    serves rank-1 first), by the lane they use for it."""
+    if mode == "pull":
+        return [list(stage) for stage in orders[rank]]
+    num_stages = max((len(o) for o in orders), default=0)
+    stages = []
+    for i in range(num_stages):
+        senders = [(orders[p][i].index(rank), p) for p in range(len(orders))
+                   if p != rank and i < len(orders[p]) and rank in orders[p][i]]
+        if senders:
+            stages.append([p for _, p in sorted(senders)])
+    return stages
+
+
+def arrival_order(rank: int, stages, num_chunks: int) -> list[tuple[int, int]]:
+    """(source rank, chunk) of every chunk of a call, in the order they are queued and expected
+    to land on `rank`: its own chunks first (raised at once after one copy), then `stages`
+    (arrival_stages) one after another, chunk-major across the peers of a stage (they are
+    copied at the same time, one lane each)."""
+    seq = [(rank, c) for c in range(num_chunks)]
+    for stage in stages:
+        seq += [(p, c) for c in range(num_chunks) for p in stage]
+    return seq
 
 
 class AllGather:
@@ -55,12 +89,15 @@ class AllGather:
       timeout_s: bound of every wait; on expiry the op raises CommTimeoutError.
       wait: "stream" (cuStreamWaitValue32 watched by a host thread: no SM used) or "kernel"
         (a one-block bounded spin kernel per wait).
+      name: the op named in errors and timeouts (a fused op that owns this one passes its own,
+        a key of cuflux.errors.OP_CODES).
 
     Errors of device-side waits surface at the next call or at `synchronize()`.
     """
 
     def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
-                 chunk_rows: int | None = None, timeout_s: float = 30.0, wait: str = "stream"):
+                 chunk_rows: int | None = None, timeout_s: float = 30.0, wait: str = "stream",
+                 name: str = _OP):
         if mode not in ("pull", "push"):
             raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
         if max_rows < 1 or cols < 1:
@@ -73,7 +110,7 @@ class AllGather:
             raise ValueError(f"{_OP}: wait must be 'stream' or 'kernel', got {wait!r}")
         import cupy
 
-        self.world, self.mode, self.cols = world, mode, int(cols)
+        self.world, self.mode, self.cols, self.name = world, mode, int(cols), name
         self.max_rows = int(max_rows)
         self.dtype = dtype_info(dtype, op=_OP)
         self.chunk_rows = int(chunk_rows) if chunk_rows else self.max_rows
@@ -86,14 +123,16 @@ class AllGather:
         data_rows = self.max_rows if mode == "pull" else W * self.max_rows
         layout.add("data", (data_rows, self.row_bytes), np.uint8)
         layout.add("chunk", (W, self.max_chunks), np.uint32)
-        for name in ("ready", "done", "free"):
-            layout.add(name, (W,), np.uint32)
+        for region in ("ready", "done", "free"):
+            layout.add(region, (W,), np.uint32)
         self.layout = layout
-        self.err = ErrorRecord(_OP, world.rank, timeout_s)
+        self.err = ErrorRecord(name, world.rank, timeout_s)
         self.wait_mode = wait
-        self.waiter = StreamWaiter(self.err, world.device, OP_CODES[_OP])
+        self.waiter = StreamWaiter(self.err, world.device, OP_CODES[name])
         self.buf = world.alloc_layout(layout)
         self.order = transfer_order(world.topology, W)
+        # Where the chunks come from, stage by stage (push: as the senders' orders deliver).
+        self.arrival_stages = arrival_stages(world.rank, world.allgather(self.order), mode)
         num_lanes = max([len(stage) for stage in self.order], default=0)
         self.lanes = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_lanes)]
         self.epoch = 0
@@ -120,9 +159,9 @@ class AllGather:
         me = self.world.rank
         stride = per_group if group_stride is None else group_stride
         if self.wait_mode == "kernel":
-            wait_flags(self._flag(me, rank_flag_name, index0), expected, self.err, stream, op=_OP,
-                       num_groups=num_groups, per_group=per_group, group_stride_words=stride,
-                       first_peer=first_peer)
+            wait_flags(self._flag(me, rank_flag_name, index0), expected, self.err, stream,
+                       op=self.name, num_groups=num_groups, per_group=per_group,
+                       group_stride_words=stride, first_peer=first_peer)
             return
         for g in range(num_groups):
             for j in range(per_group):
@@ -136,37 +175,48 @@ class AllGather:
         import cupy
         from cupy.cuda import runtime
 
-        if self._closed:
-            raise CufluxError(f"{_OP}: the op is closed")
-        self.err.check()
-        x = as_cupy(x, "x", _OP)
-        check_array(x, name="x", op=_OP, ndim=2, dtype=self.dtype, device=self.world.device)
-        rows = x.shape[0]
-        if x.shape[1] != self.cols:
-            raise ValueError(f"{_OP}: x must have {self.cols} columns, got shape {tuple(x.shape)}")
-        if rows > self.max_rows:
-            raise ValueError(f"{_OP}: x has {rows} rows, more than max_rows={self.max_rows}")
-        W, me = self.world.size, self.world.rank
+        x, rows, s = self._check_call(x, stream)
+        W = self.world.size
         if out is None:
             out = cupy.empty((W * rows, self.cols), dtype=self.dtype.storage)
         else:
-            out = as_cupy(out, "out", _OP)
-            check_array(out, name="out", op=_OP, shape=(W * rows, self.cols), dtype=self.dtype,
-                        device=self.world.device)
-        s = stream_of(stream)
+            out = as_cupy(out, "out", self.name)
+            check_array(out, name="out", op=self.name, shape=(W * rows, self.cols),
+                        dtype=self.dtype, device=self.world.device)
         nbytes = rows * self.row_bytes
         if rows == 0:  # every rank has 0 rows (rows must agree): no exchange, no epoch
             return out
-        self.epoch += 1
-        e = self.epoch
         if W == 1:  # nothing to exchange: one copy, no flags
+            self.epoch += 1
             runtime.memcpyAsync(out.data.ptr, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
             return out
-        if self.mode == "pull":
-            self._pull(x, out, rows, nbytes, e, s, runtime)
-        else:
-            self._push(x, out, rows, nbytes, e, s, runtime)
+        e = self.begin(x, out.data.ptr, s)
+        self.send_peers(x, out.data.ptr, s)
+        if self.mode == "push":  # the gathered rows are in our data region: copy them out
+            nchunks = -(-rows // self.chunk_rows)
+            self._wait(s, "chunk", e, 0, num_groups=W, per_group=nchunks,
+                       group_stride=self.max_chunks)
+            runtime.memcpyAsync(out.data.ptr, self.buf.ptr(self.world.rank, "data"), W * nbytes,
+                                _MEMCPY_DEFAULT, s.ptr)
+            self.release(s)
         return out
+
+    def _check_call(self, x, stream):
+        """Validate x (before anything is queued); returns (x, rows, stream)."""
+        if self._closed:
+            raise CufluxError(f"{self.name}: the op is closed")
+        self.err.check()
+        x = as_cupy(x, "x", self.name)
+        check_array(x, name="x", op=self.name, ndim=2, dtype=self.dtype,
+                    device=self.world.device)
+        rows = x.shape[0]
+        if x.shape[1] != self.cols:
+            raise ValueError(f"{self.name}: x must have {self.cols} columns, got shape "
+                             f"{tuple(x.shape)}")
+        if rows > self.max_rows:
+            raise ValueError(f"{self.name}: x has {rows} rows, more than "
+                             f"max_rows={self.max_rows}")
+        return x, rows, stream_of(stream)
 
     def _fork(self, s):
         import cupy
@@ -184,61 +234,113 @@ class AllGather:
             ev.record(lane)
             s.wait_event(ev)
 
-    def _pull(self, x, out, rows, nbytes, e, s, runtime):
-        W, me = self.world.size, self.world.rank
-        staging = self.buf.ptr(me, "data")
-        # Peers may still be reading our staging slot from call e-1.
-        if e > 1:
-            self._wait(s, "done", e - 1, 0, num_groups=W)
-        runtime.memcpyAsync(staging, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
-        for p in range(W):
-            if p != me:
-                driver.stream_write_value32(s, self._flag(p, "ready", me), e)
-        runtime.memcpyAsync(out.data.ptr + me * nbytes, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
-        for c, _, _ in self._chunks(rows):
-            driver.stream_write_value32(s, self._chunk_flag(me, me, c), e)
-        driver.stream_write_value32(s, self._flag(me, "done", me), e)
-        self._fork(s)
-        for stage in self.order:
-            for lane, p in zip(self.lanes, stage):
-                self._wait(lane, "ready", e, p, index0=p)
-                src = self.buf.ptr(p, "data")
-                for c, r0, n in self._chunks(rows):
-                    off = r0 * self.row_bytes
-                    runtime.memcpyAsync(out.data.ptr + p * nbytes + off, src + off,
-                                        n * self.row_bytes, _MEMCPY_DEFAULT, lane.ptr)
-                    driver.stream_write_value32(lane, self._chunk_flag(me, p, c), e)
-                driver.stream_write_value32(lane, self._flag(p, "done", me), e)
-        self._join(s)
+    # ---- the halves of a call (AllGatherGemm queues its GEMM between them) --------------------
+    # A consumer that reads the gathered rows as they land calls begin(), queues its kernel on
+    # the same stream (it waits on the chunk flags itself), then send_peers(), and in push mode
+    # release() once everything that reads the gathered rows is queued. x must be validated
+    # (rows >= 1, the same on every rank) and stay unchanged until the stream has run the call.
+    def chunk_flags_ptr(self) -> int:
+        """This rank's chunk flags: uint32 [W, max_chunks]; (p, c) = epoch once chunk c of rank
+        p's rows is in the gathered buffer."""
+        return self.buf.ptr(self.world.rank, "chunk")
 
-    def _push(self, x, out, rows, nbytes, e, s, runtime):
+    def push_gathered_ptr(self) -> int:
+        """Push mode: where this rank's gathered rows land (rank p's at p * rows * row_bytes)."""
+        return self.buf.ptr(self.world.rank, "data")
+
+    def begin(self, x, gathered_ptr: int, stream) -> int:
+        """Start call e (returned) on `stream` with this rank's own rows.
+
+        pull: wait until every peer finished reading our staging slot (call e-1), stage x, tell
+          every peer, copy x to rows [me * rows, (me + 1) * rows) at gathered_ptr, raise our
+          own chunk flags.
+        push: copy x into our rows of this rank's data region (push_gathered_ptr(); gathered_ptr
+          is not used), raise our own chunk flags.
+        W = 1: copy x to gathered_ptr (nothing when it is x itself); no flags: whatever is
+          queued on `stream` next runs after the copy.
+        The copy lanes fork from `stream` here, so what is queued on `stream` afterwards runs
+        alongside the peer copies send_peers() queues.
+        """
+        from cupy.cuda import runtime
+
         W, me = self.world.size, self.world.rank
-        runtime.memcpyAsync(self.buf.ptr(me, "data", me * nbytes), x.data.ptr, nbytes,
-                            _MEMCPY_DEFAULT, s.ptr)
+        s = stream
+        rows = x.shape[0]
+        nbytes = rows * self.row_bytes
+        self.epoch += 1
+        e = self.epoch
+        if W == 1:
+            if gathered_ptr != x.data.ptr:
+                runtime.memcpyAsync(gathered_ptr, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
+            return e
+        if self.mode == "pull":
+            staging = self.buf.ptr(me, "data")
+            # Peers may still be reading our staging slot from call e-1.
+            if e > 1:
+                self._wait(s, "done", e - 1, 0, num_groups=W)
+            runtime.memcpyAsync(staging, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
+            for p in range(W):
+                if p != me:
+                    driver.stream_write_value32(s, self._flag(p, "ready", me), e)
+        dst = (self.push_gathered_ptr() if self.mode == "push" else gathered_ptr) + me * nbytes
+        runtime.memcpyAsync(dst, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
         for c, _, _ in self._chunks(rows):
             driver.stream_write_value32(s, self._chunk_flag(me, me, c), e)
-        driver.stream_write_value32(s, self._flag(me, "free", me), e)
+        driver.stream_write_value32(s, self._flag(me, "done" if self.mode == "pull" else "free",
+                                                  me), e)
         self._fork(s)
+        return e
+
+    def send_peers(self, x, gathered_ptr: int, stream) -> None:
+        """Queue the peers' rows of the call begin() started: lane streams, stage by stage of
+        the transfer order, chunk-major inside a stage (chunk 0 of every peer of the stage,
+        then chunk 1, ...: the order of arrival_order()), each chunk followed by its flag.
+        `stream` waits for the lanes at the end."""
+        from cupy.cuda import runtime
+
+        W, me, e = self.world.size, self.world.rank, self.epoch
+        if W == 1:
+            return
+        rows = x.shape[0]
+        nbytes = rows * self.row_bytes
+        chunks = list(self._chunks(rows))
         for stage in self.order:
-            for lane, p in zip(self.lanes, stage):
+            pairs = list(zip(self.lanes, stage))
+            if self.mode == "pull":
+                for lane, p in pairs:
+                    self._wait(lane, "ready", e, p, index0=p)
+                for c, r0, n in chunks:
+                    off = r0 * self.row_bytes
+                    for lane, p in pairs:
+                        runtime.memcpyAsync(gathered_ptr + p * nbytes + off,
+                                            self.buf.ptr(p, "data") + off, n * self.row_bytes,
+                                            _MEMCPY_DEFAULT, lane.ptr)
+                        driver.stream_write_value32(lane, self._chunk_flag(me, p, c), e)
+                for lane, p in pairs:
+                    driver.stream_write_value32(lane, self._flag(p, "done", me), e)
+            else:
                 # Rank p's gathered rows of call e-1 must be consumed before we overwrite them.
                 if e > 1:
-                    self._wait(lane, "free", e - 1, p, index0=p)
-                dst = self.buf.ptr(p, "data", me * nbytes)
-                for c, r0, n in self._chunks(rows):
+                    for lane, p in pairs:
+                        self._wait(lane, "free", e - 1, p, index0=p)
+                for c, r0, n in chunks:
                     off = r0 * self.row_bytes
-                    runtime.memcpyAsync(dst + off, x.data.ptr + off, n * self.row_bytes,
-                                        _MEMCPY_DEFAULT, lane.ptr)
-                    driver.stream_write_value32(lane, self._chunk_flag(p, me, c), e)
-        self._join(s)
-        nchunks = -(-rows // self.chunk_rows)
-        self._wait(s, "chunk", e, 0, num_groups=W, per_group=nchunks,
-                   group_stride=self.max_chunks)
-        runtime.memcpyAsync(out.data.ptr, self.buf.ptr(me, "data"), W * nbytes, _MEMCPY_DEFAULT,
-                            s.ptr)
-        for p in range(W):
+                    for lane, p in pairs:
+                        runtime.memcpyAsync(self.buf.ptr(p, "data", me * nbytes + off),
+                                            x.data.ptr + off, n * self.row_bytes,
+                                            _MEMCPY_DEFAULT, lane.ptr)
+                        driver.stream_write_value32(lane, self._chunk_flag(p, me, c), e)
+        self._join(stream)
+
+    def release(self, stream) -> None:
+        """Push mode: once `stream` has run everything that reads this call's gathered rows,
+        tell every peer it may overwrite its rows in our data region (free[me] = e on it)."""
+        if self.mode != "push":
+            return
+        me = self.world.rank
+        for p in range(self.world.size):
             if p != me:
-                driver.stream_write_value32(s, self._flag(p, "free", me), e)
+                driver.stream_write_value32(stream, self._flag(p, "free", me), self.epoch)
 
     # ---- lifetime ------------------------------------------------------------------------------
     def synchronize(self, stream=None) -> None:

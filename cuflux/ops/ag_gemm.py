@@ -1,0 +1,489 @@
+"""AllGather + GEMM (tensor parallelism, column-parallel layer): out = gather(A) @ B (+ bias).
+
+Each rank holds a_shard [rows, k] (rows = M / W, the same on every rank in a call) and B with
+its own n output columns; every rank computes out [M, n] = A_gathered @ B, where A_gathered
+[M, k] stacks the ranks' shards in rank order. The gather runs on copy engines, queued from the
+host by cuflux.ops.allgather.AllGather (own shard first, then the peers in the topology's
+transfer order, each chunk of chunk_rows rows followed by its flag, cuStreamWriteValue32); the
+GEMM (kernels_cu/ag_gemm.cu) is queued right after this rank's own rows, runs alongside the
+copies, visits its tiles in the order their chunks are expected to land (`visit_order`) and
+waits (bounded, acquire) on a tile's chunk flags before it loads its A rows. Where the GEMM
+reads A: pull mode, a fresh [M, k] array the copies fill (returned with return_gathered=True);
+push mode, this rank's symmetric data region the peers' copies fill (copied out, alongside the
+GEMM, when return_gathered=True). W = 1: A_gathered is a_shard itself (no copy unless it is
+asked back), and the same kernel runs with epoch 0 (nothing to wait for, no flag written).
+
+Per call, on the caller's stream s:
+  s:        [pull: wait until peers read our staging of the last call; stage a_shard; ready ->
+            peers] copy own rows into the gathered buffer, raise own chunk flags; fork lanes;
+            GEMM (waits per tile on chunk flags);
+  lanes:    [push: wait until peer p consumed the last call] copy chunks, raise their flags;
+            join into s;  [push: s, after the GEMM (and the copy-out): free -> every peer].
+
+Calls of one op must be ordered on each rank (one stream, or streams the caller orders) and
+every rank must make the same calls with the same rows. A failed wait (a peer that never
+comes) raises CommTimeoutError at synchronize() or at the next call; the op then refuses to
+run: close it (collective) and build a new one.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from cuflux import kernels
+from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+from cuflux.errors import OP_CODES, CufluxError
+from cuflux.ops import gemm as G
+from cuflux.ops.allgather import AllGather, arrival_order
+
+__all__ = ["AllGatherGemm", "reference_ag_gemm", "visit_order", "chunks_for_rows",
+           "default_chunk_rows", "block_tiles_for", "check_build_args", "AG_SM90_CONFIGS"]
+
+_OP = "AllGatherGemm"
+_SRC = "ag_gemm.cu"
+_IN = ("bfloat16", "float16")
+_LAYOUTS = ("kn", "nk")
+_MEMCPY_DEFAULT = 4
+# Hopper configurations instantiated here: every single-CTA one of the plain GEMM, so whatever
+# the GEMM's tuner picked for a shape is available (2-CTA clusters are slower, docs/gemm_notes).
+AG_SM90_CONFIGS = {name: c for name, c in G.SM90_CONFIGS.items() if c.cluster == 1}
+_SM80_TILE = (128, 128)  # kernels_cu/ag_gemm.cu AgSm80Cfg == gemm.cu Sm80Cfg
+
+# chunk_rows default (no measurement yet: `python -m cuflux.bench ag_gemm` sweeps it). Few copy
+# engines and a host that issues every copy make small chunks slow; a few chunks per shard let
+# the GEMM start on a peer's rows before the whole shard has landed.
+DEFAULT_CHUNKS_PER_SHARD = 4
+DEFAULT_MIN_CHUNK_BYTES = 2 << 20
+_CHUNK_ALIGN_ROWS = 128  # whole tile rows of every core
+
+
+def _sm90_kernel(cfg, cuda_type: str, transposed: bool) -> str:
+    return (f"ag_gemm_sm90<{cuda_type}, {cfg.bm}, {cfg.bn}, {cfg.stages}, "
+            f"{'true' if transposed else 'false'}, {'true' if cfg.tma_store else 'false'}>")
+
+
+def _sm80_kernel(cuda_type: str, transposed: bool) -> str:
+    return f"ag_gemm_sm80<{cuda_type}, {'true' if transposed else 'false'}>"
+
+
+def _names() -> list[str]:
+    names = []
+    for dt in _IN:
+        t = dtype_info(dt).cuda_type
+        for tr in (False, True):
+            names += [_sm90_kernel(c, t, tr) for c in AG_SM90_CONFIGS.values()]
+            names.append(_sm80_kernel(t, tr))
+    return names
+
+
+FAMILY = kernels.register(_SRC, _names(), min_arch=80)
+
+
+# ---- pure helpers (mirrored by the kernel; tested on the CPU) ----------------------------------
+def default_chunk_rows(max_rows: int, row_bytes: int, world_size: int) -> int:
+    """Rows per flagged chunk when the caller gives none: the whole shard at W = 1 (nothing is
+    copied), else about DEFAULT_CHUNKS_PER_SHARD chunks per shard of at least
+    DEFAULT_MIN_CHUNK_BYTES each, in whole 128-row tiles."""
+    if world_size == 1:
+        return max_rows
+    align = _CHUNK_ALIGN_ROWS
+    rows = -(-max_rows // DEFAULT_CHUNKS_PER_SHARD)
+    rows = max(rows, -(-DEFAULT_MIN_CHUNK_BYTES // row_bytes))
+    return min(max_rows, -(-rows // align) * align)
+
+
+def chunks_for_rows(row_begin: int, row_end: int, rows_per_rank: int,
+                    chunk_rows: int) -> list[tuple[int, int]]:
+    """(source rank, chunk) of every chunk that rows [row_begin, row_end) of the gathered A come
+    from: the flags a tile's prologue waits on (include/cuflux/ag_hooks.cuh, same loops)."""
+    if row_end <= row_begin:
+        return []
+    out = []
+    for src in range(row_begin // rows_per_rank, (row_end - 1) // rows_per_rank + 1):
+        base = src * rows_per_rank
+        lo = max(row_begin, base) - base
+        hi = min(row_end, base + rows_per_rank) - base
+        out += [(src, c) for c in range(lo // chunk_rows, (hi - 1) // chunk_rows + 1)]
+    return out
+
+
+def block_tiles_for(world_size: int, rows_per_rank: int, chunk_rows: int, tile_rows: int) -> int:
+    """Tile rows per scheduling block. W = 1: all of them (one block: the plain GEMM's order).
+    Else as many whole tile rows as one chunk holds (at least one), so a block becomes ready
+    about when one chunk lands and the L2 grouping stays inside it."""
+    tiles_m = -(-world_size * rows_per_rank // tile_rows)
+    if world_size == 1:
+        return max(1, tiles_m)
+    return max(1, min(tiles_m, min(chunk_rows, rows_per_rank) // tile_rows))
+
+
+def visit_order(world_size: int, rank: int, stages, rows_per_rank: int, chunk_rows: int,
+                tile_rows: int, block_tiles: int) -> list[int]:
+    """The order in which the GEMM visits its blocks of block_tiles tile rows: by the expected
+    landing of the last chunk a block needs (allgather.arrival_order: own shard, then the
+    arrival stages, chunk-major), ties in row order. A permutation of the blocks.
+    stages: allgather.arrival_stages (AllGather.arrival_stages of the op)."""
+    R = rows_per_rank
+    num_chunks = -(-R // chunk_rows)
+    when = {sc: i for i, sc in enumerate(arrival_order(rank, stages, num_chunks))}
+    M = world_size * R
+    block_rows = block_tiles * tile_rows
+    num_blocks = -(-(-(-M // tile_rows)) // block_tiles)
+    keys = [max(when[sc] for sc in chunks_for_rows(b * block_rows, min(M, (b + 1) * block_rows),
+                                                   R, chunk_rows))
+            for b in range(num_blocks)]
+    return sorted(range(num_blocks), key=lambda b: (keys[b], b))
+
+
+def check_build_args(world_size: int, max_m: int, n: int, k: int, dtype, out_dtype, b_layout,
+                     mode, chunk_rows, timeout_s, impl, config, group_m):
+    """Constructor checks that need no GPU; returns (dtype, out dtype, max rows per rank)."""
+    dt = dtype_info(dtype, _IN, _OP)
+    odt = dtype_info(out_dtype if out_dtype is not None else dt.name, G._OUT_KIND, _OP)
+    if b_layout not in _LAYOUTS:
+        raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [k, n]) or 'nk' (b is [n, k]), "
+                         f"got {b_layout!r}")
+    if mode not in ("pull", "push"):
+        raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
+    for name, v in (("n", n), ("k", k)):
+        if not isinstance(v, (int, np.integer)) or v <= 0 or v % 8 or v >= 2**31:
+            raise ValueError(f"{_OP}: {name} must be a positive multiple of 8 below 2**31 (rows "
+                             f"move in 16-byte pieces), got {name}={v!r}")
+    if not isinstance(max_m, (int, np.integer)) or max_m < world_size or max_m >= 2**31:
+        raise ValueError(f"{_OP}: max_m (the largest gathered M) must be an int in "
+                         f"[world size {world_size}, 2**31), got {max_m!r}")
+    if chunk_rows is not None and (not isinstance(chunk_rows, (int, np.integer))
+                                   or chunk_rows < 1):
+        raise ValueError(f"{_OP}: chunk_rows must be an int >= 1 or None, got {chunk_rows!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"{_OP}: timeout_s must be > 0, got {timeout_s!r}")
+    if impl not in ("auto", "sm90", "sm80"):
+        raise ValueError(f"{_OP}: impl must be 'auto', 'sm90' or 'sm80', got {impl!r}")
+    if config is not None:
+        if config not in AG_SM90_CONFIGS:
+            raise ValueError(f"{_OP}: config must be one of {sorted(AG_SM90_CONFIGS)} or None, "
+                             f"got {config!r}")
+        if impl == "sm80":
+            raise ValueError(f"{_OP}: config names a Hopper configuration; impl='sm80' has one "
+                             f"fixed tile ({G.SM80_CONFIG})")
+    if not isinstance(group_m, int) or group_m < 1:
+        raise ValueError(f"{_OP}: group_m must be an int >= 1, got {group_m!r}")
+    return dt, odt, int(max_m) // world_size
+
+
+def reference_ag_gemm(a_shards, bs, biases=None, b_layout: str = "kn") -> list[np.ndarray]:
+    """What each rank's out holds, in float64: concat(a_shards) @ B_r (+ bias_r).
+
+    a_shards: W arrays [rows, k] (rank order); bs: W weights, [k, n] ("kn") or [n, k] ("nk");
+    biases: W arrays [n] or None. The gathered A is np.concatenate(a_shards) on every rank.
+    """
+    if b_layout not in _LAYOUTS:
+        raise ValueError(f"reference_ag_gemm: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    if len(bs) != len(a_shards) or (biases is not None and len(biases) != len(a_shards)):
+        raise ValueError(f"reference_ag_gemm: {len(a_shards)} shards but {len(bs)} weights"
+                         + ("" if biases is None else f" and {len(biases)} biases"))
+    a = np.concatenate([np.asarray(x, dtype=np.float64) for x in a_shards])
+    outs = []
+    for r, b in enumerate(bs):
+        b = np.asarray(b, dtype=np.float64)
+        o = a @ (b if b_layout == "kn" else b.T)
+        if biases is not None:
+            o = o + np.asarray(biases[r], dtype=np.float64)[None, :]
+        outs.append(o)
+    return outs
+
+
+# ---- the op --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    impl: str          # "sm90" / "sm80"
+    config: str        # Hopper configuration name, or G.SM80_CONFIG
+    kernel: str        # name expression in kernels_cu/ag_gemm.cu
+    tile_rows: int
+    block_tiles: int
+    grid: int
+    threads: int
+    smem: int
+
+
+class AllGatherGemm:
+    """out [M, n] = gather_ranks(a_shard) @ b (+ bias), the gather hidden behind the GEMM.
+
+    Args:
+      world: cuflux.World.
+      max_m: largest gathered M = W * rows any call uses (rows per rank <= max_m // W).
+      n: this rank's output columns; k: the inner dimension (both multiples of 8).
+      dtype: bfloat16 or float16 (a_shard, b, bias); out_dtype: bfloat16 / float16 / float32
+        (default: dtype). fp32 accumulation.
+      b_layout: "kn" (b is [k, n]) or "nk" (b is [n, k], a Linear weight).
+      mode: "pull" (each rank reads the peers' staged shards) or "push" (each rank writes its
+        shard into every peer).
+      chunk_rows: rows per flagged communication chunk (None: default_chunk_rows).
+      timeout_s: bound of every wait; on expiry CommTimeoutError.
+      impl: "auto" (Hopper core on sm_90a, else the portable core), "sm90" or "sm80".
+      config: Hopper configuration (AG_SM90_CONFIGS); None: the plain GEMM tuner's cached
+        choice for the shape, else its heuristic.
+      group_m: tile rows per L2 group inside a scheduling block.
+    """
+
+    def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
+                 b_layout: str = "kn", mode: str = "pull", chunk_rows: int | None = None,
+                 timeout_s: float = 30.0, impl: str = "auto", config: str | None = None,
+                 group_m: int = 8):
+        dt, odt, max_rows = check_build_args(world.size, max_m, n, k, dtype, out_dtype, b_layout,
+                                             mode, chunk_rows, timeout_s, impl, config, group_m)
+        if world.device is None:
+            raise CufluxError(f"{_OP}: needs a CUDA device; rank {world.rank} has none")
+        import cupy
+
+        self.world, self.n, self.k, self.mode = world, int(n), int(k), mode
+        self.dtype, self.out_dtype, self.b_layout = dt, odt, b_layout
+        self.max_rows, self.group_m, self.config = max_rows, group_m, config
+        self.chunk_rows = int(chunk_rows) if chunk_rows else \
+            default_chunk_rows(max_rows, self.k * dt.itemsize, world.size)
+        world.check_same((int(max_m), self.n, self.k, dt.name, odt.name, b_layout, mode,
+                          self.chunk_rows, float(timeout_s), impl, config, group_m),
+                         f"{_OP} arguments (max_m, n, k, dtype, out_dtype, b_layout, mode, "
+                         f"chunk_rows, timeout_s, impl, config, group_m)")
+        dev = cupy.cuda.Device(world.device)
+        self.arch = kernels.device_arch(dev.id)
+        if impl == "sm90" and self.arch != "sm_90a":
+            raise RuntimeError(f"{_OP}: impl='sm90' needs an sm_90a device (Hopper), device "
+                               f"{dev.id} is {self.arch}")
+        self.impl = impl if impl != "auto" else ("sm90" if self.arch == "sm_90a" else "sm80")
+        # Ranks sharing this GPU run their GEMMs side by side (under MPS): split the SMs, so that
+        # no rank's grid waits for SMs another rank's waiting grid holds.
+        sharing = 1 + sum(1 for link in world.topology.links
+                          if link.same_gpu and link.peer != world.rank)
+        self.num_sms = dev.attributes["MultiProcessorCount"]
+        self.max_ctas = max(1, self.num_sms // sharing)
+        self.module = kernels.load(_SRC)  # eager: nothing may load while a stream waits
+        self._side = cupy.cuda.Stream(non_blocking=True)    # push: copy-out of the gathered A
+        self._upload = cupy.cuda.Stream(non_blocking=True)  # visit orders, once per shape
+        # Last: the collective resources (symmetric buffer, flags, copy lanes).
+        self.ag = AllGather(world, max_rows, self.k, dt.name, mode=mode,
+                            chunk_rows=self.chunk_rows, timeout_s=timeout_s, name=_OP)
+        self._plans: dict[int, _Plan] = {}
+        self._orders: dict[tuple, object] = {}
+        self._closed = False
+
+    # ---- planning --------------------------------------------------------------------------------
+    def _sm90_config(self, M: int) -> str:
+        if self.config is not None:
+            return self.config
+        import cupy
+
+        gpu = cupy.cuda.runtime.getDeviceProperties(self.world.device)["name"]
+        gpu = gpu.decode() if isinstance(gpu, bytes) else gpu
+        key = f"{gpu}|{self.dtype.name}|{self.b_layout}|{G._shape_class(M, self.n, self.k)}"
+        cached = G._load_tuner().get(key, {}).get("config")  # read only: never tunes here
+        if cached in AG_SM90_CONFIGS:
+            return cached
+        return G._heuristic(M, self.n, self.k)
+
+    def plan_for(self, rows: int) -> _Plan:
+        """The kernel, tile and grid a call with `rows` rows per rank runs."""
+        plan = self._plans.get(rows)
+        if plan is not None:
+            return plan
+        W, M = self.world.size, self.world.size * rows
+        transposed = self.b_layout == "kn"
+        t = self.dtype.cuda_type
+        if self.impl == "sm90":
+            name = self._sm90_config(M)
+            cfg = AG_SM90_CONFIGS[name]
+            tiles = -(-M // cfg.bm) * -(-self.n // cfg.bn)
+            plan = _Plan("sm90", name, _sm90_kernel(cfg, t, transposed), cfg.bm,
+                         block_tiles_for(W, rows, self.chunk_rows, cfg.bm),
+                         min(tiles, self.max_ctas), 384, cfg.smem_bytes)
+        else:
+            tiles = -(-M // _SM80_TILE[0]) * -(-self.n // _SM80_TILE[1])
+            plan = _Plan("sm80", G.SM80_CONFIG, _sm80_kernel(t, transposed), _SM80_TILE[0],
+                         block_tiles_for(W, rows, self.chunk_rows, _SM80_TILE[0]),
+                         min(tiles, G._SM80_PER_SM * self.max_ctas), G._SM80_THREADS,
+                         G._SM80_SMEM)
+        G._prepare(self.module[plan.kernel], plan.smem)
+        self._plans[rows] = plan
+        return plan
+
+    def _order(self, rows: int, plan: _Plan):
+        """Device copy of visit_order for this shape (made once, kept for the op's life: a
+        kernel still queued may read it)."""
+        key = (rows, plan.tile_rows, plan.block_tiles)
+        dev = self._orders.get(key)
+        if dev is None:
+            import cupy
+
+            host = np.asarray(visit_order(self.world.size, self.world.rank,
+                                          self.ag.arrival_stages, rows, self.chunk_rows,
+                                          plan.tile_rows, plan.block_tiles), dtype=np.int32)
+            with self._upload:  # a private stream: never behind a flag wait
+                dev = cupy.asarray(host)
+            self._upload.synchronize()
+            self._orders[key] = dev
+        return dev
+
+    # ---- call ------------------------------------------------------------------------------------
+    def _check_open(self):
+        if self._closed:
+            raise CufluxError(f"{_OP}: the op is closed")
+        self.ag.err.check()  # pinned host memory: no synchronisation
+
+    def _check_call(self, a_shard, b, bias, out):
+        """Every argument check, before anything is queued (nothing touches a peer)."""
+        dev, dt = self.world.device, self.dtype
+        a = as_cupy(a_shard, "a_shard", _OP)
+        check_array(a, name="a_shard", op=_OP, ndim=2, dtype=dt, device=dev)
+        rows = a.shape[0]
+        if a.shape[1] != self.k:
+            raise ValueError(f"{_OP}: a_shard must be [rows, k={self.k}], got {tuple(a.shape)}")
+        if rows > self.max_rows:
+            raise ValueError(f"{_OP}: a_shard has {rows} rows, more than max_m // W = "
+                             f"{self.max_rows}")
+        b = as_cupy(b, "b", _OP)
+        check_array(b, name="b", op=_OP, ndim=2, dtype=dt, device=dev)
+        want = (self.k, self.n) if self.b_layout == "kn" else (self.n, self.k)
+        if tuple(b.shape) != want:
+            dims = "[k={}, n={}]" if self.b_layout == "kn" else "[n={1}, k={0}]"
+            raise ValueError(f"{_OP}: b (layout {self.b_layout!r}) must be "
+                             f"{dims.format(self.k, self.n)}, got {tuple(b.shape)}")
+        for name, x in (("a_shard", a), ("b", b)):
+            if x.data.ptr % 16:
+                raise ValueError(f"{_OP}: {name} must start at a 16-byte aligned address "
+                                 f"(got {x.data.ptr:#x})")
+        if bias is not None:
+            bias = as_cupy(bias, "bias", _OP)
+            check_array(bias, name="bias", op=_OP, shape=(self.n,), dtype=dt, device=dev)
+            if bias.data.ptr % 4:
+                raise ValueError(f"{_OP}: bias must start at a 4-byte aligned address")
+        if out is not None:
+            out = as_cupy(out, "out", _OP)
+            check_array(out, name="out", op=_OP, shape=(self.world.size * rows, self.n),
+                        dtype=self.out_dtype, device=dev)
+            if out.data.ptr % 16:
+                raise ValueError(f"{_OP}: out must start at a 16-byte aligned address")
+        return a, b, bias, out, rows
+
+    def __call__(self, a_shard, b, bias=None, return_gathered: bool = False, stream=None,
+                 out=None):
+        """a_shard [rows, k] (rows <= max_m // W, the same on every rank), b [k, n] / [n, k],
+        bias [n] or None -> out [W * rows, n] (into `out` when given), and with
+        return_gathered=True also the gathered A [W * rows, k] (a new array): (out, gathered)."""
+        import cupy
+
+        self._check_open()
+        a, b, bias, out, rows = self._check_call(a_shard, b, bias, out)
+        s = stream_of(stream)
+        W, M = self.world.size, self.world.size * rows
+        pull = self.mode == "pull" or W == 1
+        # Allocations come from s's pool arena: their blocks were last used by work queued on s,
+        # which runs before everything below (the lanes fork from s).
+        with s:
+            if out is None:
+                out = cupy.empty((M, self.n), dtype=self.out_dtype.storage)
+            gathered = None
+            if return_gathered or (pull and W > 1):
+                gathered = cupy.empty((M, self.k), dtype=self.dtype.storage)
+        if rows == 0:  # every rank has 0 rows (rows must agree): nothing to do, no epoch
+            return (out, gathered) if return_gathered else out
+        if pull and gathered is None:  # W = 1, nothing asked back: the GEMM reads a_shard
+            gathered = a
+        self._issue(a, rows, gathered, b, bias, out, s)
+        return (out, gathered) if return_gathered else out
+
+    def _issue(self, a, rows: int, gathered, b, bias, out, s) -> int:
+        """Queue one call (arguments checked, rows >= 1); returns its epoch. gathered: where
+        the GEMM reads A (pull, W = 1), or the copy-out target (push, return_gathered), or
+        None (push)."""
+        import cupy
+
+        plan = self.plan_for(rows)
+        order = self._order(rows, plan)
+        pull = self.mode == "pull" or self.world.size == 1
+        a_ptr = gathered.data.ptr if pull else self.ag.push_gathered_ptr()
+        e = self.ag.begin(a, a_ptr, s)
+        fork = None
+        if not pull and gathered is not None:  # the copy-out forks here: beside the GEMM
+            fork = cupy.cuda.Event(disable_timing=True)
+            fork.record(s)
+        # W = 1: nothing to wait for (the stream orders the copy, if any, before the GEMM); the
+        # same kernel runs with epoch 0, which every flag has reached.
+        self._launch(plan, a_ptr, b, bias, out, rows, e if self.world.size > 1 else 0, order, s)
+        self.ag.send_peers(a, a_ptr, s)
+        if not pull:
+            if gathered is not None:
+                self._copy_out(gathered, rows, e, fork, s)
+            self.ag.release(s)  # after the GEMM and the copy-out on s
+        return e
+
+    def _launch(self, plan: _Plan, a_ptr: int, b, bias, out, rows: int, e: int, order, s):
+        M, N, K = self.world.size * rows, self.n, self.k
+        err = self.ag.err
+        tail = (order, np.int32(plan.block_tiles), np.int32(self.group_m),
+                np.uint64(self.ag.chunk_flags_ptr()), np.int32(self.ag.max_chunks),
+                np.int32(rows), np.int32(self.chunk_rows), np.uint32(e & 0xFFFFFFFF),
+                np.uint64(err.ptr), err.claim, np.uint64(err.timeout_ns),
+                np.uint32(OP_CODES[_OP]), np.uint32(self.world.rank))
+        head = (np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
+                np.int32(G._OUT_KIND[self.out_dtype.name]),
+                bias if bias is not None else np.uint64(0))
+        if plan.impl == "sm90":
+            cfg, dt = AG_SM90_CONFIGS[plan.config], self.dtype
+            tma_a = G._tensor_map(a_ptr, M, K, 64, cfg.bm, dt)
+            if self.b_layout == "kn":
+                tma_b = G._tensor_map(b.data.ptr, K, N, 64, 64, dt)
+            else:
+                tma_b = G._tensor_map(b.data.ptr, N, K, 64, cfg.bn, dt)
+            if cfg.tma_store and self.out_dtype.itemsize == 2:
+                tma_c = G._tensor_map(out.data.ptr, M, N, 64, cfg.bm // 2, self.out_dtype)
+            else:
+                tma_c = tma_a  # not read by the kernel
+            args = (tma_a, tma_b, tma_c) + head + tail
+        else:
+            args = (np.uint64(a_ptr), b) + head + tail
+        kernels.launch(self.module[plan.kernel], (plan.grid,), (plan.threads,), args, s, op=_OP,
+                       name=plan.kernel, shared_mem=plan.smem)
+
+    def _copy_out(self, gathered, rows: int, e: int, fork, s) -> None:
+        """Push mode: copy this call's gathered rows out of the data region (which the next call
+        overwrites) on a side stream forked from s before the GEMM, so it runs alongside. A
+        source's chunks land in order on one copy stream, so its last chunk's flag covers its
+        whole shard. s waits for the copy."""
+        import cupy
+        from cupy.cuda import runtime
+
+        ag = self.ag
+        self._side.wait_event(fork)
+        last = -(-rows // self.chunk_rows) - 1
+        ag._wait(self._side, "chunk", e, 0, num_groups=self.world.size, per_group=1,
+                 group_stride=ag.max_chunks, index0=last)
+        runtime.memcpyAsync(gathered.data.ptr, ag.push_gathered_ptr(),
+                            self.world.size * rows * ag.row_bytes, _MEMCPY_DEFAULT,
+                            self._side.ptr)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(self._side)
+        s.wait_event(done)
+
+    # ---- lifetime --------------------------------------------------------------------------------
+    def synchronize(self, stream=None) -> None:
+        """Wait for this rank's work on `stream` (and the op's own streams); raise
+        CommTimeoutError if a wait failed."""
+        stream_of(stream).synchronize()
+        for st in self.ag.lanes + [self._side]:
+            st.synchronize()
+        self.ag.err.check()
+
+    def close(self) -> None:
+        """Collective and idempotent: every rank must call it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.ag.close()
+        self._orders.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

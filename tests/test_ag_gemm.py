@@ -1,0 +1,76 @@
+"""GPU tests of AllGatherGemm (skipped without a GPU): ranks share the GPU under mpiexec, W from
+CUFLUX_TEST_WORLD_SIZES (1, 2, 4 by default; 8 on the GPU machine). The rank bodies are in
+tests/cases_ag_gemm.py: float64 reference, poisoned outputs, the gathered A bit for bit, and the
+output bit for bit against cuflux.gemm with the same core and configuration."""
+import os
+
+import pytest
+
+from tests.mpi import gpu_available, run_ranks, world_sizes
+
+pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
+WS = world_sizes()
+
+
+def _hopper() -> bool:
+    from cuflux import kernels
+
+    return gpu_available() and kernels.device_arch() == "sm_90a"
+
+
+def _impls():
+    return ["sm90", "sm80"] if _hopper() else ["sm80"]
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(4), "little")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiled_once():
+    """Compile the two families here once, so W rank processes do not all compile at once."""
+    if not gpu_available():
+        return
+    import cuflux.ops  # noqa: F401  (registers every family)
+    import cuflux.ops.ag_gemm  # noqa: F401  (until cuflux.ops imports it)
+    from cuflux import kernels
+
+    arch = kernels.device_arch()
+    for src in ("ag_gemm.cu", "gemm.cu"):
+        fam = kernels.families()[src]
+        kernels.compile_source(fam.source, fam.names, arch)
+
+
+@pytest.mark.parametrize("W", WS)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("impl", ["sm90", "sm80"])
+def test_matches_float64_and_the_plain_gemm(W, mode, impl):
+    if impl not in _impls():
+        pytest.skip("the Hopper core needs an sm_90a device")
+    run_ranks(W, "tests.cases_ag_gemm:sweep", timeout_s=300, mode=mode, impl=impl, seed=_seed())
+
+
+@pytest.mark.parametrize("W", [w for w in WS if w <= 2])
+def test_every_configuration(W):
+    assert run_ranks(W, "tests.cases_ag_gemm:every_config", timeout_s=300,
+                     seed=_seed())[0] >= 1
+
+
+@pytest.mark.parametrize("W", WS)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_back_to_back_calls_with_changing_rows(W, mode):
+    assert run_ranks(W, "tests.cases_ag_gemm:back_to_back", timeout_s=600,
+                     mode=mode) == [1000] * W
+
+
+@pytest.mark.parametrize("W", [w for w in WS if w > 1])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_timeout_names_the_missing_rank(W, mode):
+    res = run_ranks(W, "tests.cases_ag_gemm:timeout", timeout_s=300, mode=mode)
+    assert all(r["waited"] is not None for r in res[:-1]) and res[-1]["waited"] is None
+    assert all(r["after"] < 1e-2 for r in res)
+
+
+@pytest.mark.parametrize("W", [w for w in WS if w > 1][:1] or [1])
+def test_bad_input_raises_before_anything_is_queued(W):
+    run_ranks(W, "tests.cases_ag_gemm:bad_input", timeout_s=300)

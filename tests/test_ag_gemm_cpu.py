@@ -1,0 +1,514 @@
+"""CPU tests of AllGather + GEMM: the kernels compile and wait before they load; the pure
+helpers the kernel mirrors (chunks of a row range, visit order, block size, default chunk);
+argument checks; the float64 reference; and the host protocol itself (AllGather.begin /
+send_peers / release and AllGatherGemm._issue), run for several ranks on a simulated GPU:
+streams executing their queues in random interleavings over a byte-addressed memory, with a
+model GEMM that reads each tile's rows after waiting on their chunk flags."""
+import collections
+import itertools
+import random
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+import cuflux.ops.ag_gemm as AGG
+import cuflux.ops.allgather as AGM
+from cuflux import kernels, topology
+from cuflux.errors import CufluxError
+from cuflux.ops.ag_gemm import (AllGatherGemm, block_tiles_for, check_build_args,
+                                chunks_for_rows, default_chunk_rows, reference_ag_gemm,
+                                visit_order)
+from cuflux.ops.allgather import arrival_order, arrival_stages
+from cuflux.topology import PeerLink, Topology
+
+
+# ---- kernels -------------------------------------------------------------------------------------
+def test_family_has_every_config_dtype_and_layout():
+    fam = kernels.families()["ag_gemm.cu"]
+    assert fam.min_arch == 80
+    assert len(fam.names) == 2 * 2 * (len(AGG.AG_SM90_CONFIGS) + 1)
+    assert set(AGG.AG_SM90_CONFIGS) >= {"256x128s4c1", "128x256s4c1", "128x128s6c1"}
+    assert all(c.cluster == 1 for c in AGG.AG_SM90_CONFIGS.values())
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_compiles_for_both_targets(arch):
+    fam = kernels.families()["ag_gemm.cu"]
+    cubin, lowered = kernels.compile_source(fam.source, fam.names, arch)
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(fam.names)
+
+
+def _ptx(arch, names):
+    from cuda.bindings import nvrtc
+
+    code = (kernels.KERNEL_DIR / "ag_gemm.cu").read_bytes()
+    opts = list(kernels.BASE_OPTIONS) + [f"-arch={arch}", f"-I{kernels.INCLUDE_DIR}"]
+    opts += [f"-I{d}" for d in kernels._cuda_include_dirs()]
+    _, prog = nvrtc.nvrtcCreateProgram(code, b"ag_gemm.cu", 0, [], [])
+    try:
+        for n in names:
+            nvrtc.nvrtcAddNameExpression(prog, n.encode())
+        res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
+        buf = b" " * nvrtc.nvrtcGetPTXSize(prog)[1]
+        nvrtc.nvrtcGetPTX(prog, buf)
+        return buf.decode(errors="replace")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+def test_hopper_kernel_waits_with_acquire_then_loads_by_tma():
+    cfg = AGG.AG_SM90_CONFIGS["256x128s4c1"]
+    ptx = _ptx("sm_90a", [AGG._sm90_kernel(cfg, "__nv_bfloat16", True)])
+    for instr in ("ld.acquire.sys.global.u32", "fence.proxy.async.global", "%globaltimer",
+                  "nanosleep", "cp.async.bulk.tensor.2d", "wgmma.mma_async"):
+        assert instr in ptx, instr
+    assert "trap" not in ptx  # a timeout records and returns, never traps
+    # The wait sits before the producer's first TMA load of a tile.
+    assert ptx.index("ld.acquire.sys.global.u32") < ptx.index("cp.async.bulk.tensor.2d")
+
+
+def test_portable_kernel_waits_and_has_no_hopper_code():
+    ptx = _ptx("sm_80", [AGG._sm80_kernel("__half", False),
+                         AGG._sm90_kernel(AGG.AG_SM90_CONFIGS["128x256s4c1"], "__half", False)])
+    assert "ld.acquire.sys.global.u32" in ptx and "cp.async.cg.shared.global" in ptx
+    assert "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx and "trap" not in ptx
+
+
+# ---- pure helpers --------------------------------------------------------------------------------
+@pytest.mark.parametrize("R,chunk", [(1, 1), (77, 37), (77, 1000), (128, 64), (200, 64), (5, 2)])
+def test_chunks_for_rows_is_exactly_the_rows_sources(R, chunk):
+    W = 4
+    for r0, r1 in itertools.combinations(range(0, W * R + 1, max(1, R // 3)), 2):
+        want = sorted({(r // R, (r % R) // chunk) for r in range(r0, r1)})
+        got = chunks_for_rows(r0, r1, R, chunk)
+        assert got == want, (r0, r1)
+    assert chunks_for_rows(5, 5, R, chunk) == []
+
+
+def test_arrival_order_own_first_then_stages_chunk_major():
+    order = [[2, 3], [0]]
+    seq = arrival_order(1, order, 3)
+    assert seq[:3] == [(1, 0), (1, 1), (1, 2)]
+    assert seq[3:9] == [(2, 0), (3, 0), (2, 1), (3, 1), (2, 2), (3, 2)]
+    assert seq[9:] == [(0, 0), (0, 1), (0, 2)]
+    for W in (1, 2, 5, 8):
+        for rank in range(W):
+            for stages in (topology.full_mesh_order(rank, W), topology.ring_order(rank, W)):
+                s = arrival_order(rank, stages, 4)
+                assert sorted(s) == [(p, c) for p in range(W) for c in range(4)]
+
+
+def test_arrival_stages_pull_is_own_order_push_follows_the_senders():
+    W = 6
+    for fn in (topology.full_mesh_order, topology.ring_order,
+               lambda r, w: topology.ring2d_order(r, w, 3)):
+        orders = [fn(p, W) for p in range(W)]
+        for rank in range(W):
+            assert arrival_stages(rank, orders, "pull") == orders[rank]
+            push = arrival_stages(rank, orders, "push")
+            assert sorted(p for st in push for p in st) == [p for p in range(W) if p != rank]
+            for i, st in enumerate(push):  # stage i: exactly the senders whose stage i is to rank
+                assert all(rank in orders[p][i] for p in st)
+    ring = [topology.ring_order(p, 4) for p in range(4)]
+    assert ring[1] == [[0], [3], [2]]            # rank 1 pulls from 0 first ...
+    assert arrival_stages(1, ring, "push") == [[2], [3], [0]]  # ... but is pushed to by 2 first
+
+
+def _orders(W, rank):
+    yield topology.full_mesh_order(rank, W)
+    yield topology.ring_order(rank, W)
+    if W % 2 == 0 and W > 2:
+        yield topology.ring2d_order(rank, W, W // 2)
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("R,chunk,tile", [(77, 37, 128), (512, 128, 256), (1024, 256, 128),
+                                          (300, 300, 128), (1, 1, 128), (640, 64, 64)])
+def test_visit_order_follows_arrival(W, R, chunk, tile):
+    for rank in range(W):
+        for stages in _orders(W, rank):
+            bt = block_tiles_for(W, R, chunk, tile)
+            order = visit_order(W, rank, stages, R, chunk, tile, bt)
+            M = W * R
+            nblocks = -(-(-(-M // tile)) // bt)
+            assert sorted(order) == list(range(nblocks))
+            when = {sc: i for i, sc in enumerate(arrival_order(rank, stages, -(-R // chunk)))}
+            keys = [max(when[sc] for sc in chunks_for_rows(b * bt * tile,
+                                                           min(M, (b + 1) * bt * tile), R, chunk))
+                    for b in order]
+            assert keys == sorted(keys)  # never a block before one that is ready earlier
+            if W == 1:
+                assert order == [0]
+            elif R % (bt * tile) == 0:  # blocks align with shards: own shard first
+                own = R // (bt * tile)
+                assert order[:own] == list(range(rank * own, (rank + 1) * own))
+
+
+def test_block_tiles_and_default_chunk():
+    assert block_tiles_for(1, 4096, 4096, 256) == 16  # W = 1: one block, the plain order
+    assert block_tiles_for(8, 512, 128, 256) == 1
+    assert block_tiles_for(8, 1024, 512, 128) == 4
+    assert block_tiles_for(2, 77, 1000, 128) == 1
+    assert default_chunk_rows(4096, 24576, 1) == 4096
+    assert default_chunk_rows(512, 24576, 8) == 128    # Flux AG at W = 8: 4 chunks of 3 MiB
+    assert default_chunk_rows(1024, 16384, 8) == 256   # Llama-70B, M = 8192, W = 8
+    assert default_chunk_rows(100, 64, 4) == 100       # small shards: one chunk
+    for max_rows in (1, 7, 128, 1000, 8192):
+        for W in (2, 8):
+            c = default_chunk_rows(max_rows, 8192, W)
+            assert 1 <= c <= max_rows and (c == max_rows or c % 128 == 0)
+
+
+# ---- arguments -----------------------------------------------------------------------------------
+GOOD = dict(max_m=512, n=256, k=128, dtype="bfloat16", out_dtype=None, b_layout="kn",
+            mode="pull", chunk_rows=None, timeout_s=5.0, impl="auto", config=None, group_m=8)
+
+
+@pytest.mark.parametrize("change,err,match", [
+    ({"dtype": "float32"}, TypeError, "AllGatherGemm: dtype 'float32' is not supported"),
+    ({"out_dtype": "int8"}, TypeError, "dtype 'int8' is not supported"),
+    ({"b_layout": "tn"}, ValueError, "b_layout must be 'kn'"),
+    ({"mode": "ring"}, ValueError, "mode must be 'pull' or 'push'"),
+    ({"n": 100}, ValueError, "n must be a positive multiple of 8.*n=100"),
+    ({"k": 0}, ValueError, "k must be a positive multiple of 8"),
+    ({"max_m": 3}, ValueError, r"max_m .* \[world size 4, 2\*\*31\), got 3"),
+    ({"chunk_rows": 0}, ValueError, "chunk_rows must be an int >= 1 or None"),
+    ({"timeout_s": 0}, ValueError, "timeout_s must be > 0"),
+    ({"impl": "cuda"}, ValueError, "impl must be 'auto', 'sm90' or 'sm80'"),
+    ({"config": "128x256s4c2"}, ValueError, "config must be one of"),
+    ({"config": "256x128s4c1", "impl": "sm80"}, ValueError, "impl='sm80' has one fixed tile"),
+    ({"group_m": 0}, ValueError, "group_m must be an int >= 1"),
+])
+def test_bad_construction_is_named(change, err, match):
+    with pytest.raises(err, match=match):
+        check_build_args(4, **{**GOOD, **change})
+
+
+def test_good_construction_args():
+    dt, odt, max_rows = check_build_args(4, **{**GOOD, "max_m": 515, "out_dtype": "float32"})
+    assert (dt.name, odt.name, max_rows) == ("bfloat16", "float32", 128)
+
+
+def test_no_device_is_named():
+    world = SimpleNamespace(rank=1, size=2, device=None, check_same=lambda v, what: None)
+    with pytest.raises(CufluxError, match="AllGatherGemm: needs a CUDA device; rank 1"):
+        AllGatherGemm(world, 64, 64, 64, "bfloat16")
+
+
+def test_host_arrays_are_refused_before_anything():
+    op = object.__new__(AllGatherGemm)
+    op.world, op.dtype = SimpleNamespace(size=2, rank=0, device=0), AGG.dtype_info("bfloat16")
+    op.k, op.n, op.max_rows, op.b_layout = 64, 64, 32, "kn"
+    a = np.zeros((8, 64), np.float32)
+    with pytest.raises(TypeError, match="AllGatherGemm: a_shard"):
+        op._check_call(a, a, None, None)
+
+
+# ---- reference -----------------------------------------------------------------------------------
+def test_reference_matches_loops():
+    rng = np.random.default_rng(0)
+    W, R, k, n = 3, 4, 5, 6
+    shards = [rng.standard_normal((R, k)).astype(np.float32) for _ in range(W)]
+    bs = [rng.standard_normal((k, n)) for _ in range(W)]
+    biases = [rng.standard_normal(n) for _ in range(W)]
+    outs = reference_ag_gemm(shards, bs, biases)
+    outs_nk = reference_ag_gemm(shards, [b.T.copy() for b in bs], biases, b_layout="nk")
+    for r in range(W):
+        for i in range(W * R):
+            for j in range(n):
+                want = sum(float(shards[i // R][i % R, t]) * bs[r][t, j] for t in range(k))
+                assert abs(outs[r][i, j] - want - biases[r][j]) < 1e-12
+        np.testing.assert_allclose(outs_nk[r], outs[r], rtol=1e-13)
+    with pytest.raises(ValueError, match="3 shards but 2 weights"):
+        reference_ag_gemm(shards, bs[:2])
+    with pytest.raises(ValueError, match="b_layout"):
+        reference_ag_gemm(shards, bs, b_layout="t")
+
+
+# ---- the host protocol on a simulated GPU -------------------------------------------------------
+class _Event:
+    def __init__(self, disable_timing=True):
+        self.version, self.done = 0, set()
+
+    def record(self, stream):
+        self.version += 1
+        stream.q.append(("record", self, self.version))
+
+
+class _Stream:
+    def __init__(self, sim):
+        self.sim, self.q = sim, collections.deque()
+        self.ptr = 0x1000 + len(sim.streams)
+        sim.streams.append(self)
+
+    def wait_event(self, ev):
+        self.q.append(("wait_event", ev, ev.version))
+
+    def synchronize(self):
+        pass
+
+
+class _Array:  # what the host code touches of a device array
+    def __init__(self, sim, rows, row_bytes):
+        self.shape = (rows, row_bytes // 2)
+        self.data = SimpleNamespace(ptr=sim.alloc(max(1, rows * row_bytes)))
+
+
+class _Sim:
+    """Streams run their queues in random interleavings; memory is byte-addressed."""
+
+    def __init__(self, seed):
+        self.rng = random.Random(seed)
+        self.streams, self.allocs, self.next_base = [], [], 1 << 32
+        self.sym = collections.defaultdict(list)  # rank -> symmetric bases, in allocation order
+
+    def alloc(self, nbytes):
+        base = self.next_base
+        self.allocs.append((base, np.zeros(nbytes, np.uint8)))
+        self.next_base += (nbytes + 4095) // 4096 * 4096 + 4096
+        return base
+
+    def view(self, addr, nbytes):
+        for base, arr in self.allocs:
+            if base <= addr and addr + nbytes <= base + arr.size:
+                return arr[addr - base:addr - base + nbytes]
+        raise AssertionError(f"access [{addr:#x}, +{nbytes}) outside every allocation")
+
+    def word(self, addr):
+        return int(self.view(addr, 4).view(np.uint32)[0])
+
+    def _ready(self, op):
+        kind = op[0]
+        if kind == "wait":
+            return AGM_epoch_reached(self.word(op[1]), op[2])
+        if kind == "wait_event":
+            return op[2] == 0 or op[2] in op[1].done
+        if kind == "kernel":
+            return op[1].can_step()
+        return True
+
+    def _execute(self, st):
+        op = st.q[0]
+        kind = op[0]
+        if kind == "copy":
+            self.view(op[1], op[3])[:] = self.view(op[2], op[3])
+        elif kind == "write":
+            self.view(op[1], 4).view(np.uint32)[0] = op[2]
+        elif kind == "record":
+            op[1].done.add(op[2])
+        elif kind == "kernel":
+            if not op[1].step():
+                return  # the kernel stays at the head until its last tile
+        st.q.popleft()
+
+    def run(self):
+        while True:
+            live = [st for st in self.streams if st.q]
+            if not live:
+                return
+            runnable = [st for st in live if self._ready(st.q[0])]
+            if not runnable:
+                heads = [(st.ptr, st.q[0][0], st.q[0][1:3]) for st in live]
+                raise AssertionError(f"deadlock: every stream waits; heads {heads}")
+            self._execute(self.rng.choice(runnable))
+
+
+def AGM_epoch_reached(observed, expected):
+    return ((observed - expected) & 0xFFFFFFFF) < 0x80000000
+
+
+class _Kernel:
+    """The GEMM of one call as the prologue sees it: tile rows in the scheduler's order (blocks
+    of visit_order, rows of a block in order), each after its chunks' flags; it checks every row
+    it reads, and at the end that the whole gathered A still holds this call's rows (a peer must
+    not overwrite them while the GEMM runs)."""
+
+    def __init__(self, sim, op, a_ptr, rows, e, order, plan, expected):
+        self.sim, self.a_ptr, self.R, self.e, self.expected = sim, a_ptr, rows, e, expected
+        self.flags, self.max_chunks, self.chunk_rows = op.ag.chunk_flags_ptr(), \
+            op.ag.max_chunks, op.chunk_rows
+        self.row_bytes = op.ag.row_bytes
+        M, T = op.world.size * rows, plan.tile_rows
+        tiles_m = -(-M // T)
+        self.tiles = [(tm * T, min(M, (tm + 1) * T)) for b in order
+                      for tm in range(b * plan.block_tiles,
+                                      min(tiles_m, (b + 1) * plan.block_tiles))]
+        self.next = 0
+
+    def can_step(self):
+        if self.next == len(self.tiles):
+            return True
+        r0, r1 = self.tiles[self.next]
+        return all(AGM_epoch_reached(self.sim.word(self.flags + 4 * (p * self.max_chunks + c)),
+                                     self.e)
+                   for p, c in chunks_for_rows(r0, r1, self.R, self.chunk_rows))
+
+    def _check(self, r0, r1, what):
+        got = self.sim.view(self.a_ptr + r0 * self.row_bytes, (r1 - r0) * self.row_bytes)
+        want = self.expected[r0 * self.row_bytes:r1 * self.row_bytes]
+        assert np.array_equal(got, want), f"call {self.e}: {what} rows [{r0}, {r1})"
+
+    def step(self):
+        if self.next == len(self.tiles):
+            self._check(0, len(self.expected) // self.row_bytes,
+                        "gathered A changed under the GEMM:")
+            return True
+        r0, r1 = self.tiles[self.next]
+        self._check(r0, r1, "tile read unflagged or stale")
+        self.next += 1
+        return False
+
+
+def _fake_env(monkeypatch, sim):
+    import cupy
+
+    from cuflux import driver
+
+    monkeypatch.setattr(cupy.cuda, "Event", _Event)
+    monkeypatch.setattr(cupy.cuda, "Stream", lambda non_blocking=True: _Stream(sim))
+    by_ptr = lambda p: next(st for st in sim.streams if st.ptr == p)  # noqa: E731
+    monkeypatch.setattr(cupy.cuda.runtime, "memcpyAsync",
+                        lambda dst, src, n, kind, sptr: by_ptr(sptr).q.append(("copy", dst, src,
+                                                                               n)))
+    monkeypatch.setattr(driver, "stream_write_value32",
+                        lambda st, addr, v: st.q.append(("write", addr, v & 0xFFFFFFFF)))
+    waiter = SimpleNamespace(wait=lambda st, addr, v, peer, index=0: st.q.append(
+        ("wait", addr, v & 0xFFFFFFFF)), close=lambda: None)
+    monkeypatch.setattr(AGM, "StreamWaiter", lambda err, dev, code: waiter)
+    monkeypatch.setattr(AGM, "ErrorRecord", lambda name, rank, timeout_s: SimpleNamespace(
+        check=lambda: None, close=lambda: None, failed=lambda: False))
+    monkeypatch.setattr(kernels, "load", lambda *a, **k: None)
+    for name in ("as_cupy", "check_array"):
+        monkeypatch.setattr(AGM, name, lambda x, *a, **k: x)
+    monkeypatch.setattr(AGM, "stream_of", lambda s: s)
+
+
+def _world_topo(W, rank, kind):
+    link = "pcie" if kind.startswith("pcie") else "nvlink"
+    links = tuple(PeerLink(p, True, False, True, "self" if p == rank else link) for p in range(W))
+    return Topology(rank, links, W // 2 if kind == "pcie_numa" else 0)
+
+
+def _world(sim, W, rank, kind):
+    topo = _world_topo(W, rank, kind)
+
+    def alloc_layout(layout):
+        sim.sym[rank].append(sim.alloc(layout.num_bytes))
+        idx = len(sim.sym[rank]) - 1
+        return SimpleNamespace(ptr=lambda r, name, off=0: sim.sym[r][idx]
+                               + layout.regions[name].offset + off, close=lambda: None)
+
+    def allgather(obj):  # the one collective AllGather makes: every rank's transfer order
+        assert obj == topology.transfer_order(topo, W)
+        return [topology.transfer_order(_world_topo(W, p, kind), W)
+                for p in range(W)]
+
+    return SimpleNamespace(rank=rank, size=W, device=0, topology=topo, alloc_layout=alloc_layout,
+                           check_same=lambda v, what: None, allgather=allgather)
+
+
+def _shard(sim, rank, call, rows, row_bytes):
+    x = _Array(sim, rows, row_bytes)
+    data = np.random.default_rng([rank, call, rows]).integers(0, 256, rows * row_bytes, np.uint8)
+    sim.view(x.data.ptr, rows * row_bytes)[:] = data
+    return x, data
+
+
+CALLS = [[77, 1, 130, 64, 129], [5, 5, 3, 8, 1]]
+
+
+@pytest.mark.parametrize("W,kind", [(1, "nvlink"), (2, "nvlink"), (3, "nvlink"), (4, "nvlink"),
+                                    (4, "pcie"), (4, "pcie_numa"), (8, "nvlink")])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("chunk_rows", [None, 64, 37, 1])
+def test_fused_protocol_on_simulated_streams(monkeypatch, W, kind, mode, chunk_rows):
+    """Every rank queues the same calls (changing rows, return_gathered alternating); streams
+    then run in a random order. Nothing deadlocks, the GEMM model never reads a row before its
+    flag or after a later call overwrote it, and every gathered A is exact."""
+    rows_seq = CALLS[0] if chunk_rows != 1 else CALLS[1]
+    max_rows, row_bytes = max(rows_seq), 16
+    for seed in range(3 if W < 8 else 1):
+        sim = _Sim(seed)
+        _fake_env(monkeypatch, sim)
+        ops = []
+        for rank in range(W):
+            world = _world(sim, W, rank, kind)
+            op = object.__new__(AllGatherGemm)
+            op.world, op.mode, op.k, op.n = world, mode, row_bytes // 2, 8
+            op.max_rows, op.chunk_rows = max_rows, chunk_rows or max_rows
+            op.ag = AGM.AllGather(world, max_rows, op.k, "bfloat16", mode=mode,
+                                  chunk_rows=op.chunk_rows, timeout_s=1, name="AllGatherGemm")
+            op._side, op._closed = _Stream(sim), False
+            op.test_stream = _Stream(sim)  # calls of one op are ordered on each rank
+            ops.append(op)
+        checks = []
+        for call, rows in enumerate(rows_seq):
+            shards = [_shard(sim, r, call, rows, row_bytes) for r in range(W)]
+            expected = np.concatenate([d for _, d in shards])
+            for rank, op in enumerate(ops):
+                tile = 64
+                plan = SimpleNamespace(tile_rows=tile, block_tiles=block_tiles_for(
+                    W, rows, op.chunk_rows, tile))
+                op.plan_for = lambda r, plan=plan: plan
+                op._order = lambda r, plan, op=op: visit_order(
+                    W, op.world.rank, op.ag.arrival_stages, r, op.chunk_rows, tile,
+                    plan.block_tiles)
+                op._launch = (lambda plan, a_ptr, b, bias, out, r, e, order, s, op=op,
+                              exp=expected: s.q.append(("kernel", _Kernel(
+                                  sim, op, a_ptr, r, e, order, plan, exp))))
+                s = op.test_stream
+                want_back = call % 2 == 0
+                pull = mode == "pull" or W == 1
+                gathered = _Array(sim, W * rows, row_bytes) if want_back or (pull and W > 1) \
+                    else None
+                if pull and gathered is None:
+                    gathered = shards[rank][0]
+                e = op._issue(shards[rank][0], rows, gathered, None, None, None, s)
+                assert e == call + 1
+                if want_back:
+                    checks.append((rank, call, gathered, expected))
+        sim.run()
+        for rank, call, gathered, expected in checks:
+            got = sim.view(gathered.data.ptr, expected.size)
+            assert np.array_equal(got, expected), f"seed {seed} rank {rank} call {call}"
+
+
+@pytest.mark.parametrize("W,kind", [(2, "nvlink"), (4, "pcie"), (4, "pcie_numa"), (8, "nvlink")])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_plain_allgather_still_gathers_on_simulated_streams(monkeypatch, W, kind, mode):
+    """AllGather.__call__ (now built on begin / send_peers / release) on the same simulator."""
+    row_bytes = 16
+    for seed in range(3):
+        sim = _Sim(seed)
+        _fake_env(monkeypatch, sim)
+        ags = [AGM.AllGather(_world(sim, W, r, kind), 130, row_bytes // 2, "bfloat16", mode=mode,
+                             chunk_rows=37, timeout_s=1) for r in range(W)]
+        streams = [_Stream(sim) for _ in range(W)]
+        checks = []
+        for call, rows in enumerate([130, 1, 77, 0, 64]):
+            shards = [_shard(sim, r, call, rows, row_bytes) for r in range(W)]
+            expected = np.concatenate([d for _, d in shards])
+            for r, ag in enumerate(ags):
+                out = _Array(sim, W * rows, row_bytes)
+                assert ag(shards[r][0], out=out, stream=streams[r]) is out
+                checks.append((out, expected))
+        sim.run()
+        for out, expected in checks:
+            assert np.array_equal(sim.view(out.data.ptr, expected.size), expected)
+
+
+# ---- benchmark shapes ---------------------------------------------------------------------------
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 8])
+def test_bench_cases_are_valid_shapes(W):
+    from cuflux.bench import ag_gemm as bench
+
+    full = bench.cases(W, quick=False)
+    assert [c[0] for c in full] == [s[0] for s in bench.SHAPES]
+    assert {c[0] for c in bench.cases(W, quick=True)} == set(bench.QUICK)
+    for name, M, n, k in full:
+        assert M % W == 0 and M >= W and n % 8 == 0 and n >= 8 and k % 8 == 0, name
+        check_build_args(W, M, n, k, "bfloat16", None, "nk", "pull", None, 30.0, "auto", None, 8)
+    flux = dict((c[0], c[1:]) for c in full)["flux"]
+    assert flux == (4096 // W * W, 49152 // W // 8 * 8, 12288)
