@@ -16,6 +16,7 @@ from cuflux.symmetric import Layout, SymmetricBuffer  # noqa: E402
 from cuflux.ops.allgather import AllGather  # noqa: E402
 from cuflux.ops.gemm import gemm  # noqa: E402
 from cuflux.ops.ag_gemm import AllGatherGemm, reference_ag_gemm  # noqa: E402
+from cuflux.ops.gemm_rs import GemmReduceScatter, reference_gemm_rs  # noqa: E402
 from cuflux.ops.all2all import (All2AllHeads, reference_gather_heads,  # noqa: E402
                                 reference_scatter_heads)
 from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, rmsnorm_residual,  # noqa: E402
@@ -23,7 +24,7 @@ from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, rmsnorm_residual,
 
 __version__ = "0.1.0"
 __all__ = ["init", "World", "device_count", "Layout", "SymmetricBuffer", "AllGather", "gemm",
-           "AllGatherGemm", "reference_ag_gemm",
+           "AllGatherGemm", "reference_ag_gemm", "GemmReduceScatter", "reference_gemm_rs",
            "All2AllHeads", "reference_scatter_heads", "reference_gather_heads",
            "AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "reference_allreduce",
            "reference_allreduce_rmsnorm",

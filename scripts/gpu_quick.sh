@@ -1,28 +1,44 @@
 #!/usr/bin/env bash
-# A capped GPU pass for short leases (each step has a wall-clock cap so one slow step cannot
-# eat the rest): warm the kernel cache, W=1 benchmarks (the figures the bars name), then the
-# op tests for W = 1, 2, 4, 8 sharing the GPU. scripts/gpu_check.sh is the full, uncapped one.
+# Capped GPU passes for short leases, one group per device call (each fits one 10-minute call;
+# every step has a wall-clock cap so a slow step cannot eat the rest):
+#   bash scripts/gpu_quick.sh runtime   # runtime + AllGather tests W=1,2,4,8, AllGather bench
+#   bash scripts/gpu_quick.sh comm      # AllReduce(+RMSNorm), All2AllHeads: tests and benches
+#   bash scripts/gpu_quick.sh gemm      # GEMM core tests and bench
+#   bash scripts/gpu_quick.sh fused     # GemmReduceScatter, AllGatherGemm: tests and benches
+# scripts/gpu_check.sh is the full, uncapped run of everything.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+GROUP="${1:?usage: gpu_quick.sh runtime|comm|gemm|fused}"
 OUT="${OUT:-$(pwd)/out}"; mkdir -p "$OUT"
 export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
 MPI=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
-T="$OUT/tests.log"; B="$OUT/bench.log"
+T="$OUT/tests.log"; B="$OUT/bench.log"; LOG=$B
 step() { local cap=$1; shift; echo "=== [$cap s] $*" | tee -a "$LOG"; timeout "$cap" "$@" >>"$LOG" 2>&1; echo "=== rc=$?" | tee -a "$LOG"; }
-LOG=$B
+warm() { step "$1" python -c "import cupy, cuflux, sys; from cuflux import kernels; [kernels.load(f) for f in sys.argv[1:]]" "${@:2}"; }
+bench() { step "$1" "${MPI[@]}" -np "$2" python -m cuflux.bench "$3" --quick --outdir "$OUT"; }
+tests() { local ws=$1 cap=$2; shift 2; LOG=$T; CUFLUX_TEST_WORLD_SIZES=$ws step "$cap" python -m pytest -q -rf --durations=5 "$@"; LOG=$B; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >>"$B"
-step 60 python -c "import cupy, cuflux; from cuflux import kernels; [kernels.load(f) for f in ('signal.cu','allreduce.cu','all2all.cu','gemm.cu','ag_gemm.cu')]"
-for op in allgather allreduce all2all; do step 45 "${MPI[@]}" -np 1 python -m cuflux.bench $op --quick --outdir "$OUT"; done
-LOG=$T
-CUFLUX_TEST_WORLD_SIZES=1,2,4,8 step 120 python -m pytest -q -rf --durations=5 tests/test_allreduce.py
-CUFLUX_TEST_WORLD_SIZES=1,2,4,8 step 120 python -m pytest -q -rf --durations=5 tests/test_all2all.py
-CUFLUX_TEST_WORLD_SIZES=8 step 40 python -m pytest -q -rf tests/test_gpu_runtime.py -k "exact or symmetric or flags"
-CUFLUX_TEST_WORLD_SIZES=2 step 30 python -m pytest -q -rf tests/test_gpu_runtime.py -k "timeout"
-CUFLUX_TEST_WORLD_SIZES=1,2 step 40 python -m pytest -q -rf tests/test_gemm.py -k "every_hopper_config or hooks or bounded"
-CUFLUX_TEST_WORLD_SIZES=1,2,4,8 step 300 python -m pytest -q -rf --durations=5 tests/test_ag_gemm.py
-LOG=$B
-step 120 "${MPI[@]}" -np 1 python -m cuflux.bench ag_gemm --quick --outdir "$OUT"
-step 45 "${MPI[@]}" -np 1 python -m cuflux.bench gemm --quick --iters 20 --outdir "$OUT"
-grep -E "^=== |passed|failed|FAILED|Error" "$T" | tail -40
+case "$GROUP" in
+  runtime)
+    warm 30 signal.cu
+    tests 1,2,4,8 420 tests/test_gpu_runtime.py
+    for W in 1 2 8; do bench 40 "$W" allgather; done ;;
+  comm)
+    warm 60 signal.cu allreduce.cu all2all.cu
+    bench 45 1 allreduce; bench 45 1 all2all
+    tests 1,2,4,8 220 tests/test_allreduce.py
+    tests 1,2,4,8 200 tests/test_all2all.py ;;
+  gemm)
+    warm 90 gemm.cu
+    tests 1,2,4 300 tests/test_gemm.py
+    step 150 "${MPI[@]}" -np 1 python -m cuflux.bench gemm --iters 20 --outdir "$OUT" ;;
+  fused)
+    warm 200 signal.cu gemm.cu ag_gemm.cu gemm_rs.cu
+    tests 1,2,4 150 tests/test_gemm_rs.py
+    tests 1,2,4 150 tests/test_ag_gemm.py
+    bench 45 1 gemm_rs; bench 45 1 ag_gemm ;;
+  *) echo "unknown group $GROUP"; exit 2 ;;
+esac
+grep -E "^=== |passed|failed|FAILED|Error" "$T" 2>/dev/null | tail -40
 tail -60 "$B"

@@ -7,7 +7,7 @@ import sys
 
 OPS = {"allgather": "cuflux.bench.allgather", "allreduce": "cuflux.bench.allreduce",
        "all2all": "cuflux.bench.all2all", "gemm": "cuflux.bench.gemm",
-       "ag_gemm": "cuflux.bench.ag_gemm"}
+       "ag_gemm": "cuflux.bench.ag_gemm", "gemm_rs": "cuflux.bench.gemm_rs"}
 
 
 def main(argv=None) -> int:

@@ -5,3 +5,4 @@ from cuflux.ops import allreduce  # noqa: F401
 from cuflux.ops import all2all  # noqa: F401
 from cuflux.ops import gemm  # noqa: F401
 from cuflux.ops import ag_gemm  # noqa: F401
+from cuflux.ops import gemm_rs  # noqa: F401

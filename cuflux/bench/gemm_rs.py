@@ -1,0 +1,169 @@
+"""GEMM + ReduceScatter benchmark: the fused op against the GEMM alone and the unfused baselines,
+bf16 in and out, rows of a per rank [M, K / W] (a row-parallel layer), b as a Linear weight
+[n, K / W] ("nk"; the full run adds "kn").
+
+Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
+  cuflux_ms        the fused op, reduce="deterministic" (the default)
+  atomic_ms        the fused op, reduce="atomic" (absent over PCIe)
+  gemm_ms          the GEMM alone on the same core and tile configuration ([M, n] written
+                   locally): exposed_comm_ms = cuflux_ms - gemm_ms, ratio_to_gemm =
+                   cuflux_ms / gemm_ms (bar at W = 1: <= 1.02)
+  baseline_ms      cuBLAS (cupy.matmul) then the project's comm-only reduce-scatter
+                   (GemmReduceScatter.reduce_scatter, same buffers and order), one after the
+                   other; speedup = baseline_ms / cuflux_ms
+  cublas_ms, rs_ms the two halves of the baseline alone
+  nccl_ms          cuBLAS then NCCL reduce-scatter (only when every rank has its own GPU)
+  fused_kernel_ms  W = 1: the fused kernel itself (the op runs the plain GEMM there), i.e. what
+                   the RS epilogue costs without any peer
+Shapes: Flux's 4096 x 12288 x 49152 (K split over the ranks), Llama-70B row-parallel layers
+(8192 x 8192 x 8192 and 8192 x 8192 x 28672), and n <= 4096 cases. Inputs rotate through sets
+larger than three times the L2. With ranks sharing one GPU, times measure time-slicing, not
+links (the table says so).
+"""
+from __future__ import annotations
+
+import math
+
+from cuflux.bench.common import print_table, time_ms, write_results
+
+L2_BYTES = 60 << 20
+SHAPES = [  # (name, M, n, K over all ranks)
+    ("flux-rs", 4096, 12288, 49152),
+    ("llama70b-attn-out", 8192, 8192, 8192),
+    ("llama70b-mlp-down", 8192, 8192, 28672),
+    ("n4096", 8192, 4096, 14336),
+    ("n2048", 4096, 2048, 8192),
+]
+QUICK = ("flux-rs", "llama70b-mlp-down", "n4096")
+
+
+def _nccl(world):
+    from cuflux.bench.allreduce import _nccl as make
+
+    return make(world)
+
+
+def _case(world, name, M, n, K, layout, nccl, iters, stream, configs):
+    import cupy
+
+    import cuflux.ops.gemm as G
+    from cuflux.arrays import dtype_info
+    from cuflux.ops.gemm_rs import GemmReduceScatter
+
+    W, me = world.size, world.rank
+    k = K // W
+    bf16 = dtype_info("bfloat16").storage
+    per_set = 2 * (M * k + k * n)
+    count = max(2, math.ceil(3 * L2_BYTES / per_set))
+    rs = cupy.random.RandomState(1234 + me)
+    sets = [(rs.standard_normal((M, k), dtype=cupy.float32).astype(bf16),
+             rs.standard_normal((k, n) if layout == "kn" else (n, k),
+                                dtype=cupy.float32).astype(bf16)) for _ in range(count)]
+    c_full = cupy.empty((M, n), dtype=bf16)
+    out = cupy.empty((M // W, n), dtype=bf16)
+    pcie = any(link.link == "pcie" for link in world.topology.links)
+    modes = ["deterministic"] + ([] if any(world.allgather(pcie)) else ["atomic"])
+    ops = {mode: GemmReduceScatter(world, M, n, k, "bfloat16", b_layout=layout, reduce=mode)
+           for mode in modes}
+    det = ops["deterministic"]
+    others = [c for c in configs if c != det.config] if det.impl == "sm90" else []
+    extra = {c: GemmReduceScatter(world, M, n, k, "bfloat16", b_layout=layout, config=c)
+             for c in others}
+    state = {"i": 0}
+
+    def pick():
+        state["i"] += 1
+        return sets[state["i"] % count]
+
+    def matmul(a, b):
+        cupy.matmul(a, b if layout == "kn" else b.T, out=c_full)
+
+    def unfused():
+        matmul(*pick())
+        det.reduce_scatter(c_full, out=out, stream=stream)
+
+    timed = {
+        "cuflux_ms": lambda: det(*pick(), out=out, stream=stream),
+        "gemm_ms": lambda: G.gemm(*pick(), out=c_full, b_layout=layout, impl=det.impl,
+                                  stream=stream, config=det.config if W > 1 else None),
+        "baseline_ms": unfused,
+        "cublas_ms": lambda: matmul(*pick()),
+        "rs_ms": lambda: det.reduce_scatter(c_full, out=out, stream=stream),
+    }
+    if "atomic" in ops:
+        timed["atomic_ms"] = lambda: ops["atomic"](*pick(), out=out, stream=stream)
+    for c, op in extra.items():
+        timed[f"cuflux_{c}_ms"] = lambda op=op: op(*pick(), out=out, stream=stream)
+    if nccl is not None:
+        lib, comm = nccl
+
+        def with_nccl():
+            matmul(*pick())
+            comm.reduceScatter(c_full.data.ptr, out.data.ptr, (M // W) * n, lib.NCCL_BFLOAT16,
+                               lib.NCCL_SUM, stream.ptr)
+        timed["nccl_ms"] = with_nccl
+    if W == 1 and det.impl == "sm90":
+        def fused_kernel():
+            det._plain_w1 = False
+            try:
+                det(*pick(), out=out, stream=stream)
+            finally:
+                det._plain_w1 = True
+        timed["fused_kernel_ms"] = fused_kernel
+    row = {"case": f"{name} {M}x{n}x{K} (k={k}/rank) {layout}",
+           "baseline": "cuBLAS + cuflux reduce_scatter (deterministic)",
+           "config": det.config if det.impl == "sm90" else "sm80"}
+    try:
+        for key, fn in timed.items():
+            world.barrier()
+            ms = time_ms(fn, warmup=3, iters=iters, stream=stream)
+            for op in list(ops.values()) + list(extra.values()):
+                op.synchronize(stream)
+            row[key] = max(world.allgather(ms))
+    finally:
+        for op in list(ops.values()) + list(extra.values()):
+            op.close()
+    row["speedup"] = row["baseline_ms"] / row["cuflux_ms"]
+    row["exposed_comm_ms"] = row["cuflux_ms"] - row["gemm_ms"]
+    row["ratio_to_gemm"] = row["cuflux_ms"] / row["gemm_ms"]
+    row["tflops"] = 2.0 * M * n * k / row["cuflux_ms"] / 1e9
+    if "atomic_ms" in row:
+        row["atomic_wins"] = row["atomic_ms"] < row["cuflux_ms"]
+    return row
+
+
+def run(world, args) -> None:
+    import os
+
+    import cupy
+
+    from cuflux.ops.gemm_rs import SM90_RS_CONFIGS
+
+    os.environ.setdefault("CUFLUX_GEMM_TUNE", "0")  # the same fixed configuration on both sides
+    W, me = world.size, world.rank
+    shared_gpu = any(link.same_gpu for link in world.topology.links if link.peer != me)
+    nccl = _nccl(world) if W > 1 and not shared_gpu else None
+    iters = min(args.iters, 5) if W > 1 and shared_gpu else args.iters
+    stream = cupy.cuda.Stream(non_blocking=True)
+    shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
+    layouts = ["nk"] if args.quick else ["nk", "kn"]
+    configs = () if args.quick else SM90_RS_CONFIGS
+    rows = []
+    with stream:
+        for name, M, n, K in shapes:
+            for layout in layouts:
+                rows.append(_case(world, name, M, n, K, layout, nccl, iters, stream, configs))
+                cupy.get_default_memory_pool().free_all_blocks()  # the case's inputs are gone
+    if me == 0:
+        print(f"GEMM + ReduceScatter, W={W}, bf16, ranks "
+              f"{'share one GPU (times measure time-slicing)' if shared_gpu else 'on own GPUs'}")
+        cols = ["case", "config", "cuflux_ms", "gemm_ms", "exposed_comm_ms", "ratio_to_gemm",
+                "atomic_ms", "baseline_ms", "speedup", "cublas_ms", "rs_ms", "tflops"]
+        cols += ["nccl_ms"] if nccl is not None else []
+        cols += ["fused_kernel_ms"] if W == 1 else []
+        cols += [f"cuflux_{c}_ms" for c in configs]
+        print_table(rows, cols)
+        path = write_results("gemm_rs", W, rows, {"ranks_share_gpu": shared_gpu,
+                                                  "gemm_tune": os.environ["CUFLUX_GEMM_TUNE"]},
+                             outdir=args.outdir)
+        print("wrote", path)

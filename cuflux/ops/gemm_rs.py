@@ -1,0 +1,434 @@
+"""GemmReduceScatter: a row-parallel GEMM and the reduce-scatter of its output in one kernel
+(Flux's GEMM + ReduceScatter, SPEC.md "Seed 000").
+
+On every rank r: C_r = a_r [M, k_r] @ b_r ([k_r, n] for b_layout="kn", [n, k_r] for "nk");
+rank o receives out_o [M / W, n] = sum_r C_r[o * M / W : (o + 1) * M / W] (+ bias, once).
+
+Each output tile goes, from the epilogue of the CTA that computed it, straight to the rank
+owning its rows; ranks visit tiles in a rank-offset order (owner r+1 first, own rows last) so
+that at any moment they write into different ranks; the owner finishes its own tiles once
+every peer's flag for the tile has arrived. The protocol, buffers and why it cannot deadlock
+are described in kernels_cu/include/cuflux/rs_hooks.cuh; the kernels are in
+kernels_cu/gemm_rs.cu. reduce="deterministic" sums the W partials in fp32 in rank order
+(bit-identical run to run); reduce="atomic" adds them with vector reductions (red.add) into
+the owner's accumulator (NVLink or one shared GPU only: peer atomics fail over PCIe).
+
+At W = 1 nothing moves: the op is the plain GEMM (cuflux.gemm) writing out directly.
+
+`GemmReduceScatter.reduce_scatter(partial)` is the same reduce-scatter on an already computed
+partial (e.g. cuBLAS's): the unfused baseline, through the same buffers, flags and order.
+`reference_gemm_rs` is the float64 golden model.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from cuflux import kernels
+from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
+from cuflux.ops import gemm as G
+from cuflux.symmetric import Layout
+
+__all__ = ["GemmReduceScatter", "reference_gemm_rs", "tile_order", "own_tile_rows",
+           "make_layout", "REDUCE_MODES", "SM90_RS_CONFIGS"]
+
+_OP = "GemmReduceScatter"
+_SRC = "gemm_rs.cu"
+_IN = ("bfloat16", "float16")
+_LAYOUTS = ("kn", "nk")
+REDUCE_MODES = ("deterministic", "atomic")
+# Hopper tile configurations compiled into gemm_rs.cu (names of cuflux.ops.gemm.SM90_CONFIGS:
+# 4 stages, 1-CTA clusters, register epilogue).
+SM90_RS_CONFIGS = ("256x128s4c1", "128x256s4c1")
+SM90_RS_DEFAULT = "256x128s4c1"  # the plain GEMM's fastest (docs/gemm_notes.md)
+SM80_TILE = (128, 128)           # gemm_rs_sm80 (as gemm.cu's portable core)
+COPY_TILE, COPY_THREADS = (128, 128), 512  # rs_tiles
+MIN_TILE = 128                   # smallest tile side of any kernel: sizes the flag region
+GROUP_M = 8                      # tile rows per L2 group in the peers' part of the tile order
+MAX_DIM = 2**31 - 1
+
+
+def _b(x: bool) -> str:
+    return "true" if x else "false"
+
+
+def sm90_kernel(cuda_type: str, config: str, transposed: bool, atomic: bool) -> str:
+    c = G.SM90_CONFIGS[config]
+    return f"gemm_rs_sm90<{cuda_type}, {c.bm}, {c.bn}, {_b(transposed)}, {_b(atomic)}>"
+
+
+def sm80_kernel(cuda_type: str, transposed: bool, atomic: bool) -> str:
+    return f"gemm_rs_sm80<{cuda_type}, {_b(transposed)}, {_b(atomic)}>"
+
+
+def copy_kernel(cuda_type: str, out_cuda_type: str, atomic: bool) -> str:
+    return f"rs_tiles<{cuda_type}, {out_cuda_type}, {_b(atomic)}>"
+
+
+def _names() -> list[str]:
+    names = []
+    for t in ("__nv_bfloat16", "__half"):
+        for atomic in (False, True):
+            for tr in (False, True):
+                names += [sm90_kernel(t, c, tr, atomic) for c in SM90_RS_CONFIGS]
+                names.append(sm80_kernel(t, tr, atomic))
+            names += [copy_kernel(t, o, atomic) for o in (t, "float")]
+    return names
+
+
+FAMILY = kernels.register(_SRC, _names(), min_arch=80)
+
+
+# ---- tile order and buffers (pure: tested on the CPU) -------------------------------------------
+def own_tile_rows(M: int, world_size: int, rank: int, bm: int) -> tuple[int, int]:
+    """First and last tile rows (of bm rows) that hold rows of `rank` (M % world_size == 0)."""
+    R = M // world_size
+    return rank * R // bm, ((rank + 1) * R - 1) // bm
+
+
+def tile_order(M: int, N: int, world_size: int, rank: int, bm: int, bn: int,
+               group_m: int = GROUP_M) -> list[tuple[int, int]]:
+    """(tm, tn) of slot 0, 1, ... on `rank`: mirror of rs_hooks.cuh RsScheduler (and of the
+    own_lo / own_hi arguments the kernels get)."""
+    tiles_m, tiles_n = -(-M // bm), -(-N // bn)
+    own_lo, own_hi = own_tile_rows(M, world_size, rank, bm)
+    rot, num_own = (own_hi + 1) % tiles_m, own_hi - own_lo + 1
+    peer_rows = tiles_m - num_own
+    order = []
+    for slot in range(tiles_m * tiles_n):
+        if slot < peer_rows * tiles_n:
+            group, in_group = divmod(slot, group_m * tiles_n)
+            first = group * group_m
+            rows = min(group_m, peer_rows - first)
+            pos, tn = first + in_group % rows, in_group // rows
+        else:
+            pos_own, tn = divmod(slot - peer_rows * tiles_n, tiles_n)
+            pos = peer_rows + pos_own
+        order.append(((pos + rot) % tiles_m, tn))
+    return order
+
+
+def make_layout(world_size: int, max_m: int, n: int, out_dtype, reduce: str) -> Layout:
+    """The op's symmetric buffer: data[parity] (deterministic: a slot per source rank,
+    [2, W, R_max, n]; atomic: one accumulator, [2, R_max, n]) in the output dtype, then the
+    per-tile flags [tiles, flag_stride] (flag_stride >= W words: one 128-byte line per tile for
+    W <= 32, word p written by source rank p)."""
+    odt = dtype_info(out_dtype)
+    rows = max_m // world_size
+    shape = (2, world_size, rows, n) if reduce == "deterministic" else (2, rows, n)
+    lay = Layout()
+    lay.add("data", shape, odt.storage)
+    tiles = -(-max_m // MIN_TILE) * -(-n // MIN_TILE)
+    lay.add("flags", (tiles, -(-world_size // 32) * 32), np.uint32)
+    return lay
+
+
+# ---- golden model -------------------------------------------------------------------------------
+def reference_gemm_rs(a_list, b_list, bias=None, b_layout: str = "kn", rank: int | None = None,
+                      xp=np):
+    """What each rank holds after GemmReduceScatter, in float64.
+
+    a_list[r] [M, k_r], b_list[r] [k_r, n] ("kn") or [n, k_r] ("nk"); bias [n] or None.
+    Returns the W outputs [M / W, n], or only rank `rank`'s (computing only its rows).
+    xp: numpy, or cupy to compute on the GPU (same arithmetic, float64).
+    """
+    W = len(a_list)
+    if W == 0 or len(b_list) != W:
+        raise ValueError(f"reference_gemm_rs: need one a and one b per rank, got {len(a_list)} "
+                         f"and {len(b_list)}")
+    if b_layout not in _LAYOUTS:
+        raise ValueError(f"reference_gemm_rs: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    M = a_list[0].shape[0]
+    if M % W:
+        raise ValueError(f"reference_gemm_rs: M={M} is not divisible by W={W}")
+    R = M // W
+    ranks = range(W) if rank is None else [rank]
+    outs = []
+    for o in ranks:
+        total = None
+        for a, b in zip(a_list, b_list):
+            bm = xp.asarray(b).astype(xp.float64)
+            part = xp.asarray(a)[o * R:(o + 1) * R].astype(xp.float64) @ (
+                bm if b_layout == "kn" else bm.T)
+            total = part if total is None else total + part
+        if bias is not None:
+            total = total + xp.asarray(bias).astype(xp.float64)[None, :]
+        outs.append(total)
+    return outs if rank is None else outs[0]
+
+
+# ---- the op -------------------------------------------------------------------------------------
+class GemmReduceScatter:
+    """out [M / W, n] = rows [r * M / W, (r + 1) * M / W) of sum over ranks of a @ b (+ bias).
+
+    Args:
+      world: cuflux.World.
+      max_m: largest M any call will use (M <= max_m, M % world.size == 0).
+      n: columns of b and of the output (multiple of 8).
+      k: this rank's slice of K (multiple of 8; may differ between ranks).
+      dtype: bfloat16 or float16 (a, b, bias).
+      out_dtype: dtype (default) or float32; partials travel in it.
+      b_layout: "kn" (b is [k, n]) or "nk" (b is [n, k], a Linear weight).
+      reduce: "deterministic" (per-source slots, fp32 sum in rank order, bit-identical run to
+        run) or "atomic" (red.add into one accumulator; NVLink / one shared GPU only).
+      timeout_s: bound of every wait; on expiry CommTimeoutError (at synchronize() or the next
+        call), after which the op must be closed (its buffers may hold a partial call).
+      impl: "auto" (Hopper core on sm_90a, else portable), "sm90" or "sm80".
+      config: Hopper tile configuration, one of SM90_RS_CONFIGS (default SM90_RS_DEFAULT).
+
+    Calls of one op must be ordered on each rank (one stream, or streams the caller orders),
+    every rank must make the same calls with the same M, and the epoch is a launch argument,
+    so calls are not CUDA-graph capturable. The constructor is collective; close() too.
+    """
+
+    def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
+                 b_layout: str = "kn", reduce: str = "deterministic", timeout_s: float = 30.0,
+                 impl: str = "auto", config: str | None = None):
+        dt = dtype_info(dtype, _IN, _OP)
+        odt = dtype_info(out_dtype if out_dtype is not None else dt.name,
+                         (dt.name, "float32"), _OP)
+        W = world.size
+        if b_layout not in _LAYOUTS:
+            raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [k, n]) or 'nk' (b is [n, k]), "
+                             f"got {b_layout!r}")
+        if reduce not in REDUCE_MODES:
+            raise ValueError(f"{_OP}: reduce must be one of {REDUCE_MODES}, got {reduce!r}")
+        if impl not in ("auto", "sm90", "sm80"):
+            raise ValueError(f"{_OP}: impl must be 'auto', 'sm90' or 'sm80', got {impl!r}")
+        if config is not None and config not in SM90_RS_CONFIGS:
+            raise ValueError(f"{_OP}: config must be one of {SM90_RS_CONFIGS}, got {config!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"{_OP}: timeout_s must be > 0, got {timeout_s}")
+        for name, v in (("max_m", max_m), ("n", n), ("k", k)):
+            if not isinstance(v, (int, np.integer)) or not 1 <= v <= MAX_DIM:
+                raise ValueError(f"{_OP}: {name} must be an int in [1, {MAX_DIM}], got {v!r}")
+        if max_m < W:
+            raise ValueError(f"{_OP}: max_m must be >= the world size {W} (each rank receives "
+                             f"M / {W} rows), got {max_m}")
+        for name, v in (("n", n), ("k", k)):
+            if v % 8:
+                raise ValueError(f"{_OP}: {name} must be a multiple of 8 (rows move in 16-byte "
+                                 f"pieces), got {name}={v}")
+        if world.device is None:
+            raise CufluxError(f"{_OP}: needs a CUDA device; rank {world.rank} has none")
+        world.check_same((int(max_m), int(n), dt.name, odt.name, b_layout, reduce, impl, config),
+                         f"{_OP} arguments (max_m, n, dtype, out_dtype, b_layout, reduce, impl, "
+                         f"config)")
+        # Decided together, so that every rank raises (or none does) before the collective
+        # allocation, and every rank runs kernels of one tile geometry (tile flags are indexed
+        # by it): the Hopper core only where every rank is on sm_90a.
+        links = world.topology.links
+        hopper = impl != "sm80" and kernels.device_arch(world.device) == "sm_90a"
+        problem = None
+        if impl == "sm90" and not hopper:
+            problem = "impl='sm90' needs an sm_90a device (Hopper) on every rank"
+        over_pcie = [l.peer for l in links if l.link == "pcie"]
+        if reduce == "atomic" and over_pcie:
+            problem = (f"reduce='atomic' needs peer atomics, which PCIe links do not carry (rank "
+                       f"{world.rank} reaches {over_pcie} over PCIe); use reduce='deterministic'")
+        everyone = world.allgather((problem, hopper))
+        problems = sorted({p for p, _ in everyone if p})
+        if problems:
+            raise ValueError(f"{_OP}: " + "; ".join(problems))
+        import cupy
+
+        self.world, self.dtype, self.out_dtype = world, dt, odt
+        self.max_m, self.n, self.k = int(max_m), int(n), int(k)
+        self.b_layout, self.reduce, self.atomic = b_layout, reduce, reduce == "atomic"
+        self.impl = "sm90" if all(h for _, h in everyone) else "sm80"
+        self.config = config or SM90_RS_DEFAULT
+        self._config_given = config is not None  # W = 1: else the GEMM's tuner picks
+        rt = cupy.cuda.runtime
+        sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, world.device)
+        # Waiting CTAs must not keep a peer's CTAs from running: the persistent grids stay
+        # co-resident even when the ranks sharing this GPU run side by side (MPS).
+        sharing = 1 + sum(1 for l in links if l.same_gpu and l.peer != world.rank)
+        self.max_ctas = {"sm90": max(1, sms // sharing),
+                         "sm80": max(1, G._SM80_PER_SM * sms // sharing),
+                         "copy": max(1, sms // sharing)}
+        self.layout = make_layout(W, self.max_m, self.n, odt, reduce)
+        regions = self.layout.regions
+        self._data_off, self._flags_off = regions["data"].offset, regions["flags"].offset
+        self.flag_stride = regions["flags"].shape[1]
+        rows_max = self.max_m // W
+        self._slot_bytes = rows_max * self.n * odt.itemsize  # one source rank's slot
+        self._parity_bytes = regions["data"].num_bytes // 2
+        self.err = ErrorRecord(_OP, world.rank, timeout_s)
+        self.buf = world.alloc_layout(self.layout)
+        # Eager: nothing may load a module while a peer's kernel waits on this rank.
+        self.module = kernels.load(_SRC)
+        if W == 1:
+            kernels.load("gemm.cu")
+        self.epoch = 0
+        self._plain_w1 = True  # W = 1: the plain GEMM (tests switch it off to run the kernel)
+        self._closed = False
+
+    # ---- checks -------------------------------------------------------------------------------
+    def _check_rows(self, M: int, what: str) -> None:
+        W = self.world.size
+        if M % W:
+            raise ValueError(f"{_OP}: {what} has M={M} rows, which is not divisible by the world "
+                             f"size {W} (rank r receives rows [r*M/{W}, (r+1)*M/{W})); pad it "
+                             f"with zero rows to a multiple of {W}")
+        if M > self.max_m:
+            raise ValueError(f"{_OP}: {what} has M={M} rows, more than max_m={self.max_m}")
+
+    def _check_common(self, M, bias, out):
+        op, dev, W = _OP, self.world.device, self.world.size
+        if bias is not None:
+            bias = as_cupy(bias, "bias", op)
+            check_array(bias, name="bias", op=op, shape=(self.n,), dtype=self.dtype, device=dev)
+            if bias.data.ptr % 16:
+                raise ValueError(f"{op}: bias must start at a 16-byte aligned address "
+                                 f"(got {bias.data.ptr:#x})")
+        if out is None:
+            import cupy
+
+            out = cupy.empty((M // W, self.n), dtype=self.out_dtype.storage)
+        else:
+            out = as_cupy(out, "out", op)
+            check_array(out, name="out", op=op, shape=(M // W, self.n), dtype=self.out_dtype,
+                        device=dev)
+            if out.data.ptr % 16:
+                raise ValueError(f"{op}: out must start at a 16-byte aligned address "
+                                 f"(got {out.data.ptr:#x})")
+        return bias, out
+
+    def check_call(self, a, b, bias=None, out=None):
+        """Validate a call's arguments (before any launch); return (a, b, bias, out, M)."""
+        op, dev = _OP, self.world.device
+        a = as_cupy(a, "a", op)
+        check_array(a, name="a", op=op, ndim=2, dtype=self.dtype, device=dev)
+        M = a.shape[0]
+        if a.shape[1] != self.k:
+            raise ValueError(f"{op}: a must be [M, k={self.k}], got {tuple(a.shape)}")
+        b = as_cupy(b, "b", op)
+        want = (self.k, self.n) if self.b_layout == "kn" else (self.n, self.k)
+        check_array(b, name="b", op=op, ndim=2, dtype=self.dtype, device=dev)
+        if tuple(b.shape) != want:
+            lay = "[k, n]" if self.b_layout == "kn" else "[n, k]"
+            raise ValueError(f"{op}: b (layout {self.b_layout!r}) must be {lay} = {want}, got "
+                             f"{tuple(b.shape)}")
+        self._check_rows(M, "a")
+        for name, x in (("a", a), ("b", b)):
+            if x.data.ptr % 16:
+                raise ValueError(f"{op}: {name} must start at a 16-byte aligned address "
+                                 f"(got {x.data.ptr:#x})")
+        bias, out = self._check_common(M, bias, out)
+        return a, b, bias, out, M
+
+    def check_partial(self, partial, bias=None, out=None):
+        """Validate reduce_scatter's arguments; return (partial, bias, out, M)."""
+        partial = as_cupy(partial, "partial", _OP)
+        check_array(partial, name="partial", op=_OP, ndim=2, dtype=self.out_dtype,
+                    device=self.world.device)
+        M = partial.shape[0]
+        if partial.shape[1] != self.n:
+            raise ValueError(f"{_OP}: partial must be [M, n={self.n}], got {tuple(partial.shape)}")
+        self._check_rows(M, "partial")
+        if partial.data.ptr % 16:
+            raise ValueError(f"{_OP}: partial must start at a 16-byte aligned address")
+        bias, out = self._check_common(M, bias, out)
+        return partial, bias, out, M
+
+    def _check_open(self):
+        if self._closed:
+            raise CufluxError(f"{_OP}: the op is closed")
+        self.err.check()  # a failed call leaves the buffers inconsistent: refuse to go on
+
+    # ---- launches -------------------------------------------------------------------------------
+    def _tail(self, out, bias, M: int, bm: int) -> tuple:
+        """The kernels' trailing arguments (gemm_rs.cu RsArgs) for the next call."""
+        W, me = self.world.size, self.world.rank
+        self.epoch += 1
+        e = self.epoch & 0xFFFFFFFF
+        own_lo, own_hi = own_tile_rows(M, W, me, bm)
+        return (out, np.int32(self.out_dtype.name == "float32"),
+                bias if bias is not None else np.uint64(0), self.buf.ptrs_dev,
+                np.uint64(self._data_off + (e & 1) * self._parity_bytes),
+                np.uint64(self._slot_bytes), np.uint64(self._flags_off),
+                np.int32(self.flag_stride), np.int32(M // W), np.int32(W), np.int32(me),
+                np.int32(own_lo), np.int32(own_hi), np.int32(GROUP_M), np.uint32(e),
+                np.uint64(self.err.ptr), self.err.claim, np.uint64(self.err.timeout_ns),
+                np.uint32(OP_CODES[_OP]))
+
+    def _launch_fused(self, a, b, bias, out, M: int, stream) -> None:
+        dt, n, k = self.dtype, self.n, self.k
+        transposed = self.b_layout == "kn"
+        if self.impl == "sm90":
+            cfg = G.SM90_CONFIGS[self.config]
+            name = sm90_kernel(dt.cuda_type, self.config, transposed, self.atomic)
+            fn = self.module[name]
+            G._prepare(fn, cfg.smem_bytes)
+            tma_a = G._tensor_map(a.data.ptr, M, k, 64, cfg.bm, dt)
+            tma_b = (G._tensor_map(b.data.ptr, k, n, 64, 64, dt) if transposed
+                     else G._tensor_map(b.data.ptr, n, k, 64, cfg.bn, dt))
+            tiles = -(-M // cfg.bm) * -(-n // cfg.bn)
+            args = (tma_a, tma_b, np.int32(M), np.int32(n), np.int32(k)) + \
+                self._tail(out, bias, M, cfg.bm)
+            kernels.launch(fn, (min(tiles, self.max_ctas["sm90"]),), (384,), args, stream,
+                           op=_OP, name=name, shared_mem=cfg.smem_bytes)
+        else:
+            name = sm80_kernel(dt.cuda_type, transposed, self.atomic)
+            fn = self.module[name]
+            G._prepare(fn, G._SM80_SMEM)
+            tiles = -(-M // SM80_TILE[0]) * -(-n // SM80_TILE[1])
+            args = (a, b, np.int32(M), np.int32(n), np.int32(k)) + \
+                self._tail(out, bias, M, SM80_TILE[0])
+            kernels.launch(fn, (min(tiles, self.max_ctas["sm80"]),), (256,), args, stream,
+                           op=_OP, name=name, shared_mem=G._SM80_SMEM)
+
+    # ---- calls ------------------------------------------------------------------------------
+    def __call__(self, a, b, bias=None, out=None, stream=None):
+        """a [M, k], b [k, n] ("kn") or [n, k] ("nk"), bias [n] or None -> out [M / W, n].
+
+        out: optional output array (else allocated). stream: CuPy stream, raw handle or torch
+        stream (default: CuPy's current stream). Returns out (a CuPy array).
+        """
+        self._check_open()
+        a, b, bias, out, M = self.check_call(a, b, bias, out)
+        if M == 0:  # every rank has M = 0 (M must agree): nothing to do, no epoch
+            return out
+        s = stream_of(stream)
+        if self.world.size == 1 and self._plain_w1:
+            G.gemm(a, b, bias=bias, out=out, b_layout=self.b_layout, impl=self.impl, stream=s,
+                   config=self.config if self.impl == "sm90" and self._config_given else None)
+            return out
+        self._launch_fused(a, b, bias, out, M, s)
+        return out
+
+    def reduce_scatter(self, partial, bias=None, out=None, stream=None):
+        """The comm-only reduce-scatter: partial [M, n] (this rank's C, in out_dtype, e.g. from
+        cuBLAS) -> out [M / W, n] = sum over ranks of their partials' rows of this rank
+        (+ bias), with this op's reduce mode, buffers and flags. The unfused baseline."""
+        self._check_open()
+        partial, bias, out, M = self.check_partial(partial, bias, out)
+        if M == 0:
+            return out
+        odt = self.out_dtype
+        name = copy_kernel(self.dtype.cuda_type, odt.cuda_type, self.atomic)
+        tiles = -(-M // COPY_TILE[0]) * -(-self.n // COPY_TILE[1])
+        args = (partial, np.int32(M), np.int32(self.n)) + self._tail(out, bias, M, COPY_TILE[0])
+        kernels.launch(self.module[name], (min(tiles, self.max_ctas["copy"]),), (COPY_THREADS,),
+                       args, stream_of(stream), op=_OP, name=name)
+        return out
+
+    # ---- lifetime ---------------------------------------------------------------------------
+    def synchronize(self, stream=None) -> None:
+        """Wait for this rank's work on `stream`; raise CommTimeoutError if a wait failed."""
+        stream_of(stream).synchronize()
+        self.err.check()
+
+    def close(self) -> None:
+        """Collective and idempotent: every rank must call it."""
+        if self._closed:
+            return
+        self._closed = True
+        self.buf.close()
+        self.err.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

@@ -1,0 +1,292 @@
+// cuflux/rs_hooks.cuh — the GEMM core hooks of GEMM + ReduceScatter (kernels_cu/gemm_rs.cu):
+// a rank-offset tile scheduler and an epilogue that sends each output tile to the rank owning
+// its rows and, on that owner, reduces the W partials of the tile.
+//
+// Problem: rank r holds a partial C_r [M, N] (its GEMM with its slice of K); rank o must end
+// with out_o = sum_r C_r[o * R : (o + 1) * R] (+ bias), R = M / W rows per rank.
+//
+// Push, one tile at a time. For a tile of rows [m0, m0 + kBM) (which may cover several owners
+// when R is not a multiple of kBM), in the epilogue of the CTA that computed it:
+//   A. every element goes to the memory of the rank o owning its row (this rank included):
+//      deterministic mode stores it into o's slot for this source rank,
+//      data[o][me][row - o * R][col]; atomic mode adds it (red.add, bf16x2 / f16x2 / f32) into
+//      o's acc[row - o * R][col]. Then (barrier over the epilogue threads) one thread raises,
+//      with st.release.sys, this tile's flag for source `me` in the memory of every other
+//      owner the tile touches;
+//   B. if the tile holds rows of this rank, the same thread waits (bounded, acquire) for the
+//      tile's flags of every peer, a barrier releases the others, and all epilogue threads
+//      finish this rank's rows of the tile in 16-byte vectors: deterministic: the W slots
+//      summed in fp32 in rank order 0..W-1 (bit-identical run to run); atomic: the
+//      accumulator, which is then reset to 0; plus bias (added once, here, by the owner);
+//      stored into this rank's output.
+// The thread that signals and waits is the one the core hands element (m0, n0): exactly one
+// per tile, found without knowing the core's fragment layout; it publishes the tile through
+// shared memory for phase B.
+//
+// Remote buffers (one symmetric allocation per op, offsets from the Python Layout):
+//   data   deterministic [2][W][R_max][N], atomic [2][R_max][N], output dtype; the first index
+//          is the call's parity (epoch & 1): call e+2 can only start writing a buffer once
+//          every owner finished call e (each rank's call e+1 waited for every rank's tiles,
+//          so every rank had finished call e), hence no "buffer free" flag is needed.
+//   flags  u32 [tiles][flag_stride]: word p of tile t = epoch of call in which source rank p
+//          delivered its part of tile t (tile index tm * tiles_n + tn); lives in the owner's
+//          memory, written only by p.
+//
+// Tile order (RsScheduler): rank me visits tile rows starting after its own rows and wrapping
+// around (owner me+1 first, then me+2, ...: at any moment the ranks write into different
+// owners), its own tile rows last and in row-major order. Own tiles are the only ones that
+// wait, so every rank delivers all of its peers' tiles without waiting; and because every rank
+// visits its own tiles in the same (row-major) relative order, no cycle of waits can form when
+// neighbouring ranks share a tile row. The grid must be co-resident (persistent CTAs never
+// wait for a CTA that is not running), which the Python side ensures.
+#pragma once
+#include <cuflux/gemm_hooks.cuh>
+#include <cuflux/sync.cuh>
+
+namespace cuflux {
+namespace rs {
+
+// ---- scheduler ---------------------------------------------------------------------------------
+// Slot -> tile. Peers' tile rows (positions 0 .. tiles_m - num_own - 1, tile row = position +
+// rot mod tiles_m) in L2 groups of group_m rows (walk down a group's rows, then the next
+// column), then the num_own own tile rows row by row. cuflux/ops/gemm_rs.py tile_order()
+// mirrors this for the CPU tests.
+struct RsScheduler {
+  int tiles_m, tiles_n;
+  int group_m;  // >= 1
+  int rot;      // first tile row visited: the one after this rank's own rows
+  int num_own;  // tile rows holding rows of this rank (>= 1)
+
+  __device__ __forceinline__ int num_slots() const { return tiles_m * tiles_n; }
+  __device__ __forceinline__ bool tile(int slot, int& tm, int& tn) const {
+    const int peer_rows = tiles_m - num_own;
+    const int peer_slots = peer_rows * tiles_n;
+    int pos;
+    if (slot < peer_slots) {
+      const int group_tiles = group_m * tiles_n;
+      const int group = slot / group_tiles;
+      const int first = group * group_m;
+      const int rows = min(group_m, peer_rows - first);
+      const int in_group = slot - group * group_tiles;
+      pos = first + in_group % rows;
+      tn = in_group / rows;
+    } else {
+      const int r = slot - peer_slots;
+      pos = peer_rows + r / tiles_n;
+      tn = r % tiles_n;
+    }
+    tm = pos + rot;
+    if (tm >= tiles_m) tm -= tiles_m;
+    return true;
+  }
+};
+
+
+// ---- the threads that run the epilogue ----------------------------------------------------------
+struct CtaSync {  // the portable core and the comm-only kernel: the whole CTA
+  __device__ __forceinline__ static int thread() { return static_cast<int>(threadIdx.x); }
+  __device__ __forceinline__ static int count() { return static_cast<int>(blockDim.x); }
+  __device__ __forceinline__ static void sync() { __syncthreads(); }
+};
+// The Hopper core: its two consumer warpgroups, threads 128..383 (the producer warpgroup does
+// not run the epilogue). Not .aligned: the thread that waited arrives after a divergent spin.
+// Barrier 6 is used by no core.
+struct ConsumerSync {
+  __device__ __forceinline__ static int thread() { return static_cast<int>(threadIdx.x) - 128; }
+  __device__ __forceinline__ static int count() { return 256; }
+  __device__ __forceinline__ static void sync() {
+    asm volatile("barrier.sync 6, 256;" ::: "memory");
+  }
+};
+
+// ---- vector reductions into an owner's accumulator ---------------------------------------------
+// red.add of two adjacent elements, relaxed, at system scope (the ranks adding into one
+// accumulator may sit on different GPUs). The atomic-mode data path; ordering comes from the
+// tile flag's release that follows. sm_90: one bf16x2 / f16x2 / f32x2 reduction; below, f16x2
+// and scalar f32 reductions, and a compare-and-swap loop for bf16x2 (no bf16 red before sm_90).
+template <typename T> struct Red2;
+template <> struct Red2<float> {
+  __device__ __forceinline__ static void add(float* p, float v0, float v1) {
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.sys.global.add.v2.f32 [%0], {%1, %2};" ::"l"(p), "f"(v0), "f"(v1)
+                 : "memory");
+#else
+    asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(p), "f"(v0) : "memory");
+    asm volatile("red.relaxed.sys.global.add.f32 [%0], %1;" ::"l"(p + 1), "f"(v1) : "memory");
+#endif
+  }
+};
+template <> struct Red2<__half> {
+  __device__ __forceinline__ static void add(__half* p, float v0, float v1) {
+    const __half2 h = __floats2half2_rn(v0, v1);
+    asm volatile("red.relaxed.sys.global.add.noftz.f16x2 [%0], %1;"
+                 ::"l"(p), "r"(*reinterpret_cast<const u32*>(&h)) : "memory");
+  }
+};
+template <> struct Red2<__nv_bfloat16> {
+  __device__ __forceinline__ static void add(__nv_bfloat16* p, float v0, float v1) {
+    const __nv_bfloat162 b = __floats2bfloat162_rn(v0, v1);
+#if __CUDA_ARCH__ >= 900
+    asm volatile("red.relaxed.sys.global.add.noftz.bf16x2 [%0], %1;"
+                 ::"l"(p), "r"(*reinterpret_cast<const u32*>(&b)) : "memory");
+#else
+    u32* word = reinterpret_cast<u32*>(p);
+    u32 seen = *reinterpret_cast<volatile u32*>(word), assumed;
+    do {
+      assumed = seen;
+      const __nv_bfloat162 sum = __hadd2(*reinterpret_cast<const __nv_bfloat162*>(&assumed), b);
+      seen = atomicCAS_system(word, assumed, *reinterpret_cast<const u32*>(&sum));
+    } while (seen != assumed);
+#endif
+  }
+};
+
+constexpr int kLoadBatch = 8;  // source slots loaded before any is added (deterministic finish)
+
+template <typename T, int kBytes>
+__device__ __forceinline__ void add_vec(float (&acc)[kBytes / sizeof(T)], const RawVec<kBytes>& r) {
+  const T* e = reinterpret_cast<const T*>(&r);
+#pragma unroll
+  for (int j = 0; j < int(kBytes / sizeof(T)); ++j) acc[j] += to_float<T>(e[j]);
+}
+
+// ---- epilogue ----------------------------------------------------------------------------------
+// BiasT: the input dtype (bias [N] is in it, 16-byte aligned). Output dtype chosen at run time:
+// BiasT, or float when out_f32 (the comm-only kernel calls run<OutT>() directly). kBM x kBN:
+// the core's tile. Sync: the threads that run the epilogue.
+template <typename BiasT, int kBM, int kBN, bool kAtomic, class Sync>
+struct RsEpilogue {
+  static constexpr bool kSignalsTiles = false;  // signals and waits happen inside with_writer
+  static constexpr bool kTmaStore = false;
+  void* out;               // this rank's output [R, N] (local, 16-byte aligned)
+  int out_f32;             // output (and data) dtype: float, else BiasT
+  const BiasT* bias;       // [N] or nullptr
+  const u64* bases;        // device [W]: base of the op's symmetric buffer on every rank
+  u64 data_off;            // byte offset of data[parity]
+  u64 slot_bytes;          // deterministic: bytes between the slots of two source ranks
+  u64 flags_off;           // byte offset of the flag region
+  int flag_stride;         // words per tile in the flag region (>= W)
+  int M, N, tiles_n;
+  int rows_per_rank;       // R
+  int world_size, rank;
+  u32 epoch;
+  WaitSite site;
+
+  // Phase A: every element goes to its owner (this rank included): the owner's slot for this
+  // source, or added into the owner's accumulator.
+  template <typename OutT> struct Send {
+    const RsEpilogue* e;
+    mutable int tile_m = -1, tile_n = -1;  // set in the one thread that handles (m0, n0)
+    __device__ __forceinline__ void put2(int row, int col, float v0, float v1) const {
+      if (row % kBM == 0 && col % kBN == 0) {
+        tile_m = row / kBM;
+        tile_n = col / kBN;
+      }
+      const int o = row / e->rows_per_rank;
+      const long long idx = static_cast<long long>(row - o * e->rows_per_rank) * e->N + col;
+      char* base = reinterpret_cast<char*>(e->bases[o] + e->data_off);
+      if constexpr (kAtomic) {
+        Red2<OutT>::add(reinterpret_cast<OutT*>(base) + idx, v0, v1);
+      } else {
+        OutT* slot = reinterpret_cast<OutT*>(base + e->rank * e->slot_bytes);
+        gemm::Pair2<OutT>::store(slot + idx, v0, v1);
+      }
+    }
+  };
+
+  // One thread, after phase A of tile (tm, tn): release the tile to the other owners it
+  // touches; if it holds rows of this rank, wait for every peer's part of it.
+  __device__ __forceinline__ void signal_and_wait(int tm, int tn) const {
+    const int row_begin = tm * kBM, row_end = min(row_begin + kBM, M);
+    const u64 tile = static_cast<u64>(tm) * tiles_n + tn;
+    const int o_lo = row_begin / rows_per_rank, o_hi = (row_end - 1) / rows_per_rank;
+    fence_acq_rel_sys();  // the other threads' phase-A stores (ordered by the barrier) go first
+    for (int o = o_lo; o <= o_hi; ++o) {
+      if (o == rank) continue;
+      u32* flag = reinterpret_cast<u32*>(bases[o] + flags_off) + tile * flag_stride + rank;
+      st_release_sys(flag, epoch);
+    }
+    if (o_lo <= rank && rank <= o_hi) {
+      const u32* flags = reinterpret_cast<const u32*>(bases[rank] + flags_off) + tile * flag_stride;
+      for (int p = 0; p < world_size; ++p)
+        if (p != rank) wait_flag_acquire(flags + p, epoch, site, p, static_cast<u32>(tile));
+      // On failure the error is recorded and the tile is finished with whatever is there; the
+      // host raises CommTimeoutError (no trap: every CTA reaches the end of the kernel).
+    }
+  }
+
+  // Phase B: this rank's rows of tile (tm, tn), 16-byte vectors spread over the epilogue
+  // threads: out = sum of the W slots in rank order 0..W-1 (deterministic) or the accumulator
+  // (atomic, then reset to 0 for the call after next), + bias, in fp32.
+  template <typename OutT> __device__ __forceinline__ void finish(int tm, int tn) const {
+    constexpr int kElems = 16 / sizeof(OutT);
+    const int me = rank, R = rows_per_rank;
+    const int r_lo = max(tm * kBM, me * R), r_hi = min(min(tm * kBM + kBM, M), (me + 1) * R);
+    if (r_lo >= r_hi) return;
+    const int c_lo = tn * kBN, c_hi = min(c_lo + kBN, N);
+    const int vecs_per_row = (c_hi - c_lo) / kElems;  // N % 8 == 0
+    const int total = (r_hi - r_lo) * vecs_per_row;
+    const char* local = reinterpret_cast<const char*>(bases[me] + data_off);
+    for (int i = Sync::thread(); i < total; i += Sync::count()) {
+      const int rr = i / vecs_per_row;
+      const int col = c_lo + (i - rr * vecs_per_row) * kElems;
+      const long long idx = static_cast<long long>(r_lo + rr - me * R) * N + col;
+      float acc[kElems];
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) acc[j] = 0.0f;
+      if constexpr (kAtomic) {
+        OutT* p = reinterpret_cast<OutT*>(const_cast<char*>(local)) + idx;
+        add_vec<OutT, 16>(acc, ld_plain<16>(p));
+        RawVec<16> zero;
+        zero.v = make_uint4(0u, 0u, 0u, 0u);
+        st_na<16>(p, zero);
+      } else {
+        for (int p0 = 0; p0 < world_size; p0 += kLoadBatch) {
+          RawVec<16> part[kLoadBatch];
+#pragma unroll
+          for (int k = 0; k < kLoadBatch; ++k) {  // past the last rank: reload it, unused
+            const int p = min(p0 + k, world_size - 1);
+            part[k] = ld_plain<16>(reinterpret_cast<const OutT*>(local + p * slot_bytes) + idx);
+          }
+#pragma unroll
+          for (int k = 0; k < kLoadBatch; ++k)
+            if (p0 + k < world_size) add_vec<OutT, 16>(acc, part[k]);
+        }
+      }
+      if (bias != nullptr) {
+        constexpr int kBiasBytes = kElems * sizeof(BiasT);
+        add_vec<BiasT, kBiasBytes>(acc, ld_nc<kBiasBytes>(bias + col));
+      }
+      RawVec<16> packed;
+      OutT* pe = reinterpret_cast<OutT*>(&packed);
+#pragma unroll
+      for (int j = 0; j < kElems; ++j) pe[j] = from_float<OutT>(acc[j]);
+      st_na<16>(static_cast<OutT*>(out) + idx, packed);
+    }
+  }
+
+  // body(writer) calls writer.put2 for every element of the tile; run by every epilogue
+  // thread. The thread that handled (m0, n0) publishes the tile's coordinates.
+  template <typename OutT, class Body> __device__ __forceinline__ void run(Body& body) const {
+    __shared__ int s_tile[2];
+    const Send<OutT> send{this};
+    body(send);
+    if (send.tile_m >= 0) {
+      s_tile[0] = send.tile_m;
+      s_tile[1] = send.tile_n;
+    }
+    Sync::sync();  // every phase-A store precedes the releases; s_tile is written
+    const int tm = s_tile[0], tn = s_tile[1];
+    if (send.tile_m >= 0) signal_and_wait(tm, tn);
+    Sync::sync();  // the acquires precede the loads of finish(); s_tile read by all before the
+                   // next tile rewrites it
+    finish<OutT>(tm, tn);
+  }
+  template <class Body> __device__ __forceinline__ void with_writer(Body&& body) const {
+    if (out_f32) run<float>(body);
+    else run<BiasT>(body);
+  }
+};
+
+}  // namespace rs
+}  // namespace cuflux
