@@ -18,7 +18,8 @@ import pathlib
 import threading
 from typing import Callable, Iterable, Sequence
 
-__all__ = ["KERNEL_DIR", "KernelFamily", "register", "families", "compile_source", "compile_all",
+__all__ = ["KERNEL_DIR", "KernelFamily", "register", "families", "compile_source", "compile_ptx",
+           "compile_all",
            "load", "device_arch", "CompileError"]
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent.parent / "kernels_cu"
@@ -115,6 +116,24 @@ def _cache_dir() -> pathlib.Path:
     return p
 
 
+def _options(arch: str, defines: Sequence[str] = ()) -> list[str]:
+    options = list(BASE_OPTIONS) + [f"-arch={arch}", f"-I{INCLUDE_DIR}"]
+    return options + [f"-I{d}" for d in _cuda_include_dirs()] + [f"-D{d}" for d in defines]
+
+
+def _compile_program(nvrtc, prog, source: str, arch: str, names, options) -> None:
+    for n in names:
+        _check(nvrtc, nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
+    opts = [o.encode() for o in options]
+    res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+    log_size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
+    log = b" " * log_size
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+        raise CompileError(f"compiling {source} for {arch} failed:\n"
+                           f"{log.decode(errors='replace').rstrip(chr(0))}")
+
+
 def compile_source(source: str, names: Sequence[str], arch: str,
                    defines: Sequence[str] = ()) -> tuple[bytes, dict[str, str]]:
     """Compile kernels_cu/<source> for `arch` ("sm_80", "sm_90a"); return (cubin, lowered names).
@@ -123,8 +142,7 @@ def compile_source(source: str, names: Sequence[str], arch: str,
     """
     nvrtc = _nvrtc()
     code = (KERNEL_DIR / source).read_bytes()
-    options = list(BASE_OPTIONS) + [f"-arch={arch}", f"-I{INCLUDE_DIR}"]
-    options += [f"-I{d}" for d in _cuda_include_dirs()] + [f"-D{d}" for d in defines]
+    options = _options(arch, defines)
     version = _check(nvrtc, nvrtc.nvrtcVersion(), "version")
     # The key names the include dirs by content (our headers' digest) rather than by absolute
     # path, so a cache filled by one checkout serves another.
@@ -138,16 +156,7 @@ def compile_source(source: str, names: Sequence[str], arch: str,
 
     prog = _check(nvrtc, nvrtc.nvrtcCreateProgram(code, source.encode(), 0, [], []), "create")[0]
     try:
-        for n in names:
-            _check(nvrtc, nvrtc.nvrtcAddNameExpression(prog, n.encode()), f"name {n}")
-        opts = [o.encode() for o in options]
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
-        log_size = nvrtc.nvrtcGetProgramLogSize(prog)[1]
-        log = b" " * log_size
-        nvrtc.nvrtcGetProgramLog(prog, log)
-        if res[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
-            raise CompileError(f"compiling {source} for {arch} failed:\n"
-                               f"{log.decode(errors='replace').rstrip(chr(0))}")
+        _compile_program(nvrtc, prog, source, arch, names, options)
         size = _check(nvrtc, nvrtc.nvrtcGetCUBINSize(prog), "cubin size")[0]
         cubin = b" " * size
         _check(nvrtc, nvrtc.nvrtcGetCUBIN(prog, cubin), "cubin")
@@ -163,6 +172,24 @@ def compile_source(source: str, names: Sequence[str], arch: str,
     tmp.write_text(json.dumps(lowered))
     os.replace(tmp, names_path)
     return cubin, lowered
+
+
+def compile_ptx(source: str, names: Sequence[str], arch: str,
+                defines: Sequence[str] = ()) -> str:
+    """PTX of kernels_cu/<source> for `arch`, compiled with the loader's own options (for tests
+    that check which instructions a kernel uses). Needs no GPU; not cached."""
+    nvrtc = _nvrtc()
+    options = _options(arch, defines)
+    prog = _check(nvrtc, nvrtc.nvrtcCreateProgram((KERNEL_DIR / source).read_bytes(),
+                                                  source.encode(), 0, [], []), "create")[0]
+    try:
+        _compile_program(nvrtc, prog, source, arch, names, options)
+        size = _check(nvrtc, nvrtc.nvrtcGetPTXSize(prog), "PTX size")[0]
+        buf = b" " * size
+        _check(nvrtc, nvrtc.nvrtcGetPTX(prog, buf), "PTX")
+        return buf.decode(errors="replace").rstrip("\0")
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
 
 
 def compile_all(archs: Sequence[str] = ("sm_80", "sm_90a")) -> dict[tuple[str, str], int]:

@@ -19,6 +19,7 @@ from typing import Sequence
 import numpy as np
 
 from cuflux.errors import CufluxError
+from cuflux.resource import Closeable
 
 __all__ = ["Layout", "SymmetricBuffer", "ALIGN_BYTES"]
 
@@ -59,7 +60,7 @@ class Layout:
                          f"{r.dtype.name}{list(r.shape)}" for r in self.regions.values())
 
 
-class SymmetricBuffer:
+class SymmetricBuffer(Closeable):
     """One symmetric allocation (optionally carved by a Layout) across the ranks of a World.
 
     world.alloc_symmetric(shape, dtype) makes a single-region buffer named "data".
@@ -132,12 +133,9 @@ class SymmetricBuffer:
         if self._closed:
             raise CufluxError("SymmetricBuffer is closed")
 
-    def close(self) -> None:
-        if self._closed:
-            return
+    def _release(self) -> None:
         from cupy.cuda import runtime
 
-        self._closed = True
         runtime.deviceSynchronize()
         self.world.barrier()  # no peer still reads or writes our memory
         for p in self._opened:
@@ -145,16 +143,6 @@ class SymmetricBuffer:
         self.world.barrier()  # every peer closed its mapping of our memory
         runtime.free(self._base)
         self._opened, self.base_ptrs = [], []
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def alloc_symmetric(world, shape, dtype) -> SymmetricBuffer:

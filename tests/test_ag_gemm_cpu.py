@@ -39,23 +39,8 @@ def test_compiles_for_both_targets(arch):
     assert cubin[:4] == b"\x7fELF" and set(lowered) == set(fam.names)
 
 
-def _ptx(arch, names):
-    from cuda.bindings import nvrtc
-
-    code = (kernels.KERNEL_DIR / "ag_gemm.cu").read_bytes()
-    opts = list(kernels.BASE_OPTIONS) + [f"-arch={arch}", f"-I{kernels.INCLUDE_DIR}"]
-    opts += [f"-I{d}" for d in kernels._cuda_include_dirs()]
-    _, prog = nvrtc.nvrtcCreateProgram(code, b"ag_gemm.cu", 0, [], [])
-    try:
-        for n in names:
-            nvrtc.nvrtcAddNameExpression(prog, n.encode())
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS
-        buf = b" " * nvrtc.nvrtcGetPTXSize(prog)[1]
-        nvrtc.nvrtcGetPTX(prog, buf)
-        return buf.decode(errors="replace")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+def _ptx(arch: str, names) -> str:
+    return kernels.compile_ptx("ag_gemm.cu", names, arch)
 
 
 def test_hopper_kernel_waits_with_acquire_then_loads_by_tma():

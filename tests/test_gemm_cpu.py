@@ -13,24 +13,7 @@ from cuflux.ops import gemm as G
 
 
 def _ptx(arch: str, names) -> str:
-    """PTX of gemm.cu for `arch`, compiled with the loader's own options."""
-    from cuda.bindings import nvrtc
-
-    code = (kernels.KERNEL_DIR / "gemm.cu").read_bytes()
-    opts = list(kernels.BASE_OPTIONS) + [f"-arch={arch}", f"-I{kernels.INCLUDE_DIR}"]
-    opts += [f"-I{d}" for d in kernels._cuda_include_dirs()]
-    err, prog = nvrtc.nvrtcCreateProgram(code, b"gemm.cu", 0, [], [])
-    try:
-        for n in names:
-            nvrtc.nvrtcAddNameExpression(prog, n.encode())
-        res = nvrtc.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
-        assert res[0] == nvrtc.nvrtcResult.NVRTC_SUCCESS, f"NVRTC failed for {arch}"
-        size = nvrtc.nvrtcGetPTXSize(prog)[1]
-        buf = b" " * size
-        nvrtc.nvrtcGetPTX(prog, buf)
-        return buf.decode(errors="replace")
-    finally:
-        nvrtc.nvrtcDestroyProgram(prog)
+    return kernels.compile_ptx("gemm.cu", names, arch)
 
 
 def _cuobjdump():

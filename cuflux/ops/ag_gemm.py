@@ -31,6 +31,7 @@ import dataclasses
 
 import numpy as np
 
+from cuflux.resource import Closeable
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import OP_CODES, CufluxError
@@ -207,7 +208,7 @@ class _Plan:
     smem: int
 
 
-class AllGatherGemm:
+class AllGatherGemm(Closeable):
     """out [M, n] = gather_ranks(a_shard) @ b (+ bias), the gather hidden behind the GEMM.
 
     Args:
@@ -474,16 +475,7 @@ class AllGatherGemm:
             st.synchronize()
         self.ag.err.check()
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Collective and idempotent: every rank must call it."""
-        if self._closed:
-            return
-        self._closed = True
         self.ag.close()
         self._orders.clear()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

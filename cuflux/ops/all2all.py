@@ -22,6 +22,7 @@ import time
 
 import numpy as np
 
+from cuflux.resource import Closeable
 from cuflux import kernels
 from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import (EXPECTED, OBSERVED, OP_CODES, PEER, RANK, STATUS, CommTimeoutError,
@@ -233,7 +234,7 @@ def reference_gather_heads(ys, tokens_per_rank, W, scales=None):
 
 
 # ---- the op --------------------------------------------------------------------------------------
-class All2AllHeads:
+class All2AllHeads(Closeable):
     """Redistribute attention heads between the ranks of a World (Ulysses sequence parallelism).
 
     Args:
@@ -542,23 +543,14 @@ class All2AllHeads:
             self._last_stream.synchronize()
         self._raise_if_failed()
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Collective and idempotent: every rank must call it. Views of the slots die here."""
-        if self._closed:
-            return
-        self._closed = True
         self._plans.clear()
         self._agreed.clear()
         self.buf.close()
         self.err.close()
         if self._comm is not None:
             self._comm.Free()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 class _Plan:

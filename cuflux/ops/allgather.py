@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflux.resource import Closeable
 from cuflux import driver
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
@@ -76,7 +77,7 @@ def arrival_order(rank: int, stages, num_chunks: int) -> list[tuple[int, int]]:
     return seq
 
 
-class AllGather:
+class AllGather(Closeable):
     """Gather each rank's [rows, cols] shard into [W * rows, cols] on every rank.
 
     Args:
@@ -350,17 +351,8 @@ class AllGather:
             lane.synchronize()
         self.err.check()
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Collective and idempotent: every rank must call it."""
-        if self._closed:
-            return
-        self._closed = True
         self.buf.close()
         self.waiter.close()
         self.err.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()

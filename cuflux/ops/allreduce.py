@@ -19,6 +19,7 @@ import math
 
 import numpy as np
 
+from cuflux.resource import Closeable
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
@@ -169,7 +170,7 @@ def _aligned(*arrays) -> bool:
 
 
 # ---- the op ------------------------------------------------------------------------------------
-class _P2PReduce:
+class _P2PReduce(Closeable):
     """Buffers, flags, epoch counter, error record and kernels shared by both public ops."""
 
     def __init__(self, world, op: str, mode: str, max_elems: int, dtype, algo: str,
@@ -270,20 +271,11 @@ class _P2PReduce:
         stream_of(stream).synchronize()
         self.err.check()
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Collective and idempotent: every rank must call it. After a CommTimeoutError the op
         cannot run again (its epochs disagree across ranks): close it and build a new one."""
-        if self._closed:
-            return
-        self._closed = True
         self.buf.close()
         self.err.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
 
 def _check_common(op, world, dtype, algo, timeout_s, max_blocks):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflux.resource import Closeable
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
@@ -158,7 +159,7 @@ def reference_gemm_rs(a_list, b_list, bias=None, b_layout: str = "kn", rank: int
 
 
 # ---- the op -------------------------------------------------------------------------------------
-class GemmReduceScatter:
+class GemmReduceScatter(Closeable):
     """out [M / W, n] = rows [r * M / W, (r + 1) * M / W) of sum over ranks of a @ b (+ bias).
 
     Args:
@@ -419,16 +420,7 @@ class GemmReduceScatter:
         stream_of(stream).synchronize()
         self.err.check()
 
-    def close(self) -> None:
+    def _release(self) -> None:
         """Collective and idempotent: every rank must call it."""
-        if self._closed:
-            return
-        self._closed = True
         self.buf.close()
         self.err.close()
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
