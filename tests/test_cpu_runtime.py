@@ -139,3 +139,26 @@ def test_reference_models_are_reachable_and_allgather_is_exact():
     assert all(np.array_equal(o, np.concatenate(shards)) for o in outs)
     for name in reference.__all__:
         assert callable(getattr(reference, name)), name
+
+
+def test_closeable_releases_once_and_on_context_exit():
+    from cuflux.resource import Closeable
+
+    class Op(Closeable):
+        def __init__(self):
+            self.released = 0
+
+        def _release(self):
+            self.released += 1
+
+    op = Op()
+    with op as same:
+        assert same is op and not op.closed
+    assert op.closed and op.released == 1
+    op.close()
+    assert op.released == 1
+    for cls in ("AllGather", "AllReduce", "AllReduceRMSNorm", "All2AllHeads",
+                "GemmReduceScatter", "AllGatherGemm", "SymmetricBuffer"):
+        import cuflux
+
+        assert issubclass(getattr(cuflux, cls), Closeable), cls
