@@ -7,6 +7,11 @@ import os as _os
 # Kernels that spin on flags deadlock under lazy module loading (a module loaded while a stream
 # is blocked): ask for eager loading before CUDA starts in this process.
 _os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
+# Host-driven paths keep several streams per process (copy lanes, the watchdog's release
+# stream); with CUDA's default of 8 hardware queues a stream blocked in cuStreamWaitValue32 can
+# hold up an unrelated stream aliased onto its queue (the watchdog's release among them). A user
+# who set this (Megatron sets 1) keeps their value.
+_os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
 # NVLink multicast is forbidden on the machines this project uses.
 _os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 

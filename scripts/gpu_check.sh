@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$(pwd)/out}"
 mkdir -p "$OUT"
 export PYTHONPATH="$(pwd)${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
+export CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=32
 export CUFLUX_TEST_WORLD_SIZES="${CUFLUX_TEST_WORLD_SIZES:-1,2,4,8}"
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"

@@ -10,7 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 GROUP="${1:?usage: gpu_quick.sh runtime|comm|gemm|fused}"
 OUT="${OUT:-$(pwd)/out}"; mkdir -p "$OUT"
-export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0
+export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 CUDA_MODULE_LOADING=EAGER NCCL_NVLS_ENABLE=0 CUDA_DEVICE_MAX_CONNECTIONS=32
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
 MPI=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
 T="$OUT/tests.log"; B="$OUT/bench.log"; LOG=$B

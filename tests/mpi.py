@@ -54,6 +54,7 @@ def run_ranks(world_size: int, target: str, timeout_s: float = 180, **kwargs) ->
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("CUDA_MODULE_LOADING", "EAGER")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
+    env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
     cmd = mpiexec() + ["-n", str(world_size), sys.executable, "-m", "tests.rank_main", target,
                        json.dumps(kwargs), outdir]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
