@@ -7,6 +7,7 @@ written), the gathered A compared bit for bit, the output against a float64 NumP
 and, bit for bit, against the plain GEMM (cuflux.gemm, same core and configuration) on the same
 gathered A: the fused kernel must compute exactly the same tiles.
 """
+import contextlib
 import time
 
 import numpy as np
@@ -15,6 +16,24 @@ from cuflux.arrays import dtype_info
 from cuflux.errors import CommTimeoutError, CufluxError
 
 TOL = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}  # relative Frobenius error
+# Bound of every wait in these tests (it starts when the stream or CTA reaches the wait). A
+# legitimate wait is a peer's copy plus time-slicing (milliseconds); a protocol bug should fail
+# in seconds, not eat the GPU lease.
+WAIT_S = 20.0
+
+
+@contextlib.contextmanager
+def _op(world, *args, **kwargs):
+    """An AllGatherGemm closed (collectively) when the block succeeds. When the block raises it
+    is left open on purpose: a failed check is usually on one rank, whose peers are already in
+    their next call or collective; a collective close would hold every rank until the waits
+    time out. The rank exits instead (tests/rank_main.py) and mpiexec ends the others."""
+    from cuflux.ops.ag_gemm import AllGatherGemm
+
+    kwargs.setdefault("timeout_s", WAIT_S)
+    op = AllGatherGemm(world, *args, **kwargs)
+    yield op
+    op.close()
 _BITS = {2: np.uint16, 4: np.uint32}
 
 
@@ -105,7 +124,6 @@ def sweep(world, mode, impl, seed):
     import cupy
 
     from cuflux import kernels
-    from cuflux.ops.ag_gemm import AllGatherGemm
 
     kernels.load("gemm.cu")  # the plain GEMM of the bit-for-bit check, loaded before any wait
     W, me = world.size, world.rank
@@ -115,8 +133,8 @@ def sweep(world, mode, impl, seed):
         bias_host = _host([seed, case, 2000 + me], (n,), dt, 4.0) if with_bias else None
         b = cupy.asarray(b_host)
         bias = cupy.asarray(bias_host) if with_bias else None
-        with AllGatherGemm(world, W * max(rows_seq), n, k, dt, out_dtype=odt, b_layout=layout,
-                           mode=mode, chunk_rows=chunk_rows, impl=impl, timeout_s=30) as op:
+        with _op(world, W * max(rows_seq), n, k, dt, out_dtype=odt, b_layout=layout,
+                 mode=mode, chunk_rows=chunk_rows, impl=impl) as op:
             for call, rows in enumerate(rows_seq):
                 what = (f"rank {me}/{W} {mode} {impl} case {case} (chunk_rows={chunk_rows}, "
                         f"{layout}, {dt}->{odt}, bias={with_bias}, n={n}, k={k}) call {call} "
@@ -131,7 +149,7 @@ def every_config(world, seed):
     import cupy
 
     from cuflux import kernels
-    from cuflux.ops.ag_gemm import AG_SM90_CONFIGS, AllGatherGemm
+    from cuflux.ops.ag_gemm import AG_SM90_CONFIGS
 
     kernels.load("gemm.cu")
     W, me = world.size, world.rank
@@ -144,8 +162,8 @@ def every_config(world, seed):
         for odt in ("bfloat16", "float32"):
             b_host = _host([seed, i, 1000 + me], (k, n) if layout == "kn" else (n, k), "bfloat16")
             bias_host = _host([seed, i, 2000 + me], (n,), "bfloat16", 4.0)
-            with AllGatherGemm(world, W * rows, n, k, "bfloat16", out_dtype=odt, b_layout=layout,
-                               chunk_rows=64, impl=impl, config=config, timeout_s=30) as op:
+            with _op(world, W * rows, n, k, "bfloat16", out_dtype=odt, b_layout=layout,
+                     chunk_rows=64, impl=impl, config=config) as op:
                 if config is not None:
                     assert op.plan_for(rows).config == config
                 _one_call(world, op, seed, i, 0, rows, b_host, cupy.asarray(b_host), bias_host,
@@ -165,8 +183,6 @@ def back_to_back(world, mode, calls=1000):
     output is checked exactly (small integers) and every third gathered A bit for bit."""
     import cupy
 
-    from cuflux.ops.ag_gemm import AllGatherGemm
-
     W, me = world.size, world.rank
     n, k, max_rows = 64, 64, 40
     rows_seq = [1 + (i * 7) % max_rows for i in range(calls)]
@@ -177,10 +193,11 @@ def back_to_back(world, mode, calls=1000):
     b = cupy.asarray(b_host)
     cupy.cuda.Device().synchronize()
     results = []
-    # The host queues all calls at once and a stream wait's deadline runs from when it was
-    # queued: a generous timeout, since ranks sharing one GPU run the queue slowly.
-    with AllGatherGemm(world, W * max_rows, n, k, "bfloat16", out_dtype="float32", mode=mode,
-                       chunk_rows=16, timeout_s=120) as op:
+    # Every wait's budget starts when its stream (or CTA) reaches it, not when the host queued
+    # it (cuflux/watchdog.py), so a long queue needs no long timeout; a short one makes a real
+    # hang fail in seconds instead of eating the test's deadline.
+    with _op(world, W * max_rows, n, k, "bfloat16", out_dtype="float32", mode=mode,
+             chunk_rows=16, timeout_s=30) as op:
         for i, x in enumerate(inputs):
             results.append(op(x, b, return_gathered=i % 3 == 0))
         op.synchronize()
@@ -195,6 +212,45 @@ def back_to_back(world, mode, calls=1000):
                 assert np.array_equal(cupy.asnumpy(gathered).view(np.uint16),
                                       full.view(np.uint16)), f"rank {me} call {i}: gathered A"
     return calls
+
+
+def late_peer(world, mode, impl, delay_s=1.0):
+    """The last rank calls delay_s seconds after the others, whose GEMMs are then already
+    running over a gathered A that still holds the previous call's rows: they must wait for the
+    late rank's chunks (exact small-integer data, so a row read before its flag shows), and
+    their calls must have lasted about delay_s (the late scenario really happened)."""
+    import cupy
+
+    W, me = world.size, world.rank
+    late = W - 1
+    n, k, rows = 64, 64, 128
+    b_host = _small_int([9, me], (k, n))
+    b = cupy.asarray(b_host)
+    waited = None
+    with _op(world, W * rows, n, k, "bfloat16", out_dtype="float32", mode=mode,
+             chunk_rows=32, impl=impl) as op:
+        for call in range(2):  # call 0 leaves its rows behind; call 1 has a late rank
+            x = cupy.asarray(_small_int([me, 100 + call], (rows, k)))
+            out = _poisoned((W * rows, n), "float32")
+            cupy.cuda.Device().synchronize()
+            world.barrier()
+            if call == 1 and me == late:
+                time.sleep(delay_s)
+            t0 = time.perf_counter()
+            op(x, b, out=out)
+            op.synchronize()
+            if call == 1 and me != late:
+                waited = time.perf_counter() - t0
+            full = np.concatenate([_small_int([p, 100 + call], (rows, k)) for p in range(W)])
+            want = full.astype(np.float64) @ b_host.astype(np.float64)
+            got = cupy.asnumpy(out)
+            assert np.array_equal(got, want), (
+                f"rank {me} {mode} {impl} call {call}: {int((got != want).sum())} elements "
+                f"differ (rows of rank {late} read before they landed?)")
+    if me != late:
+        assert waited > 0.5 * delay_s, f"rank {me}: the call took {waited:.3f} s, the late " \
+                                       f"rank came after {delay_s} s"
+    return waited
 
 
 def timeout(world, mode, timeout_s=2.0):
@@ -243,13 +299,11 @@ def sweep_one(world, mode, seed):
     import cupy
 
     from cuflux import kernels
-    from cuflux.ops.ag_gemm import AllGatherGemm
 
     kernels.load("gemm.cu")
     me = world.rank
     b_host = _host([seed, 1000 + me], (72, 40), "bfloat16")
-    with AllGatherGemm(world, world.size * 33, 40, 72, "bfloat16", mode=mode,
-                       timeout_s=30) as op:
+    with _op(world, world.size * 33, 40, 72, "bfloat16", mode=mode) as op:
         return _one_call(world, op, seed, 0, 0, 33, b_host, cupy.asarray(b_host), None, None,
                          True, f"rank {me} after a timeout")
 
@@ -270,7 +324,7 @@ def bad_input(world):
         AllGatherGemm(world, W * 64, 60, 64, "bfloat16")
     with pytest.raises(TypeError, match="dtype 'float32' is not supported"):
         AllGatherGemm(world, W * 64, 64, 64, "float32")
-    op = AllGatherGemm(world, W * 64, 64, 64, "bfloat16", b_layout="kn", timeout_s=20)
+    op = AllGatherGemm(world, W * 64, 64, 64, "bfloat16", b_layout="kn", timeout_s=WAIT_S)
     a = cupy.asarray(_small_int([me, 1], (64, 64)))
     b = cupy.asarray(_small_int([2, me], (64, 64)))
     flat = cupy.zeros(64 * 64 + 1, dtype=bf)

@@ -6,6 +6,7 @@ compute the float64 reference of its own rows (on the GPU, in float64: the shape
 nobody wrote fails. Values are rounded to bf16 / fp16 with integer operations on float32, so
 the reference sees exactly the operands the kernels see.
 """
+import contextlib
 import time
 
 import numpy as np
@@ -16,6 +17,21 @@ from cuflux.ops.gemm_rs import REDUCE_MODES, GemmReduceScatter, reference_gemm_r
 
 TOL = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}  # relative Frobenius error
 SLACK = {"deterministic": 1.1, "atomic": 1.3}  # error allowed relative to cuBLAS + bf16 ring RS
+# Bound of every device wait in these tests. A legitimate wait is a peer's GEMM plus time-slicing
+# (milliseconds); a protocol bug should fail in seconds, not eat the GPU lease.
+WAIT_S = 20.0
+
+
+@contextlib.contextmanager
+def _op(world, *args, **kwargs):
+    """A GemmReduceScatter that is closed (collectively) when the block succeeds. When the block
+    raises, it is left open on purpose: a failed check is often on one rank only, its peers are
+    already in the next collective, and a collective close would wait for them until the test's
+    deadline. The rank exits instead (tests/rank_main.py) and mpiexec ends the others at once."""
+    kwargs.setdefault("timeout_s", WAIT_S)
+    op = GemmReduceScatter(world, *args, **kwargs)
+    yield op
+    op.close()
 
 
 # ---- operands -----------------------------------------------------------------------------------
@@ -171,9 +187,8 @@ def _run_exact(world, op, case, seed):
 def _exact_case(world, impl, reduce, layout, case, config, seed, plain_w1=True):
     rows, n, k, dtype, out_dtype, _ = case
     W = world.size
-    with GemmReduceScatter(world, (rows + 2) * W, n, k, dtype, out_dtype=out_dtype,
-                           b_layout=layout, reduce=reduce, impl=impl, config=config,
-                           timeout_s=60) as op:
+    with _op(world, (rows + 2) * W, n, k, dtype, out_dtype=out_dtype, b_layout=layout,
+             reduce=reduce, impl=impl, config=config) as op:
         op._plain_w1 = plain_w1
         _run_exact(world, op, case, seed)
 
@@ -229,9 +244,8 @@ def float_sweep(world, seed, impl):
             for reduce in REDUCE_MODES:
                 label = (f"rank {world.rank} W={W} {impl} {reduce} {layout} M={M} n={n} k={k} "
                          f"{dtype}->{out_dtype} bias={bias is not None} seed={s}")
-                with GemmReduceScatter(world, 4096, n, k, dtype, out_dtype=out_dtype,
-                                       b_layout=layout, reduce=reduce, impl=impl,
-                                       timeout_s=60) as op:
+                with _op(world, 4096, n, k, dtype, out_dtype=out_dtype, b_layout=layout,
+                         reduce=reduce, impl=impl) as op:
                     out = op(a, b, bias=bias, out=_poisoned((M // W, n), out_dtype))
                     op.synchronize()
                     bad, rel, worst = _errors(_to_f32(out, out_dtype), ref)
@@ -263,8 +277,7 @@ def reduce_scatter_exact(world, seed):
     n = 1032
     for reduce in REDUCE_MODES:
         for dtype, out_dtype in (("bfloat16", "bfloat16"), ("float16", "float32")):
-            with GemmReduceScatter(world, 300 * W, n, 64, dtype, out_dtype=out_dtype,
-                                   reduce=reduce, timeout_s=60) as op:
+            with _op(world, 300 * W, n, 64, dtype, out_dtype=out_dtype, reduce=reduce) as op:
                 for rows in (1, 129, 300):
                     M = rows * W
                     parts = [_operand((M, n), out_dtype, _seed(seed + rows, p, 5))
@@ -309,8 +322,7 @@ def back_to_back(world, seed, reduce, calls=1000):
         part_sums.append(sum(p[1].astype(cp.float64) for p in parts))
     bias, bias32 = _operand((n,), dtype, _seed(seed, 99, 8), scale=4.0)
     issued = []
-    with GemmReduceScatter(world, max_m, n, k, dtype, b_layout="nk", reduce=reduce,
-                           timeout_s=120) as op:
+    with _op(world, max_m, n, k, dtype, b_layout="nk", reduce=reduce) as op:
         for i in range(calls):
             rows = 1 + (i * 37) % max_rows
             M, st, with_bias = rows * W, i % sets, i % 3 == 0
@@ -374,7 +386,7 @@ def bad_input(world):
     W = world.size
     st = dtype_info("bfloat16").storage
     case = (64, 256, 24, "bfloat16", "bfloat16", True)
-    with GemmReduceScatter(world, 64 * W, 256, 24, "bfloat16", reduce="deterministic") as op:
+    with _op(world, 64 * W, 256, 24, "bfloat16", reduce="deterministic") as op:
         a, b = cp.zeros((64 * W, 24), st), cp.zeros((24, 256), st)
         cases = [
             (lambda: op(a.astype(cp.float16), b), TypeError, "a must be bfloat16"),
