@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import cuflux.ops.allreduce as ar
+from tests.kernel_args import DeviceArray, check_args
 from cuflux import kernels
 from cuflux.arrays import dtype_info
 from cuflux.errors import CufluxError
@@ -261,32 +262,8 @@ def test_allreduce_kernels_compile(arch):
 
 
 # ---- launch arguments against the kernel signatures (no GPU: a wrong order would corrupt) ----
-def _signature(kernel: str) -> list[str]:
-    import re
-
-    src = (kernels.KERNEL_DIR / "allreduce.cu").read_text()
-    m = re.search(r"__global__ void __launch_bounds__\(\d+\) " + kernel + r"\(([^)]*)\)", src)
-    assert m, kernel
-    params = [" ".join(p.replace("__restrict__", "").split()) for p in m.group(1).split(",")]
-    return [p.rsplit(" ", 1)[0] for p in params]  # the type of each parameter
-
-
-class DeviceArray:  # stands for a CuPy array argument (a pointer)
-    pass
-
-
-def _expected(ctype: str):
-    if ctype.endswith("*"):
-        return (np.uint64, DeviceArray)
-    return {"u64": (np.uint64,), "int": (np.int32,), "long long": (np.int64,),
-            "float": (np.float32,), "u32": (np.uint32,)}[ctype]
-
-
 def _check_args(kernel, args):
-    sig = _signature(kernel)
-    assert len(args) == len(sig), f"{kernel}: {len(args)} arguments for {len(sig)} parameters"
-    for i, (ctype, a) in enumerate(zip(sig, args)):
-        assert isinstance(a, _expected(ctype)), f"{kernel} argument {i} ({ctype}): {a!r}"
+    check_args("allreduce.cu", kernel, args)
 
 
 @pytest.mark.parametrize("W,T", [(1, 5), (4, 300)])

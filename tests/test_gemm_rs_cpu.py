@@ -18,6 +18,8 @@ from cuflux.ops.gemm_rs import (GemmReduceScatter, make_layout, own_tile_rows, r
                                 tile_order)
 from cuflux.topology import PeerLink, Topology
 from cuflux.world import World
+from tests.kernel_args import DeviceArray, check_args
+from tests.kernel_args import names as kernel_names
 
 
 # ---- compilation --------------------------------------------------------------------------------
@@ -367,30 +369,6 @@ def test_partial_checks(monkeypatch, partial, out, exc, text):
 
 
 # ---- launch arguments against the kernel signatures ---------------------------------------------
-def _param_names(kernel: str) -> list[str]:
-    """The parameters of a kernel in gemm_rs.cu, as "type name" with qualifiers dropped."""
-    src = (kernels.KERNEL_DIR / "gemm_rs.cu").read_text()
-    m = re.search(r"\n    " + kernel + r"\(([^)]*)\)", src)
-    assert m, kernel
-    return [" ".join(p.replace("const __grid_constant__", "").replace("const ", "").split())
-            for p in m.group(1).split(",")]
-
-
-def _signature(kernel: str) -> list[str]:
-    return [p.rsplit(" ", 1)[0] for p in _param_names(kernel)]
-
-
-class DeviceArray:  # stands for a CuPy array argument (a pointer)
-    pass
-
-
-def _expected(ctype: str):
-    if ctype.endswith("*"):
-        return (np.uint64, DeviceArray)
-    return {"u64": (np.uint64,), "int": (np.int32,), "u32": (np.uint32,),
-            "sm90::TmaDesc": (np.void,)}[ctype]
-
-
 @pytest.mark.parametrize("impl", ["sm90", "sm80"])
 @pytest.mark.parametrize("reduce", R.REDUCE_MODES)
 def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
@@ -418,15 +396,12 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     name, grid, block, args, smem = captured[0]
     kernel = name.split("<")[0]
     assert kernel == f"gemm_rs_{impl}" and ("true>" in name) == (reduce == "atomic")
-    sig = _signature(kernel)
     for _, _, _, a, _ in captured:
-        assert len(a) == len(sig), f"{kernel}: {len(a)} arguments for {len(sig)} parameters"
-        for i, (ctype, x) in enumerate(zip(sig, a)):
-            assert isinstance(x, _expected(ctype)), f"{kernel} argument {i} ({ctype}): {x!r}"
+        check_args("gemm_rs.cu", kernel, a)
     names = ["M", "N", "K", "out", "out_f32", "bias", "bases", "data_off", "slot_bytes",
              "flags_off", "flag_stride", "rows_per_rank", "world_size", "rank", "own_lo",
              "own_hi", "group_m", "epoch", "err", "err_claim", "timeout_ns", "op"]
-    assert [p.rsplit(" ", 1)[-1] for p in _param_names(kernel)][2:] == names
+    assert kernel_names("gemm_rs.cu", kernel)[2:] == names
     calls = [dict(zip(names, c[3][2:])) for c in captured]
     bm = G.SM90_CONFIGS[R.SM90_RS_DEFAULT].bm if impl == "sm90" else R.SM80_TILE[0]
     t = calls[0]
@@ -441,8 +416,5 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
                     else G._SM80_SMEM)
     # the comm-only kernel takes the same tail after (partial, M, N)
     full = (arr, np.int32(M), np.int32(op.n)) + op._tail(arr, None, M, R.COPY_TILE[0])
-    csig = _signature("rs_tiles")
-    assert len(full) == len(csig)
-    for ctype, x in zip(csig, full):
-        assert isinstance(x, _expected(ctype)), (ctype, x)
-    assert [p.rsplit(" ", 1)[-1] for p in _param_names("rs_tiles")][3:] == names[3:]
+    check_args("gemm_rs.cu", "rs_tiles", full)
+    assert kernel_names("gemm_rs.cu", "rs_tiles")[3:] == names[3:]
