@@ -497,3 +497,39 @@ def test_bench_cases_are_valid_shapes(W):
         check_build_args(W, M, n, k, "bfloat16", None, "nk", "pull", None, 30.0, "auto", None, 8)
     flux = dict((c[0], c[1:]) for c in full)["flux"]
     assert flux == (4096 // W * W, 49152 // W // 8 * 8, 12288)
+
+
+# ---- launch arguments against the kernel signatures (a wrong order would corrupt on the GPU) --
+@pytest.mark.parametrize("impl", ["sm90", "sm80"])
+@pytest.mark.parametrize("b_layout", ["kn", "nk"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, b_layout, with_bias):
+    from cuflux.arrays import dtype_info
+    from cuflux.ops import gemm as G
+    from tests.kernel_args import DeviceArray, check_args
+
+    captured = []
+    monkeypatch.setattr(AGG.kernels, "launch", lambda fn, grid, block, args, stream, **kw:
+                        captured.append((kw["name"], args)))
+    monkeypatch.setattr(G, "_tensor_map", lambda *a: np.zeros(1, np.dtype((np.void, 128)))[0])
+    op = object.__new__(AllGatherGemm)
+    op.world = SimpleNamespace(size=4, rank=1, device=0)
+    op.n, op.k, op.group_m, op.chunk_rows, op.b_layout = 256, 512, 8, 64, b_layout
+    op.dtype = op.out_dtype = dtype_info("bfloat16")
+    op.module = {n: n for n in AGG.FAMILY.names}
+    op.ag = SimpleNamespace(err=SimpleNamespace(ptr=1 << 40, claim=DeviceArray(), timeout_ns=10**9),
+                            chunk_flags_ptr=lambda: 1 << 41, max_chunks=2)
+    t, transposed = "__nv_bfloat16", b_layout == "kn"
+    if impl == "sm90":
+        cfg = AGG.AG_SM90_CONFIGS["256x128s4c1"]
+        kernel = AGG._sm90_kernel(cfg, t, transposed)
+        plan = AGG._Plan("sm90", "256x128s4c1", kernel, cfg.bm, 1, 8, 384, cfg.smem_bytes)
+    else:
+        kernel = AGG._sm80_kernel(t, transposed)
+        plan = AGG._Plan("sm80", G.SM80_CONFIG, kernel, 128, 1, 8, 256, 0)
+    arr = DeviceArray()
+    arr.data = SimpleNamespace(ptr=1 << 30)
+    op._launch(plan, 1 << 31, arr, arr if with_bias else None, arr, 128, 3, DeviceArray(), None)
+    (name, args), = captured
+    assert name == kernel
+    check_args("ag_gemm.cu", kernel.split("<")[0], args)

@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 
 import cuflux.ops.allreduce as ar
-from tests.kernel_args import DeviceArray, check_args
 from cuflux import kernels
 from cuflux.arrays import dtype_info
 from cuflux.errors import CufluxError
 from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, choose_algo, plan_launch,
                                   reference_allreduce, reference_allreduce_rmsnorm, token_slice)
+from tests.kernel_args import DeviceArray, check_args
 
 
 # ---- token slices ---------------------------------------------------------------------------
