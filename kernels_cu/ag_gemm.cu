@@ -36,12 +36,6 @@
 
 using namespace cuflux;
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define CUFLUX_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
-#else
-#define CUFLUX_CLUSTER_DIMS(n)
-#endif
-
 // The scheduler and prologue of one call, from the kernel arguments.
 struct AgHooks {
   gemm::ChunkedScheduler<gemm::ListedChunks> sched;

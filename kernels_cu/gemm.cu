@@ -19,13 +19,6 @@
 
 using namespace cuflux;
 
-// __cluster_dims__ exists from sm_90 on; below, the Hopper kernels are empty stubs anyway.
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define CUFLUX_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
-#else
-#define CUFLUX_CLUSTER_DIMS(n)
-#endif
-
 // ---- Hopper ---------------------------------------------------------------------------------------
 // Grid: persistent, a multiple of kClusterM, no more CTAs than fit at once (one per SM).
 // group_m: tile rows (in units of kClusterM tiles) per L2 group. kEpiTma: bf16 / fp16 outputs

@@ -27,12 +27,6 @@
 
 using namespace cuflux;
 
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define CUFLUX_RS_CLUSTER_DIMS __cluster_dims__(1, 1, 1)
-#else
-#define CUFLUX_RS_CLUSTER_DIMS
-#endif
-
 // The trailing kernel arguments (own_lo / own_hi: the first and last tile rows holding rows of
 // this rank, computed once on the host).
 template <typename T>
@@ -69,7 +63,7 @@ struct RsHooks {
 // tma_a: box {64, kBM} over A [M, K]; tma_b: "nk" box {64, kBN} over B [N, K], "kn" box {64, 64}
 // over B [K, N] (128-byte swizzle, zero fill). Dynamic shared memory: Config::kSmemBytes.
 template <typename T, int kBM, int kBN, bool kBTransposed, bool kAtomic>
-__global__ void __launch_bounds__(384, 1) CUFLUX_RS_CLUSTER_DIMS
+__global__ void __launch_bounds__(384, 1) CUFLUX_CLUSTER_DIMS(1)
     gemm_rs_sm90(const __grid_constant__ sm90::TmaDesc tma_a,
                  const __grid_constant__ sm90::TmaDesc tma_b, int M, int N, int K,
                  void* out, int out_f32, const T* bias, const u64* bases, u64 data_off,

@@ -11,6 +11,7 @@ from cuflux.ops import all2all as a2a
 from cuflux.ops.all2all import (All2AllHeads, Spec, build_layout, call_hash, check_call,
                                 check_op_args, check_tokens, io_shapes, reference_gather_heads,
                                 reference_scatter_heads, scale_shapes, vec_bytes)
+from tests.fakes import FakeArray
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
@@ -36,15 +37,6 @@ class FakeWorld:
         raise AssertionError("bad arguments must be refused before any allocation")
 
 
-class FakeArray:
-    """What check_call reads from a CuPy array."""
-
-    def __init__(self, shape, dtype, contiguous=True, device=0, ptr=0):
-        self.shape, self.ndim, self.dtype = tuple(shape), len(shape), np.dtype(dtype)
-        self.strides = None
-        self.flags = types.SimpleNamespace(c_contiguous=contiguous)
-        self.device = types.SimpleNamespace(id=device)
-        self.data = types.SimpleNamespace(ptr=ptr)
 
 
 def _spec(W=4, rank=1, dtype="bfloat16", H=8, D=64, batch=2, max_tokens=16):

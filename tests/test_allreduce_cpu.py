@@ -12,6 +12,7 @@ from cuflux.arrays import dtype_info
 from cuflux.errors import CufluxError
 from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, choose_algo, plan_launch,
                                   reference_allreduce, reference_allreduce_rmsnorm, token_slice)
+from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 
 
@@ -183,16 +184,6 @@ def test_allreduce_constructor_checks(kwargs, exc, text):
     assert "AllReduce" in str(e.value)
 
 
-class FakeArray:
-    """Just what check_array reads: no GPU needed."""
-
-    def __init__(self, shape, dtype="bfloat16", contiguous=True, device=0):
-        self.shape, self.ndim = tuple(shape), len(shape)
-        self.dtype = dtype_info(dtype).storage
-        self.size = int(np.prod(shape))
-        self.flags = SimpleNamespace(c_contiguous=contiguous)
-        self.strides = (0,) * len(shape)
-        self.device = SimpleNamespace(id=device)
 
 
 def _fake_norm(output, W=4, rank=3):

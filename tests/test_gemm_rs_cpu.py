@@ -18,6 +18,7 @@ from cuflux.ops.gemm_rs import (GemmReduceScatter, make_layout, own_tile_rows, r
                                 tile_order)
 from cuflux.topology import PeerLink, Topology
 from cuflux.world import World
+from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 from tests.kernel_args import names as kernel_names
 
@@ -283,17 +284,6 @@ def test_a_problem_on_one_rank_raises_on_every_rank():
 
 
 # ---- call checks (fake arrays) ------------------------------------------------------------------
-class FakeArray:
-    """What the checks read: no GPU needed."""
-
-    def __init__(self, shape, dtype="bfloat16", contiguous=True, device=0, ptr=1 << 20):
-        self.shape, self.ndim = tuple(shape), len(shape)
-        self.dtype = dtype_info(dtype).storage
-        self.size = int(np.prod(shape))
-        self.flags = SimpleNamespace(c_contiguous=contiguous)
-        self.strides = (0,) * len(shape)
-        self.device = SimpleNamespace(id=device)
-        self.data = SimpleNamespace(ptr=ptr)
 
 
 def _fake_op(W=4, rank=1, layout="kn", out_dtype="bfloat16", k=128, n=256, max_m=512):

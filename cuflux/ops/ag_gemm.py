@@ -349,15 +349,8 @@ class AllGatherGemm(Closeable):
             dims = "[k={}, n={}]" if self.b_layout == "kn" else "[n={1}, k={0}]"
             raise ValueError(f"{_OP}: b (layout {self.b_layout!r}) must be "
                              f"{dims.format(self.k, self.n)}, got {tuple(b.shape)}")
-        for name, x in (("a_shard", a), ("b", b)):
-            if x.data.ptr % 16:
-                raise ValueError(f"{_OP}: {name} must start at a 16-byte aligned address "
-                                 f"(got {x.data.ptr:#x})")
-        if bias is not None:
-            bias = as_cupy(bias, "bias", _OP)
-            check_array(bias, name="bias", op=_OP, shape=(self.n,), dtype=dt, device=dev)
-            if bias.data.ptr % 4:
-                raise ValueError(f"{_OP}: bias must start at a 4-byte aligned address")
+        G.check_aligned(_OP, a_shard=a, b=b)
+        bias = G.check_bias(_OP, bias, self.n, dt, dev)
         if out is not None:
             out = as_cupy(out, "out", _OP)
             check_array(out, name="out", op=_OP, shape=(self.world.size * rows, self.n),

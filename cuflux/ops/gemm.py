@@ -96,6 +96,26 @@ FAMILY = kernels.register("gemm.cu", _names(), min_arch=80)
 
 
 # ---- argument checks ------------------------------------------------------------------------------
+
+def check_aligned(op: str, **arrays) -> None:
+    """Operands move in 16-byte pieces (TMA, cp.async): each must start 16-byte aligned."""
+    for name, x in arrays.items():
+        if x.data.ptr % 16:
+            raise ValueError(f"{op}: {name} must start at a 16-byte aligned address "
+                             f"(got {x.data.ptr:#x})")
+
+
+def check_bias(op: str, bias, n: int, dtype, device):
+    """bias [n] of the input dtype, read in pairs: 4-byte aligned. Returns it as CuPy (or None)."""
+    if bias is None:
+        return None
+    bias = as_cupy(bias, "bias", op)
+    check_array(bias, name="bias", op=op, shape=(n,), dtype=dtype, device=device)
+    if bias.data.ptr % 4:
+        raise ValueError(f"{op}: bias must start at a 4-byte aligned address")
+    return bias
+
+
 def _check_args(a, b, bias, out, out_dtype, b_layout, impl):
     import cupy
 
@@ -127,15 +147,8 @@ def _check_args(a, b, bias, out, out_dtype, b_layout, impl):
                          f"move in 16-byte pieces), got N={N}")
     if max(M, N, K) >= 2**31:
         raise ValueError(f"{_OP}: dimensions must be < 2**31, got M={M}, N={N}, K={K}")
-    for name, x in (("a", a), ("b", b)):
-        if x.data.ptr % 16:
-            raise ValueError(f"{_OP}: {name} must start at a 16-byte aligned address "
-                             f"(got {x.data.ptr:#x})")
-    if bias is not None:
-        bias = as_cupy(bias, "bias", _OP)
-        check_array(bias, name="bias", op=_OP, shape=(N,), dtype=dt, device=dev)
-        if bias.data.ptr % 4:
-            raise ValueError(f"{_OP}: bias must start at a 4-byte aligned address")
+    check_aligned(_OP, a=a, b=b)
+    bias = check_bias(_OP, bias, N, dt, dev)
     if out is not None:
         out = as_cupy(out, "out", _OP)
         odt = dtype_info(out_dtype if out_dtype is not None else out.dtype, _OUT_KIND, _OP)

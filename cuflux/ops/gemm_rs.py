@@ -311,10 +311,7 @@ class GemmReduceScatter(Closeable):
             raise ValueError(f"{op}: b (layout {self.b_layout!r}) must be {lay} = {want}, got "
                              f"{tuple(b.shape)}")
         self._check_rows(M, "a")
-        for name, x in (("a", a), ("b", b)):
-            if x.data.ptr % 16:
-                raise ValueError(f"{op}: {name} must start at a 16-byte aligned address "
-                                 f"(got {x.data.ptr:#x})")
+        G.check_aligned(op, a=a, b=b)
         bias, out = self._check_common(M, bias, out)
         return a, b, bias, out, M
 

@@ -41,6 +41,13 @@
 #pragma once
 #include <cuflux/sync.cuh>
 
+// __cluster_dims__ exists from sm_90 on; below sm_90a the Hopper kernels are empty stubs anyway.
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define CUFLUX_CLUSTER_DIMS(n) __cluster_dims__(n, 1, 1)
+#else
+#define CUFLUX_CLUSTER_DIMS(n)
+#endif
+
 namespace cuflux {
 namespace sm90 {
 

@@ -1,0 +1,23 @@
+"""Test doubles for the CPU tests: what the argument checks read from a CuPy array."""
+from types import SimpleNamespace
+
+import numpy as np
+
+from cuflux.arrays import dtype_info
+
+
+class FakeArray:
+    """shape, dtype (a cuflux dtype name or anything numpy takes), contiguity, device and a
+    data pointer: enough for check_array and the alignment checks, no GPU needed."""
+
+    def __init__(self, shape, dtype="bfloat16", contiguous=True, device=0, ptr=1 << 20):
+        self.shape, self.ndim = tuple(shape), len(shape)
+        try:
+            self.dtype = dtype_info(dtype).storage
+        except TypeError:
+            self.dtype = np.dtype(dtype)
+        self.size = int(np.prod(shape))
+        self.flags = SimpleNamespace(c_contiguous=contiguous)
+        self.strides = (0,) * len(shape)
+        self.device = SimpleNamespace(id=device)
+        self.data = SimpleNamespace(ptr=ptr)
