@@ -26,3 +26,17 @@ def bootstrap(world):
     tp = cuflux.init(sub)
     assert tp.size == min(2, world.size - (world.rank // 2) * 2) and tp.rank == world.rank % 2
     return {"rank": world.rank, "device": world.device, "order": full_mesh_order(world.rank, world.size)}
+
+
+def identity(world, fail_rank=None, hang_rank=None):
+    """The rank's process id and the CUFLUX_* setting it sees; fails or hangs on request
+    (for the tests of the rank pool in tests/mpi.py)."""
+    import os
+    import time
+
+    if world.rank == fail_rank:
+        raise RuntimeError(f"rank {world.rank} fails on purpose")
+    if world.rank == hang_rank:
+        time.sleep(3600)
+    world.barrier()
+    return {"pid": os.getpid(), "setting": os.environ.get("CUFLUX_POOL_PROBE")}

@@ -1,8 +1,11 @@
 """The one multi-rank test helper: launch `mpiexec -n W` under a deadline, collect every rank.
 
-Each rank runs `python -m tests.rank_main <module:function> <json kwargs> <outdir>`, which calls
-function(world, **kwargs) and writes its outcome (ok, result or traceback) to outdir/rank<r>.json.
-`run_ranks` kills the whole launch at the deadline and fails with every rank's traceback.
+Each rank calls function(world, **kwargs) from tests/rank_main.py and writes its outcome (ok,
+result or traceback) to outdir/rank<r>.json. By default the W ranks stay alive between tests (a
+pool per W, so contexts and loaded kernels are paid once per W rather than once per test);
+CUFLUX_TEST_POOL=0 launches `mpiexec -n W` afresh for every test. Either way `run_ranks` kills
+the launch at the deadline and fails with every rank's traceback; a failed case ends its pool
+and the next test starts a new one.
 """
 from __future__ import annotations
 
@@ -14,6 +17,10 @@ import subprocess
 import sys
 import tempfile
 import functools
+import itertools
+import queue
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,25 +54,108 @@ def mpiexec() -> list[str]:
     return [exe]
 
 
-def run_ranks(world_size: int, target: str, timeout_s: float = 180, **kwargs) -> list:
-    """Run tests.<target> on `world_size` ranks; return each rank's result, or fail."""
-    outdir = tempfile.mkdtemp(prefix="cuflux-ranks-")
+def _env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("CUDA_MODULE_LOADING", "EAGER")
     env.setdefault("NCCL_NVLS_ENABLE", "0")
     env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
+    return env
+
+
+def _kill(proc) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+class _Pool:
+    """W ranks of tests.rank_main --pool under one mpiexec; stdout read by a thread."""
+
+    _ids = itertools.count()
+
+    def __init__(self, world_size: int):
+        cmd = mpiexec() + ["-n", str(world_size), sys.executable, "-m", "tests.rank_main",
+                           "--pool"]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line)
+        self.lines.put(None)  # end of output: the pool has exited
+
+    def run(self, target: str, kwargs: dict, outdir: str, timeout_s: float):
+        """(output, timed_out, exit code or None while the pool lives on)."""
+        cid = next(self._ids)
+        env = {k: v for k, v in os.environ.items() if k.startswith("CUFLUX_")}
+        self.proc.stdin.write(json.dumps({"id": cid, "target": target, "kwargs": kwargs,
+                                          "outdir": outdir, "env": env}) + "\n")
+        self.proc.stdin.flush()
+        out, deadline = [], time.monotonic() + timeout_s
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                _kill(self.proc)
+                self.proc.wait()
+                return "".join(out), True, self.proc.returncode
+            if line is None:
+                return "".join(out), False, self.proc.wait()
+            if line.strip() == f"CUFLUX-POOL-DONE {cid}":
+                return "".join(out), False, None
+            out.append(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.write("\n")
+                self.proc.stdin.flush()
+                self.proc.wait(timeout=30)
+            except Exception:
+                _kill(self.proc)
+
+
+_POOLS: dict[int, _Pool] = {}
+
+
+def _pool(world_size: int) -> _Pool:
+    p = _POOLS.get(world_size)
+    if p is None or p.proc.poll() is not None:
+        p = _POOLS[world_size] = _Pool(world_size)
+    return p
+
+
+def close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+def _run_once(world_size: int, target: str, kwargs: dict, outdir: str, timeout_s: float):
     cmd = mpiexec() + ["-n", str(world_size), sys.executable, "-m", "tests.rank_main", target,
                        json.dumps(kwargs), outdir]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout_s)
-        timed_out = False
+        return output, False, proc.returncode
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        _kill(proc)
         output, _ = proc.communicate()
-        timed_out = True
+        return output, True, proc.returncode
+
+
+def run_ranks(world_size: int, target: str, timeout_s: float = 180, **kwargs) -> list:
+    """Run tests.<target> on `world_size` ranks; return each rank's result, or fail."""
+    outdir = tempfile.mkdtemp(prefix="cuflux-ranks-")
+    if os.environ.get("CUFLUX_TEST_POOL", "1") == "1":
+        output, timed_out, code = _pool(world_size).run(target, kwargs, outdir, timeout_s)
+    else:
+        output, timed_out, code = _run_once(world_size, target, kwargs, outdir, timeout_s)
     outcomes = {}
     for r in range(world_size):
         path = os.path.join(outdir, f"rank{r}.json")
@@ -74,14 +164,18 @@ def run_ranks(world_size: int, target: str, timeout_s: float = 180, **kwargs) ->
                 outcomes[r] = json.load(f)
     shutil.rmtree(outdir, ignore_errors=True)
     failed = [r for r in range(world_size) if not outcomes.get(r, {}).get("ok")]
-    if timed_out or failed or proc.returncode != 0:
+    if timed_out or failed or code:
         lines = [f"{target} on W={world_size}: "
                  + ("TIMED OUT after %.0f s; " % timeout_s if timed_out else "")
-                 + f"exit code {proc.returncode}; failed ranks {failed}"]
+                 + f"exit code {code}; failed ranks {failed}"]
         for r in range(world_size):
             o = outcomes.get(r)
             lines.append(f"--- rank {r}: " + ("no outcome written" if o is None else
                                               ("ok" if o["ok"] else o["traceback"])))
         lines.append("--- mpiexec output (tail):\n" + output[-4000:])
-        raise AssertionError("\n".join(lines))
+        message = "\n".join(lines)
+        if os.environ.get("CUFLUX_FAIL_LOG"):  # seen at once, even if the run is cut short
+            with open(os.environ["CUFLUX_FAIL_LOG"], "a") as f:
+                f.write(f"##### {time.strftime('%H:%M:%S')} {message}\n")
+        raise AssertionError(message)
     return [outcomes[r].get("result") for r in range(world_size)]
