@@ -5,7 +5,7 @@
 #   bash scripts/gpu_quick.sh runtime comm rs ag   # tests group by group, then benches alone
 # Groups: runtime (runtime + AllGather), comm (AllReduce(+RMSNorm), All2AllHeads), gemm,
 # rs (GemmReduceScatter), ag (AllGatherGemm). Every step has a wall-clock cap.
-# rs2 / ag2: the rest of the GemmReduceScatter / AllGatherGemm tests, all W (no benches).
+# a2a: the All2AllHeads tests alone. rs2 / ag2: the rest of the GemmReduceScatter / AllGatherGemm tests, all W (no benches).
 # CUFLUX_BENCH_GROUPS="rs ag" benches only those groups ("none": no benches; default: the
 # groups named).
 # CUFLUX_TEST_BUDGET_S (default 360) bounds the test phase of all groups together.
@@ -36,11 +36,12 @@ export CUFLUX_FAIL_LOG="$L/failures.log"  # tests/mpi.py writes each failure the
 tests_runtime() { tests runtime 1,2,4,8 400 tests/test_gpu_runtime.py; }
 tests_comm() { tests comm 1,2,4,8 220 tests/test_allreduce.py
                tests comm 1,2,4,8 200 tests/test_all2all.py; }
+tests_a2a() { tests comm 1,2,4,8 200 tests/test_all2all.py; }
 tests_gemm() { tests gemm 1,2,4 300 tests/test_gemm.py; }
 tests_rs() {  # most telling first: bit-exact routing names the first wrong element
   tests rs 1,2 90 -x tests/test_gemm_rs.py -k "exact_routing or reduce_scatter_only"
   tests rs 2 60 tests/test_gemm_rs.py -k "timeout or bad_input"; }
-tests_rs2() { tests rs 1,2,4,8 300 tests/test_gemm_rs.py -k "float_sweep or back_to_back or exact_routing"; }
+tests_rs2() { tests rs 1,2,4,8 ${CUFLUX_RS2_CAP_S:-300} tests/test_gemm_rs.py -k "float_sweep or back_to_back or exact_routing"; }
 tests_ag() { tests ag 2 120 -x tests/test_ag_gemm.py -k "late_peer or (matches and sm90) or timeout"; }
 tests_ag2() { tests ag 1,2,4,8 300 tests/test_ag_gemm.py -k "not late_peer"; }
 bench_runtime() { for W in 1 2 8; do bench 40 "$W" allgather; done; }
@@ -52,7 +53,7 @@ bench_ag() { bench 90 1 ag_gemm; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >>"$B"
 python -c "from cuda.bindings import nvrtc; print('NVRTC', nvrtc.nvrtcVersion()[1:])" >>"$B" 2>&1
-step "$B" 240 warm
+step "$B" 240 python -c "from cuflux import kernels; [kernels.load(f) for f in kernels.families()]"
 TEST_END=$((SECONDS + ${CUFLUX_TEST_BUDGET_S:-360}))  # one compile of everything missing from the cache, before ranks race for it
 for g in "$@"; do
   declare -F "tests_$g" >/dev/null || { echo "unknown group $g"; exit 2; }
@@ -61,7 +62,7 @@ done
 wait
 for g in ${CUFLUX_BENCH_GROUPS:-$@}; do declare -F "bench_$g" >/dev/null && "bench_$g"; done
 mkdir -p "$L/cubins"; for f in "$CUFLUX_CACHE_DIR"/*; do
-  [ -e ".cubins/$(basename "$f")" ] || cp "$f" "$L/cubins/"; done
+  [ -e ".cubins/$(basename "$f")" ] || [[ "$f" == */load-* ]] || cp "$f" "$L/cubins/"; done
 tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$L/cubins"
 for f in "$L"/tests-*.log "$L/failures.log"; do [ -e "$f" ] || continue; echo "##### $f"; grep -E "^=== |passed|failed|FAILED|Error" "$f" | tail -25; done
 echo "##### bench"; grep -vE "^\s*$" "$B" | tail -70
