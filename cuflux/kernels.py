@@ -223,7 +223,11 @@ class LoadedModule:
         key = hashlib.sha256(cubin).hexdigest()[:24]
         path = _cache_dir() / f"load-{key}.cubin"
         if not path.exists():
-            path.write_bytes(cubin)
+            # Ranks sharing a cache load the same module at once: never let one read a file
+            # another is still writing (write aside, then rename into place).
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_bytes(cubin)
+            os.replace(tmp, path)
         self.family, self.arch = family, arch
         self._module = cupy.RawModule(path=str(path))
         self.functions = {n: self._module.get_function(lowered[n]) for n in family.names}

@@ -170,6 +170,10 @@ def _run_exact(world, op, case, seed):
     (a, _), (b, _) = _inputs(seed, world.rank, M, n, k, dtype, op.b_layout, ints=1)
     bias, bias32 = _operand((n,), dtype, _seed(seed, 99, 3), ints=8) if with_bias else (None, None)
     ref = _reference(world, seed, M, n, k, dtype, op.b_layout, bias32, ints=1)
+    # Every rank ready before the first launch: the device waits' bound (WAIT_S) is for the
+    # protocol, not for a peer still building its reference on a time-sliced GPU.
+    cp.cuda.Device().synchronize()
+    world.barrier()
     for call in range(2):  # the second call uses the other parity of the buffers
         out = _poisoned((rows, n), out_dtype)
         assert op(a, b, bias=bias, out=out) is out

@@ -76,12 +76,15 @@ class _Pool:
     _ids = itertools.count()
 
     def __init__(self, world_size: int):
+        self.folder = tempfile.mkdtemp(prefix="cuflux-pool-")  # commands, as files
+        self.sent = 0
         cmd = mpiexec() + ["-n", str(world_size), sys.executable, "-m", "tests.rank_main",
-                           "--pool"]
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdin=subprocess.PIPE,
+                           "--pool", self.folder]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
         self.lines: queue.Queue = queue.Queue()
+        self.free_fraction = 1.0  # smallest free share of device memory after the last case
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -89,13 +92,19 @@ class _Pool:
             self.lines.put(line)
         self.lines.put(None)  # end of output: the pool has exited
 
+    def _send(self, command: dict) -> None:
+        path = os.path.join(self.folder, f"cmd{self.sent}.json")
+        with open(path + ".tmp", "w") as f:
+            json.dump(command, f)
+        os.replace(path + ".tmp", path)  # rank 0 never sees half a command
+        self.sent += 1
+
     def run(self, target: str, kwargs: dict, outdir: str, timeout_s: float):
         """(output, timed_out, exit code or None while the pool lives on)."""
         cid = next(self._ids)
         env = {k: v for k, v in os.environ.items() if k.startswith("CUFLUX_")}
-        self.proc.stdin.write(json.dumps({"id": cid, "target": target, "kwargs": kwargs,
-                                          "outdir": outdir, "env": env}) + "\n")
-        self.proc.stdin.flush()
+        self._send({"id": cid, "target": target, "kwargs": kwargs, "outdir": outdir,
+                    "env": env})
         out, deadline = [], time.monotonic() + timeout_s
         while True:
             try:
@@ -106,25 +115,34 @@ class _Pool:
                 return "".join(out), True, self.proc.returncode
             if line is None:
                 return "".join(out), False, self.proc.wait()
-            if line.strip() == f"CUFLUX-POOL-DONE {cid}":
+            if line.startswith(f"CUFLUX-POOL-DONE {cid} "):
+                self.free_fraction = float(line.split()[2])
                 return "".join(out), False, None
             out.append(line)
 
     def close(self) -> None:
         if self.proc.poll() is None:
             try:
-                self.proc.stdin.write("\n")
-                self.proc.stdin.flush()
+                self._send({"quit": True})
                 self.proc.wait(timeout=30)
             except Exception:
                 _kill(self.proc)
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _POOLS: dict[int, _Pool] = {}
+POOL_MIN_FREE = 0.5  # a pool whose device has less free memory than this is replaced
 
 
 def _pool(world_size: int) -> _Pool:
+    """The live pool of this size; pools of other sizes are ended first, so one GPU holds at
+    most one pool's contexts (several pools side by side ran the H200 out of memory)."""
+    for other in [w for w in _POOLS if w != world_size]:
+        _POOLS.pop(other).close()
     p = _POOLS.get(world_size)
+    if p is not None and p.free_fraction < POOL_MIN_FREE:
+        p.close()  # long-lived ranks hold caches (cuBLAS, CuPy): start afresh
+        p = None
     if p is None or p.proc.poll() is not None:
         p = _POOLS[world_size] = _Pool(world_size)
     return p

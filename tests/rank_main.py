@@ -4,13 +4,15 @@ One-shot: `python -m tests.rank_main <module:function> <json kwargs> <outdir>` c
 function(world, **kwargs) once and writes the outcome (ok, result or traceback) to
 outdir/rank<r>.json.
 
-Pool: `python -m tests.rank_main --pool` keeps the W ranks (their CUDA contexts and loaded
-modules) alive across tests: rank 0 reads one JSON command per line from stdin, every rank runs
-it with a fresh World, writes its outcome, and after a barrier rank 0 prints the done line. A
+Pool: `python -m tests.rank_main --pool DIR` keeps the W ranks (their CUDA contexts and loaded
+modules) alive across tests: rank 0 waits for DIR/cmd<n>.json (n = 0, 1, ...; files, not stdin,
+which MPICH's launcher does not always pass on), every rank runs it with a fresh World, writes
+its outcome, and after a collective rank 0 prints the done line. A
 rank whose case fails exits at once without MPI_Finalize, which ends the whole pool (a failed
 rank must not leave its peers hanging); tests/mpi.py then starts a new one.
 """
 import importlib
+import itertools
 import json
 import os
 import sys
@@ -40,46 +42,59 @@ def write_outcome(outdir: str, rank: int, outcome: dict) -> None:
         os._exit(1)  # no MPI_Finalize: a failed rank must not hang waiting for the others
 
 
-def idle_bcast(comm, obj):
-    """bcast from rank 0 that sleeps while idle: a blocking MPI bcast spins a core per rank,
-    and idle pools of several sizes wait side by side."""
+def next_command(folder: str, n: int) -> dict:
+    """Rank 0: wait (sleeping) for command n, which the parent writes and renames into place."""
+    path = os.path.join(folder, f"cmd{n}.json")
+    while not os.path.exists(path):
+        time.sleep(0.002)
+    with open(path) as f:
+        return json.load(f)
+
+
+def idle_bcast(comm, obj_fn):
+    """bcast from rank 0 that sleeps while idle (a blocking MPI bcast spins a core per rank)."""
+    obj = obj_fn() if comm.Get_rank() == 0 else None
     req = comm.Ibarrier()
     while not req.Test():
         time.sleep(0.002)
     return comm.bcast(obj, root=0)
 
 
-def pool() -> int:
+def pool(folder: str) -> int:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
-    while True:
-        line = sys.stdin.readline() if rank == 0 else None
-        cmd = idle_bcast(comm, json.loads(line) if line and line.strip() else None)
-        if cmd is None:
+    for n in itertools.count():
+        cmd = idle_bcast(comm, lambda: next_command(folder, n))
+        if cmd.get("quit"):
             return 0
         # The parent's CUFLUX_* settings at the time of the test (monkeypatched ones too).
         for k in [k for k in os.environ if k.startswith("CUFLUX_")]:
             del os.environ[k]
         os.environ.update(cmd["env"])
         outcome = run_case(cmd["target"], cmd["kwargs"])
+        free = 1.0
         try:
             import cupy
 
             cupy.cuda.Device().synchronize()
             cupy.get_default_memory_pool().free_all_blocks()
+            cupy.get_default_pinned_memory_pool().free_all_blocks()
+            free_b, total_b = cupy.cuda.runtime.memGetInfo()
+            free = free_b / total_b
         except Exception:
             pass
         write_outcome(cmd["outdir"], rank, outcome)
-        comm.Barrier()
+        free = comm.allreduce(free, op=MPI.MIN)
         if rank == 0:
-            print(f"{DONE} {cmd['id']}", flush=True)
+            # The parent ends the pool when the device runs low (ranks sharing one GPU).
+            print(f"{DONE} {cmd['id']} {free:.3f}", flush=True)
 
 
 def main() -> int:
     if sys.argv[1] == "--pool":
-        return pool()
+        return pool(sys.argv[2])
     target, kwargs, outdir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
     from mpi4py import MPI
 

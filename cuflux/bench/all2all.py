@@ -10,6 +10,8 @@ Two timings per case:
              GPU-side cost when the host keeps ahead (how the op runs inside a model step);
   single_ms  one call between events after an idle GPU (common.time_ms): includes the host's
              launch overhead (validation, 1-3 kernel launches).
+host_us is the host's time per call in the back-to-back loop: near cuflux_ms the host, not
+the GPU, sets the pace.
 Inputs rotate over buffers larger than the L2 cache, filled with random data.
 """
 from __future__ import annotations
@@ -21,22 +23,28 @@ from cuflux.bench.common import copy_bandwidth_gbps, print_table, time_ms, write
 L2_BYTES = 60 << 20
 
 
-def _back_to_back_ms(call, stream, calls: int, reps: int = 5, warmup: int = 3) -> float:
+def _back_to_back_ms(call, stream, calls: int, reps: int = 5, warmup: int = 3):
+    """(GPU ms per call, host us per call): when the host's time per call reaches the GPU's,
+    the GPU idles between calls and the first figure measures the host path."""
+    import time
+
     import cupy
 
     for i in range(warmup):
         call(i)
     stream.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(reps):
         a, b = cupy.cuda.Event(), cupy.cuda.Event()
         a.record(stream)
+        t0 = time.perf_counter()
         for i in range(calls):
             call(i)
+        host.append((time.perf_counter() - t0) * 1e6 / calls)
         b.record(stream)
         b.synchronize()
         times.append(cupy.cuda.get_elapsed_time(a, b) / calls)
-    return float(np.median(times))
+    return float(np.median(times)), float(np.median(host))
 
 
 def _inputs(shape, dtype_name, count, storage):
@@ -82,7 +90,7 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
                out=None if outs is None else outs[k], view=(mode == "view"), stream=s)
 
         world.barrier()
-        ms = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
+        ms, host_us = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
         world.barrier()
         single = time_ms(lambda: call(0), warmup=3, iters=max(10, args.iters // 2), stream=s)
         op.synchronize()
@@ -93,7 +101,7 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
     return {"case": f"{direction} B={B} T={T_total} H={H} D={D} {dtype}"
                     + (" +scales" if scales else "") + f" {mode}"
                     + (f" sms={num_sms}" if num_sms else "") + (" kernel" if kernel else ""),
-            "cuflux_ms": max(all_ms), "single_ms": max(all_single),
+            "cuflux_ms": max(all_ms), "single_ms": max(all_single), "host_us": host_us,
             "gbps_per_rank": moved / (max(all_ms) * 1e-3) / 1e9,
             "gbps_all_ranks": W * moved / (max(all_ms) * 1e-3) / 1e9}
 
@@ -108,11 +116,11 @@ def _copy_row(args, B, T, H, D):
         count = max(2, -(-4 * L2_BYTES // nbytes))
         xs = [cupy.random.randint(0, 1 << 15, shape, dtype=cupy.uint16) for _ in range(count)]
         outs = [cupy.empty_like(xs[0]) for _ in range(count)]
-    ms = _back_to_back_ms(lambda i: cupy.cuda.runtime.memcpyAsync(
+    ms, host_us = _back_to_back_ms(lambda i: cupy.cuda.runtime.memcpyAsync(
         outs[i % count].data.ptr, xs[i % count].data.ptr, nbytes, 4, s.ptr), s,
         calls=max(10, args.iters // 2))
     return {"case": f"cudaMemcpyAsync of the same bytes B={B} T={T} H={H} D={D} bf16",
-            "cuflux_ms": ms, "gbps_per_rank": 2 * nbytes / (ms * 1e-3) / 1e9,
+            "cuflux_ms": ms, "host_us": host_us, "gbps_per_rank": 2 * nbytes / (ms * 1e-3) / 1e9,
             "gbps_all_ranks": 2 * nbytes / (ms * 1e-3) / 1e9}
 
 
@@ -163,7 +171,7 @@ def _nccl_row(world, args, B, T_total, H, D):
             y.reshape(B, W, T, hpr, D)[...] = recv.transpose(1, 0, 2, 3, 4)
 
     world.barrier()
-    ms = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
+    ms, _ = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
     ok = bool(cupy.all(y.reshape(B, W, T, hpr, D)[:, me] == x[:, :, me * hpr:(me + 1) * hpr]))
     comm.destroy()
     return max(world.allgather(ms)), all(world.allgather(ok))
@@ -219,7 +227,7 @@ def run(world, args) -> None:
             r["fraction_of_copy"] = r["gbps_all_ranks"] / ceiling
     print(f"All2AllHeads, W={W}, device-to-device copy ceiling {ceiling:.0f} GB/s (read+write)"
           + (", ranks share one GPU" if W > 1 and not _distinct_gpus(world) else ""))
-    print_table(rows, ["case", "cuflux_ms", "single_ms", "gbps_per_rank", "gbps_all_ranks",
+    print_table(rows, ["case", "cuflux_ms", "single_ms", "host_us", "gbps_per_rank", "gbps_all_ranks",
                        "fraction_of_copy", "baseline_ms", "speedup"])
     path = write_results("all2all", W, rows, extra, outdir=args.outdir)
     print("wrote", path)
