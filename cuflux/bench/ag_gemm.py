@@ -13,7 +13,8 @@ Per shape and mode, on every rank at once (the slowest rank's median is reported
 Shapes: Flux's 4096 x 49152/W x 12288, Llama-70B column-parallel layers (M = 8192, K = 8192,
 N = 10240/W and 57344/W), and this-rank N <= 4096 (4096 and 1024 at M = K = 8192); then a
 sweep of chunk_rows on the Flux shape. Every operand set is larger than the 50 MB L2 (A
-gathered >= 100 MB), so inputs are not rotated. Random normal bf16 data.
+gathered >= 100 MB), so inputs are not rotated. Random normal bf16 data. The times of one case
+are medians over interleaved rounds (common.time_interleaved).
 
 With ranks sharing one GPU the times say nothing about links (every copy crosses the same HBM
 and the ranks' GEMMs time-share the SMs): the figures that count are W = 1 (the bar) and runs
@@ -21,7 +22,7 @@ with one GPU per rank.
 """
 from __future__ import annotations
 
-from cuflux.bench.common import print_table, time_ms, write_results
+from cuflux.bench.common import print_table, time_interleaved, time_ms, write_results
 
 # (name, M, N, K, N is split over the ranks)
 SHAPES = [("flux", 4096, 49152, 12288, True), ("llama70b-qkv", 8192, 10240, 8192, True),
@@ -90,6 +91,17 @@ def run(world, args) -> None:
         stream.synchronize()
         return _slowest(world, ms)
 
+    def timed_all(fns, *ops):
+        """Slowest rank's median of each fn, timed in interleaved rounds (clock drift between
+        two blocks of timing must not read as fused vs GEMM-only)."""
+        def raise_pending():
+            for o in ops:
+                o.synchronize()
+
+        ms = time_interleaved(fns, rounds=5, iters=max(2, iters // 5), warmup=3, stream=stream,
+                              before=world.barrier, after=raise_pending)
+        return {key: _slowest(world, v) for key, v in ms.items()}
+
     for name, M, n, k in cases(W, args.quick):
         rows = M // W
         for layout in layouts:
@@ -115,28 +127,25 @@ def run(world, args) -> None:
                     op.synchronize()
                     plan = op.plan_for(rows)
                     cfg = plan.config if plan.impl == "sm90" else None
-                    fused = timed(lambda: op(a, b, out=out))
-                    op.synchronize()
-                    gemm_only = timed(lambda: G.gemm(gathered, b, out=out, b_layout=layout,
-                                                     impl=plan.impl, config=cfg))
-                    cublas = timed(lambda: cupy.matmul(gathered, bmat, out=out))
-                    alone = timed(lambda: ag(a, out=full))
-                    ag.synchronize()
-
                     def unfused():
                         ag(a, out=full)
                         cupy.matmul(full, bmat, out=out)
 
-                    unfused_ms = timed(unfused)
-                    ag.synchronize()
-                    nccl_ms = None
+                    fns = {"fused": lambda: op(a, b, out=out),
+                           "gemm_only": lambda: G.gemm(gathered, b, out=out, b_layout=layout,
+                                                       impl=plan.impl, config=cfg),
+                           "cublas": lambda: cupy.matmul(gathered, bmat, out=out),
+                           "alone": lambda: ag(a, out=full), "unfused": unfused}
                     if comm is not None:
                         def nccl_unfused():
                             comm.allGather(a.data.ptr, full.data.ptr, rows * k * 2, 1,
                                            stream.ptr)  # 1: ncclUint8, the bytes of the shard
                             cupy.matmul(full, bmat, out=out)
 
-                        nccl_ms = timed(nccl_unfused)
+                        fns["nccl"] = nccl_unfused
+                    t = timed_all(fns, op, ag)
+                    fused, gemm_only, cublas = t["fused"], t["gemm_only"], t["cublas"]
+                    alone, unfused_ms, nccl_ms = t["alone"], t["unfused"], t.get("nccl")
                     base = nccl_ms if nccl_ms is not None else unfused_ms
                     exposed = fused - gemm_only
                     rows_out.append({

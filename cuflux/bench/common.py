@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import pathlib
 import socket
 import sys
@@ -36,6 +35,40 @@ def time_ms(fn, warmup: int = 5, iters: int = 50, stream=None) -> float:
         b.record(s)
     events[-1][1].synchronize()
     return float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in events]))
+
+
+def time_interleaved(fns: dict, *, rounds: int = 5, iters: int = 10, warmup: int = 3,
+                     stream=None, before=None, after=None) -> dict:
+    """Median milliseconds per call of each fn, measured in `rounds` interleaved rounds (each
+    round times every fn for `iters` calls, starting one fn later than the round before).
+
+    Timing A then B in one block each lets clock and power drift between the blocks pass for a
+    difference between A and B: on the H200 one GEMM timed twice that way differed by up to
+    14 %. Interleaving spreads the drift over every fn alike. `before()` runs before each
+    block (a barrier across ranks), `after()` after it (raise pending errors)."""
+    import cupy
+
+    s = stream or cupy.cuda.get_current_stream()
+    names = list(fns)
+    for name in names:
+        for _ in range(warmup):
+            fns[name]()
+    s.synchronize()
+    samples = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            if before is not None:
+                before()
+            events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
+            for a, b in events:
+                a.record(s)
+                fns[name]()
+                b.record(s)
+            events[-1][1].synchronize()
+            samples[name] += [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
+            if after is not None:
+                after()
+    return {name: float(np.median(v)) for name, v in samples.items()}
 
 
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:

@@ -1,0 +1,55 @@
+"""CPU tests of the benchmark helpers (a fake CuPy stands in for the device)."""
+import sys
+import types
+
+from cuflux.bench.common import time_interleaved
+
+
+class _Clock:
+    """Fake device clock: each call of a timed fn advances it by that fn's cost (ms)."""
+    now = 0.0
+
+
+class _Event:
+    def record(self, stream=None):
+        self.t = _Clock.now
+
+    def synchronize(self):
+        pass
+
+
+class _Stream:
+    def synchronize(self):
+        pass
+
+
+def _fake_cupy(monkeypatch):
+    cuda = types.SimpleNamespace(Event=_Event, get_current_stream=_Stream,
+                                 get_elapsed_time=lambda a, b: b.t - a.t)
+    monkeypatch.setitem(sys.modules, "cupy", types.SimpleNamespace(cuda=cuda))
+
+
+def test_time_interleaved_rotates_and_takes_each_fns_own_median(monkeypatch):
+    _fake_cupy(monkeypatch)
+    order, cost = [], {"a": 1.0, "b": 2.0, "c": 3.0}
+    drift = {"d": 0.0}
+
+    def make(name):
+        def fn():
+            order.append(name)
+            _Clock.now += cost[name] + drift["d"]  # a slow drift, as clocks warm up
+        return fn
+
+    blocks = []
+    got = time_interleaved({n: make(n) for n in cost}, rounds=4, iters=3, warmup=2,
+                           before=lambda: blocks.append(len(order)),
+                           after=lambda: drift.__setitem__("d", drift["d"] + 0.01))
+    # warm-up: every fn twice; then 4 rounds x 3 fns, each a block of 3 calls
+    assert order[:6] == ["a", "a", "b", "b", "c", "c"]
+    timed = order[6:]
+    assert len(timed) == 4 * 3 * 3 and len(blocks) == 12
+    firsts = [timed[i] for i in range(0, len(timed), 9)]
+    assert firsts == ["a", "b", "c", "a"]  # each round starts one fn later
+    for name, c in cost.items():
+        assert c <= got[name] < c + 0.12, (name, got[name])
+    assert got["a"] < got["b"] < got["c"]
