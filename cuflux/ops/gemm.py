@@ -65,12 +65,14 @@ class Sm90Config:
 
 SM90_CONFIGS = {c.name: c for c in (
     Sm90Config(128, 256, 4, 1), Sm90Config(128, 256, 4, 2), Sm90Config(256, 128, 4, 1),
+    Sm90Config(256, 128, 4, 2),
     Sm90Config(128, 128, 6, 1), Sm90Config(256, 128, 4, 1, True), Sm90Config(128, 256, 4, 1, True))}
 SM90_DEFAULT = "256x128s4c1"  # fastest on 8 of the 10 bar cases measured (docs/gemm_notes.md)
-# The tuner's candidates. 128x256s4c2 (2-CTA clusters, B multicast) is correct but measured at
-# about half the speed of its 1-CTA twin (docs/gemm_notes.md, v1), so it is left out until that
-# is understood; the TMA-store configurations ("...t", v2) join once a GPU run has passed their
-# tests and timed them. All stay callable through config=.
+# The tuner's candidates. The 2-CTA cluster configurations (B multicast) measured at half the
+# speed of their 1-CTA twins (docs/gemm_notes.md, v1): each consumer's remote stage release
+# compiled to a GPU-wide fence (v3 removes it); they join once a GPU run has timed the fix.
+# The TMA-store configurations ("...t", v2) lost on 8 of 10 cases and stay out. All stay
+# callable through config=.
 TUNER_CANDIDATES = ("256x128s4c1", "128x256s4c1", "128x128s6c1")
 SM80_CONFIG = "128x128x32s4"  # fixed in gemm.cu (Sm80Cfg)
 _SM80_TILE, _SM80_THREADS, _SM80_SMEM, _SM80_PER_SM = (128, 128), 256, 4 * 2 * 128 * 32 * 2, 2

@@ -121,11 +121,15 @@ __device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
 __device__ __forceinline__ void mbar_arrive_local(u32 bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
 }
-// Release-arrive on the barrier at the same offset in CTA `cta` of this cluster.
-__device__ __forceinline__ void mbar_arrive_release_cluster(u32 bar, u32 cta) {
+// Arrive on the barrier at the same offset in CTA `cta` of this cluster (a consumer freeing a
+// stage that the peer's producer multicasts into). Default semantics, no .release.cluster:
+// ptxas has no cluster-scope fence on sm_90 and lowers that to MEMBAR.ALL.GPU + ERRBAR per
+// arrive, twice per k-step in the main loop, which ran the 2-CTA configurations at half
+// speed. The stage was read only by wgmma, already complete at wgmma.wait_group.
+__device__ __forceinline__ void mbar_arrive_cluster(u32 bar, u32 cta) {
   asm volatile(
       "{\n.reg .b32 remote;\nmapa.shared::cluster.u32 remote, %0, %1;\n"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [remote];\n}\n"
+      "mbarrier.arrive.shared::cluster.b64 _, [remote];\n}\n"
       ::"r"(bar), "r"(cta) : "memory");
 }
 __device__ __forceinline__ u32 cluster_cta_rank() {
@@ -350,7 +354,7 @@ __device__ __forceinline__ void release_stage(u32 empty_bar) {
     mbar_arrive_local(empty_bar);
   } else {
 #pragma unroll
-    for (int cta = 0; cta < Cfg::kClusterM; ++cta) mbar_arrive_release_cluster(empty_bar, cta);
+    for (int cta = 0; cta < Cfg::kClusterM; ++cta) mbar_arrive_cluster(empty_bar, cta);
   }
 }
 
