@@ -1,6 +1,6 @@
 """CPU tests of GemmReduceScatter (no GPU needed): the kernels compile for sm_80 and sm_90a and
 use the instructions the protocol relies on; the tile order (every tile once, own tiles last
-and row-major, no two ranks writing into one owner at a step, no cycle of waits: a simulation of
+in L2 groups, no two ranks writing into one owner at a step, no cycle of waits: a simulation of
 the protocol); buffer layout; the float64 golden model; argument checks (fake world and fake
 arrays); launch arguments against the kernel signatures."""
 import re
@@ -96,17 +96,22 @@ CASES = [  # (M, N, W, bm, bn): aligned and unaligned rows per rank, remainders,
 
 @pytest.mark.parametrize("M,N,W,bm,bn", CASES)
 @pytest.mark.parametrize("group_m", [1, 3, 8])
-def test_every_tile_once_own_tiles_last_row_major(M, N, W, bm, bn, group_m):
+def test_every_tile_once_own_tiles_last_grouped(M, N, W, bm, bn, group_m):
+    """Every tile once; own tiles last, in groups of group_m tile rows walked column by column
+    (the plain GEMM's L2-friendly order), so each tile row is walked in increasing tn: the
+    order the no-deadlock simulation below relies on."""
     tiles_m, tiles_n = -(-M // bm), -(-N // bn)
     everything = sorted((m, n) for m in range(tiles_m) for n in range(tiles_n))
     for rank in range(W):
         order = tile_order(M, N, W, rank, bm, bn, group_m)
         assert sorted(order) == everything
         own = [t for t in order if rank in _owners(t[0], M, W, bm)]
-        assert own == sorted(own), "own tiles must be visited row-major (deadlock freedom)"
         assert order[len(order) - len(own):] == own, "own tiles must come last"
         lo, hi = own_tile_rows(M, W, rank, bm)
         assert {t[0] for t in own} == set(range(lo, hi + 1))
+        want = [(lo + first + i, tn) for first in range(0, hi - lo + 1, group_m)
+                for tn in range(tiles_n) for i in range(min(group_m, hi - lo + 1 - first))]
+        assert own == want
 
 
 @pytest.mark.parametrize("M,N,W,bm,bn", [c for c in CASES if (c[0] // c[2]) % c[3] == 0])

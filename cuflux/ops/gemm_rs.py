@@ -10,7 +10,8 @@ that at any moment they write into different ranks; the owner finishes its own t
 every peer's flag for the tile has arrived. The protocol, buffers and why it cannot deadlock
 are described in kernels_cu/include/cuflux/rs_hooks.cuh; the kernels are in
 kernels_cu/gemm_rs.cu. reduce="deterministic" sums the W partials in fp32 in rank order
-(bit-identical run to run); reduce="atomic" adds them with vector reductions (red.add) into
+(bit-identical run to run; peers' partials arrive in the output dtype, the owner's own partial
+enters unrounded, straight from its accumulators); reduce="atomic" adds them with vector reductions (red.add) into
 the owner's accumulator (NVLink or one shared GPU only: peer atomics fail over PCIe).
 
 At W = 1 nothing moves: the op is the plain GEMM (cuflux.gemm) writing out directly.
@@ -102,9 +103,11 @@ def tile_order(M: int, N: int, world_size: int, rank: int, bm: int, bn: int,
             first = group * group_m
             rows = min(group_m, peer_rows - first)
             pos, tn = first + in_group % rows, in_group // rows
-        else:
-            pos_own, tn = divmod(slot - peer_rows * tiles_n, tiles_n)
-            pos = peer_rows + pos_own
+        else:  # own tile rows, grouped the same way (each tile row still walked in tn order)
+            group, in_group = divmod(slot - peer_rows * tiles_n, group_m * tiles_n)
+            first = group * group_m
+            rows = min(group_m, num_own - first)
+            pos, tn = peer_rows + first + in_group % rows, in_group // rows
         order.append(((pos + rot) % tiles_m, tn))
     return order
 
