@@ -16,7 +16,13 @@ from cuflux.errors import CommTimeoutError
 from cuflux.ops.gemm_rs import REDUCE_MODES, GemmReduceScatter, reference_gemm_rs
 
 TOL = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}  # relative Frobenius error
-SLACK = {"deterministic": 1.1, "atomic": 1.3}  # error allowed relative to cuBLAS + bf16 ring RS
+# Error allowed relative to cuBLAS + a bf16 ring reduce-scatter measured in the same run. The
+# issue asks for "no worse": deterministic mode rounds each peer's partial once and sums in fp32
+# (the own partial unrounded), so from W = 2 it must not lose to the ring (2 % for the noise of
+# a one-row cell); at W = 1 there is no reduction, and it is our GEMM against cuBLAS (10 %).
+# Atomic mode adds in the output dtype at the owner (red.add), as lossy as the ring: 30 %.
+SLACK = {"deterministic": 1.02, "atomic": 1.3}
+SLACK_W1 = 1.1
 # Bound of every device wait in these tests. A legitimate wait is a peer's GEMM plus time-slicing
 # (milliseconds); a protocol bug should fail in seconds, not eat the GPU lease.
 WAIT_S = 20.0
@@ -263,7 +269,8 @@ def float_sweep(world, seed, impl):
                             f"{label}: a second call differs in bits"
                 if base_rel is not None:
                     ratio = rel / base_rel
-                    assert ratio <= SLACK[reduce], \
+                    slack = SLACK_W1 if W == 1 and reduce == "deterministic" else SLACK[reduce]
+                    assert ratio <= slack, \
                         f"{label}: error {rel:.3g} vs cuBLAS + bf16 ring {base_rel:.3g}"
                     worst_ratio[reduce] = max(worst_ratio[reduce], ratio)
             del a, b, ref
@@ -326,6 +333,8 @@ def back_to_back(world, seed, reduce, calls=1000):
         part_sums.append(sum(p[1].astype(cp.float64) for p in parts))
     bias, bias32 = _operand((n,), dtype, _seed(seed, 99, 8), scale=4.0)
     issued = []
+    cp.cuda.Device().synchronize()
+    world.barrier()  # every rank's operands ready: the waits' bound is for the protocol
     with _op(world, max_m, n, k, dtype, b_layout="nk", reduce=reduce) as op:
         for i in range(calls):
             rows = 1 + (i * 37) % max_rows

@@ -21,6 +21,7 @@ from cuflux.ops.ag_gemm import (AllGatherGemm, block_tiles_for, check_build_args
                                 visit_order)
 from cuflux.ops.allgather import arrival_order, arrival_stages
 from cuflux.topology import PeerLink, Topology
+from tests.fakes import FakeArray
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -533,3 +534,64 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, b_layout, w
     (name, args), = captured
     assert name == kernel
     check_args("ag_gemm.cu", kernel.split("<")[0], args)
+
+
+# ---- call checks with fake device arrays (every argument, wrong device included) -----------------
+def _checking_op(b_layout="kn"):
+    op = object.__new__(AllGatherGemm)
+    op.world = SimpleNamespace(size=4, rank=1, device=0)
+    op.dtype, op.out_dtype = AGG.dtype_info("bfloat16"), AGG.dtype_info("bfloat16")
+    op.k, op.n, op.max_rows, op.b_layout = 128, 256, 32, b_layout
+    return op
+
+
+_A = FakeArray
+
+
+@pytest.mark.parametrize("a,b,bias,out,exc,text", [
+    (_A((16, 128), device=1), _A((128, 256)), None, None, ValueError,
+     "a_shard is on device 1, this rank uses device 0"),
+    (_A((16, 128)), _A((128, 256), device=2), None, None, ValueError, "b is on device 2"),
+    (_A((16, 128)), _A((128, 256)), _A((256,), device=3), None, ValueError, "bias is on device 3"),
+    (_A((16, 128)), _A((128, 256)), None, _A((64, 256), device=1), ValueError,
+     "out is on device 1"),
+    (_A((16, 128), "float16"), _A((128, 256)), None, None, TypeError, "a_shard must be bfloat16"),
+    (_A((16, 64)), _A((128, 256)), None, None, ValueError, r"a_shard must be \[rows, k=128\]"),
+    (_A((33, 128)), _A((128, 256)), None, None, ValueError, "more than max_m // W = 32"),
+    (_A((16, 128)), _A((256, 128)), None, None, ValueError, r"must be \[k=128, n=256\]"),
+    (_A((16, 128)), _A((128, 256)), None, _A((16, 256)), ValueError,
+     r"out must have shape \(64, 256\)"),
+    (_A((16, 128), contiguous=False), _A((128, 256)), None, None, ValueError,
+     "a_shard must be C-contiguous"),
+])
+def test_call_checks_name_the_argument(monkeypatch, a, b, bias, out, exc, text):
+    import cuflux.ops.gemm as G
+
+    monkeypatch.setattr(AGG, "as_cupy", lambda x, name, op: x)
+    monkeypatch.setattr(G, "as_cupy", lambda x, name, op: x)
+    with pytest.raises(exc, match=text) as e:
+        _checking_op()._check_call(a, b, bias, out)
+    assert "AllGatherGemm" in str(e.value)
+
+
+def test_call_checks_accept_good_arguments(monkeypatch):
+    import cuflux.ops.gemm as G
+
+    monkeypatch.setattr(AGG, "as_cupy", lambda x, name, op: x)
+    monkeypatch.setattr(G, "as_cupy", lambda x, name, op: x)
+    got = _checking_op()._check_call(_A((16, 128)), _A((128, 256)), _A((256,)), _A((64, 256)))
+    assert got[-1] == 16
+
+
+def test_mismatched_arguments_between_ranks_found_at_construction():
+    """A peer built the op with another n: World.check_same (digests, then the values) names
+    it before any buffer is allocated."""
+    from cuflux.world import World
+
+    w = SimpleNamespace(rank=0, size=2, device=0)
+    w.allgather = lambda v: [v, "another digest" if isinstance(v, str) else
+                             (v[0], v[1] + 8) + tuple(v[2:])]
+    w.check_same = lambda value, what: World.check_same(w, value, what)
+    with pytest.raises(ValueError, match="differs between ranks") as e:
+        AllGatherGemm(w, 64, 64, 64, "bfloat16")
+    assert "AllGatherGemm" in str(e.value)

@@ -413,3 +413,18 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     full = (arr, np.int32(M), np.int32(op.n)) + op._tail(arr, None, M, R.COPY_TILE[0])
     check_args("gemm_rs.cu", "rs_tiles", full)
     assert kernel_names("gemm_rs.cu", "rs_tiles")[3:] == names[3:]
+
+
+# ---- benchmark shapes ---------------------------------------------------------------------------
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 6, 8])
+def test_bench_cases_are_valid_shapes(W):
+    from cuflux.bench import gemm_rs as bench
+
+    full = bench.cases(W, quick=False)
+    assert [c[0] for c in full] == [s[0] for s in bench.SHAPES]
+    assert {c[0] for c in bench.cases(W, quick=True)} == set(bench.QUICK)
+    for name, M, n, K in full:
+        k = K // W
+        assert M % W == 0 and M >= W and n % 8 == 0 and K % W == 0 and k % 8 == 0 and k > 0, name
+    if W in (1, 2, 4, 8):  # the shapes, unchanged
+        assert dict((c[0], c[1:]) for c in full)["flux-rs"] == (4096, 12288, 49152)

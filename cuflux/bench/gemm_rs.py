@@ -40,6 +40,14 @@ QUICK = ("flux-rs", "llama70b-mlp-down", "n4096")
 BAR = 1.02
 
 
+def cases(world_size: int, quick: bool) -> list[tuple[str, int, int, int]]:
+    """(name, M, n, K) per shape for W ranks: M rounded down to a multiple of W (the op needs
+    it), K to a multiple of 8 W (each rank's k = K / W moves in 16-byte rows)."""
+    W = world_size
+    return [(name, M // W * W, n, K // (8 * W) * 8 * W) for name, M, n, K in SHAPES
+            if not quick or name in QUICK]
+
+
 def _nccl(world):
     from cuflux.bench.allreduce import _nccl as make
 
@@ -148,11 +156,13 @@ def run(world, args) -> None:
 
     os.environ.setdefault("CUFLUX_GEMM_TUNE", "0")  # the same fixed configuration on both sides
     W, me = world.size, world.rank
-    shared_gpu = any(link.same_gpu for link in world.topology.links if link.peer != me)
+    # Decided together: a rank that alone set up NCCL (or skipped it) would hang the others.
+    shared_gpu = any(world.allgather(any(link.same_gpu for link in world.topology.links
+                                         if link.peer != me)))
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
     iters = min(args.iters, 5) if W > 1 and shared_gpu else args.iters
     stream = cupy.cuda.Stream(non_blocking=True)
-    shapes = [s for s in SHAPES if not args.quick or s[0] in QUICK]
+    shapes = cases(W, args.quick)
     layouts = ["nk"] if args.quick else ["nk", "kn"]
     configs = () if args.quick else SM90_RS_CONFIGS
     rows = []
