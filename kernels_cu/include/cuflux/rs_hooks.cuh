@@ -261,8 +261,9 @@ struct RsEpilogue {
     const int row_begin = tm * kBM, row_end = min(row_begin + kBM, M);
     const u64 tile = static_cast<u64>(tm) * tiles_n + tn;
     const int o_lo = row_begin / rows_per_rank, o_hi = (row_end - 1) / rows_per_rank;
-    if (o_lo != rank || o_hi != rank)  // an own-rows-only tile publishes nothing
-      fence_acq_rel_sys();  // the other threads' phase-A stores (ordered by the barrier) go first
+    // The other threads' phase-A stores (ordered by the barrier) go before the flags. A
+    // deterministic tile of this rank's rows only stored nothing (its rows stay in registers).
+    if (kAtomic || o_lo != rank || o_hi != rank) fence_acq_rel_sys();
     for (int o = o_lo; o <= o_hi; ++o) {
       if (o == rank) continue;
       u32* flag = reinterpret_cast<u32*>(bases[o] + flags_off) + tile * flag_stride + rank;
