@@ -166,12 +166,17 @@ def compile_source(source: str, names: Sequence[str], arch: str,
             lowered[n] = low.decode() if isinstance(low, bytes) else str(low)
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
-    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_bytes(cubin)
-    os.replace(tmp, cubin_path)
-    tmp.write_text(json.dumps(lowered))
-    os.replace(tmp, names_path)
+    write_atomically(cubin_path, cubin)
+    write_atomically(names_path, json.dumps(lowered).encode())
     return cubin, lowered
+
+
+def write_atomically(path: pathlib.Path, data: bytes) -> None:
+    """Write aside, then rename into place: processes sharing the cache (ranks compiling or
+    loading the same module at once) never read a file another is still writing."""
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
 
 
 def compile_ptx(source: str, names: Sequence[str], arch: str,
@@ -223,11 +228,7 @@ class LoadedModule:
         key = hashlib.sha256(cubin).hexdigest()[:24]
         path = _cache_dir() / f"load-{key}.cubin"
         if not path.exists():
-            # Ranks sharing a cache load the same module at once: never let one read a file
-            # another is still writing (write aside, then rename into place).
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_bytes(cubin)
-            os.replace(tmp, path)
+            write_atomically(path, cubin)
         self.family, self.arch = family, arch
         self._module = cupy.RawModule(path=str(path))
         self.functions = {n: self._module.get_function(lowered[n]) for n in family.names}

@@ -162,3 +162,24 @@ def test_closeable_releases_once_and_on_context_exit():
         import cuflux
 
         assert issubclass(getattr(cuflux, cls), Closeable), cls
+
+
+def test_cache_files_are_written_aside_then_renamed(tmp_path, monkeypatch):
+    """A reader racing a writer sees the old file or the whole new one, never a part."""
+    import os
+
+    from cuflux import kernels
+
+    seen = []
+    real_replace = os.replace
+
+    def replace(src, dst):
+        seen.append((os.path.basename(src), os.path.exists(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace)
+    target = tmp_path / "load-abc.cubin"
+    kernels.write_atomically(target, b"x" * 1000)
+    assert target.read_bytes() == b"x" * 1000
+    assert seen == [(f"load-abc.tmp{os.getpid()}", False)]
+    assert [p.name for p in tmp_path.iterdir()] == ["load-abc.cubin"]
