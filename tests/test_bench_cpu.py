@@ -53,3 +53,24 @@ def test_time_interleaved_rotates_and_takes_each_fns_own_median(monkeypatch):
     for name, c in cost.items():
         assert c <= got[name] < c + 0.12, (name, got[name])
     assert got["a"] < got["b"] < got["c"]
+
+
+def test_all2all_back_to_back_alternates_the_op_and_its_twin(monkeypatch):
+    from cuflux.bench.all2all import _back_to_back_ms
+
+    _fake_cupy(monkeypatch)
+    order = []
+
+    def make(name, cost):
+        def fn(i):
+            order.append(name)
+            _Clock.now += cost
+        return fn
+
+    ms, host_us, twin_ms = _back_to_back_ms(make("op", 2.0), _Stream(), calls=4, reps=3,
+                                            warmup=1, twin=make("copy", 1.5))
+    assert order == ["op", "copy"] + (["op"] * 4 + ["copy"] * 4) * 3
+    assert abs(ms - 2.0) < 1e-9 and abs(twin_ms - 1.5) < 1e-9 and host_us >= 0
+    order.clear()
+    assert _back_to_back_ms(make("op", 1.0), _Stream(), calls=2, reps=2, warmup=0)[2] is None
+    assert order == ["op"] * 4

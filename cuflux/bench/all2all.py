@@ -11,7 +11,8 @@ Two timings per case:
   single_ms  one call between events after an idle GPU (common.time_ms): includes the host's
              launch overhead (validation, 1-3 kernel launches).
 host_us is the host's time per call in the back-to-back loop: near cuflux_ms the host, not
-the GPU, sets the pace.
+the GPU, sets the pace. At W = 1 with out=, copy_ms is a bare cudaMemcpyAsync of the same bytes
+through the same buffers, timed in alternation with the op (ratio_to_copy = copy_ms / cuflux_ms).
 Inputs rotate over buffers larger than the L2 cache, filled with random data.
 """
 from __future__ import annotations
@@ -23,28 +24,39 @@ from cuflux.bench.common import copy_bandwidth_gbps, print_table, time_ms, write
 L2_BYTES = 60 << 20
 
 
-def _back_to_back_ms(call, stream, calls: int, reps: int = 5, warmup: int = 3):
-    """(GPU ms per call, host us per call): when the host's time per call reaches the GPU's,
-    the GPU idles between calls and the first figure measures the host path."""
+def _back_to_back_ms(call, stream, calls: int, reps: int = 5, warmup: int = 3, twin=None):
+    """(GPU ms per call, host us per call, twin's GPU ms per call or None): when the host's time
+    per call reaches the GPU's, the GPU idles between calls and the first figure measures the
+    host path. `twin` (another call(i)) is timed in alternation with `call`, rep by rep, so
+    clock drift during the run cannot pass for a difference between the two."""
     import time
 
     import cupy
 
-    for i in range(warmup):
-        call(i)
-    stream.synchronize()
-    times, host = [], []
-    for _ in range(reps):
+    def block(fn):
         a, b = cupy.cuda.Event(), cupy.cuda.Event()
         a.record(stream)
         t0 = time.perf_counter()
         for i in range(calls):
-            call(i)
-        host.append((time.perf_counter() - t0) * 1e6 / calls)
+            fn(i)
+        host_us = (time.perf_counter() - t0) * 1e6 / calls
         b.record(stream)
         b.synchronize()
-        times.append(cupy.cuda.get_elapsed_time(a, b) / calls)
-    return float(np.median(times)), float(np.median(host))
+        return cupy.cuda.get_elapsed_time(a, b) / calls, host_us
+
+    for fn in (call,) if twin is None else (call, twin):
+        for i in range(warmup):
+            fn(i)
+    stream.synchronize()
+    times, host, twins = [], [], []
+    for _ in range(reps):
+        ms, us = block(call)
+        times.append(ms)
+        host.append(us)
+        if twin is not None:
+            twins.append(block(twin)[0])
+    return (float(np.median(times)), float(np.median(host)),
+            float(np.median(twins)) if twins else None)
 
 
 def _inputs(shape, dtype_name, count, storage):
@@ -89,8 +101,14 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
             fn(xs[k], tokens, None if sc is None else sc[k],
                out=None if outs is None else outs[k], view=(mode == "view"), stream=s)
 
+        def bare_copy(i):  # the same bytes through the same buffers, no op around it
+            k = i % count
+            cupy.cuda.runtime.memcpyAsync(outs[k].data.ptr, xs[k].data.ptr, in_bytes, 4, s.ptr)
+
+        twin = bare_copy if W == 1 and mode == "out" and not kernel and not scales else None
         world.barrier()
-        ms, host_us = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
+        ms, host_us, copy_ms = _back_to_back_ms(call, s, calls=max(10, args.iters // 2),
+                                                twin=twin)
         world.barrier()
         single = time_ms(lambda: call(0), warmup=3, iters=max(10, args.iters // 2), stream=s)
         op.synchronize()
@@ -102,6 +120,7 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
                     + (" +scales" if scales else "") + f" {mode}"
                     + (f" sms={num_sms}" if num_sms else "") + (" kernel" if kernel else ""),
             "cuflux_ms": max(all_ms), "single_ms": max(all_single), "host_us": host_us,
+            "copy_ms": copy_ms, "ratio_to_copy": None if copy_ms is None else copy_ms / max(all_ms),
             "gbps_per_rank": moved / (max(all_ms) * 1e-3) / 1e9,
             "gbps_all_ranks": W * moved / (max(all_ms) * 1e-3) / 1e9}
 
@@ -116,7 +135,7 @@ def _copy_row(args, B, T, H, D):
         count = max(2, -(-4 * L2_BYTES // nbytes))
         xs = [cupy.random.randint(0, 1 << 15, shape, dtype=cupy.uint16) for _ in range(count)]
         outs = [cupy.empty_like(xs[0]) for _ in range(count)]
-    ms, host_us = _back_to_back_ms(lambda i: cupy.cuda.runtime.memcpyAsync(
+    ms, host_us, _ = _back_to_back_ms(lambda i: cupy.cuda.runtime.memcpyAsync(
         outs[i % count].data.ptr, xs[i % count].data.ptr, nbytes, 4, s.ptr), s,
         calls=max(10, args.iters // 2))
     return {"case": f"cudaMemcpyAsync of the same bytes B={B} T={T} H={H} D={D} bf16",
@@ -171,7 +190,7 @@ def _nccl_row(world, args, B, T_total, H, D):
             y.reshape(B, W, T, hpr, D)[...] = recv.transpose(1, 0, 2, 3, 4)
 
     world.barrier()
-    ms, _ = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
+    ms, _, _ = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
     ok = bool(cupy.all(y.reshape(B, W, T, hpr, D)[:, me] == x[:, :, me * hpr:(me + 1) * hpr]))
     comm.destroy()
     return max(world.allgather(ms)), all(world.allgather(ok))
@@ -227,7 +246,8 @@ def run(world, args) -> None:
             r["fraction_of_copy"] = r["gbps_all_ranks"] / ceiling
     print(f"All2AllHeads, W={W}, device-to-device copy ceiling {ceiling:.0f} GB/s (read+write)"
           + (", ranks share one GPU" if W > 1 and not _distinct_gpus(world) else ""))
-    print_table(rows, ["case", "cuflux_ms", "single_ms", "host_us", "gbps_per_rank", "gbps_all_ranks",
+    print_table(rows, ["case", "cuflux_ms", "single_ms", "host_us", "copy_ms", "ratio_to_copy",
+                       "gbps_per_rank", "gbps_all_ranks",
                        "fraction_of_copy", "baseline_ms", "speedup"])
     path = write_results("all2all", W, rows, extra, outdir=args.outdir)
     print("wrote", path)
