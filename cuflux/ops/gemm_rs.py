@@ -10,8 +10,7 @@ that at any moment they write into different ranks; the owner finishes its own t
 every peer's flag for the tile has arrived. The protocol, buffers and why it cannot deadlock
 are described in kernels_cu/include/cuflux/rs_hooks.cuh; the kernels are in
 kernels_cu/gemm_rs.cu. reduce="deterministic" sums the W partials in fp32 in rank order
-(bit-identical run to run; peers' partials arrive in the output dtype, the owner's own partial
-enters unrounded, straight from its accumulators); reduce="atomic" adds them with vector reductions (red.add) into
+(bit-identical run to run); reduce="atomic" adds them with vector reductions (red.add) into
 the owner's accumulator (NVLink or one shared GPU only: peer atomics fail over PCIe).
 
 At W = 1 nothing moves: the op is the plain GEMM (cuflux.gemm) writing out directly.

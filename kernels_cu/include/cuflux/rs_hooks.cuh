@@ -35,11 +35,12 @@
 // Tile order (RsScheduler): rank me visits tile rows starting after its own rows and wrapping
 // around (owner me+1 first, then me+2, ...: at any moment the ranks write into different
 // owners), its own tile rows last, in the same L2 groups as the others (a group's rows column
-// by column). Own tiles are the only ones that wait, a tile's part is always delivered before
-// its wait, so every rank delivers all of its peers' tiles without waiting; and because every
-// rank walks a tile row shared with a neighbour in increasing tn, no cycle of waits can form
-// (tests/test_gemm_rs_cpu.py simulates the protocol on many shapes and grids). The grid must be co-resident (persistent CTAs never
-// wait for a CTA that is not running), which the Python side ensures.
+// by column; row by row, at W = 1 the whole kernel would stream B from DRAM). Own tiles are the
+// only ones that wait, a tile's part is always delivered before its wait, so every rank
+// delivers all of its peers' tiles without waiting; and because every rank walks a tile row
+// shared with a neighbour in increasing tn, no cycle of waits can form (tests/test_gemm_rs_cpu.py
+// simulates the protocol on many shapes and grids). The grid must be co-resident (persistent
+// CTAs never wait for a CTA that is not running), which the Python side ensures.
 #pragma once
 #include <cuflux/gemm_hooks.cuh>
 #include <cuflux/sync.cuh>
@@ -50,8 +51,8 @@ namespace rs {
 // ---- scheduler ---------------------------------------------------------------------------------
 // Slot -> tile. Peers' tile rows (positions 0 .. tiles_m - num_own - 1, tile row = position +
 // rot mod tiles_m) in L2 groups of group_m rows (walk down a group's rows, then the next
-// column), then the num_own own tile rows grouped the same way. cuflux/ops/gemm_rs.py tile_order()
-// mirrors this for the CPU tests.
+// column), then the num_own own tile rows grouped the same way. cuflux/ops/gemm_rs.py
+// tile_order() mirrors this for the CPU tests.
 struct RsScheduler {
   int tiles_m, tiles_n;
   int group_m;  // >= 1
@@ -156,17 +157,6 @@ __device__ __forceinline__ void add_vec(float (&acc)[kBytes / sizeof(T)], const 
   for (int j = 0; j < int(kBytes / sizeof(T)); ++j) acc[j] += to_float<T>(e[j]);
 }
 
-// Two adjacent elements of any memory (a peer's slot included: no .nc) as floats.
-template <typename T> __device__ __forceinline__ float2 ld2_float(const T* p) {
-  if constexpr (sizeof(T) == 4) {
-    return *reinterpret_cast<const float2*>(p);
-  } else {
-    const RawVec<4> r = ld_plain<4>(p);
-    const T* e = reinterpret_cast<const T*>(&r);
-    return make_float2(to_float<T>(e[0]), to_float<T>(e[1]));
-  }
-}
-
 // ---- epilogue ----------------------------------------------------------------------------------
 // BiasT: the input dtype (bias [N] is in it, 16-byte aligned). Output dtype chosen at run time:
 // BiasT, or float when out_f32 (the comm-only kernel calls run<OutT>() directly). kBM x kBN:
@@ -199,11 +189,6 @@ struct RsEpilogue {
         tile_m = row / kBM;
         tile_n = col / kBN;
       }
-      if constexpr (!kAtomic) {  // own rows never leave the registers: Own below
-        if (static_cast<unsigned>(row - e->rank * e->rows_per_rank) <
-            static_cast<unsigned>(e->rows_per_rank))
-          return;
-      }
       const int o = row / e->rows_per_rank;
       const long long idx = static_cast<long long>(row - o * e->rows_per_rank) * e->N + col;
       char* base = reinterpret_cast<char*>(e->bases[o] + e->data_off);
@@ -216,54 +201,13 @@ struct RsEpilogue {
     }
   };
 
-  // Phase B, deterministic: this rank's rows straight from the accumulators (a second pass of
-  // the core's body): out = sum over p = 0..W-1 in fp32, in rank order, of (p == me ? the fp32
-  // value in registers : slot p), + bias. No slot write, fence or read-back of the own partial.
-  template <typename OutT> struct Own {
-    const RsEpilogue* e;
-    const char* local;  // data[parity] on this rank
-    __device__ __forceinline__ void put2(int row, int col, float v0, float v1) const {
-      const int lr = row - e->rank * e->rows_per_rank;
-      if (static_cast<unsigned>(lr) >= static_cast<unsigned>(e->rows_per_rank)) return;
-      const long long idx = static_cast<long long>(lr) * e->N + col;
-      const OutT* __restrict__ slot0 = reinterpret_cast<const OutT*>(local) + idx;
-      float s0 = 0.0f, s1 = 0.0f;
-#pragma unroll 1
-      for (int p0 = 0; p0 < e->world_size; p0 += 4) {  // 4 peer loads in flight, rank order kept
-        float2 x[4];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const int p = p0 + k;
-          x[k] = make_float2(v0, v1);
-          if (p < e->world_size && p != e->rank)
-            x[k] = ld2_float<OutT>(reinterpret_cast<const OutT*>(
-                reinterpret_cast<const char*>(slot0) + p * e->slot_bytes));
-        }
-#pragma unroll
-        for (int k = 0; k < 4; ++k)
-          if (p0 + k < e->world_size) {
-            s0 += x[k].x;
-            s1 += x[k].y;
-          }
-      }
-      if (e->bias != nullptr) {
-        const float2 b = gemm::load2_float(e->bias + col);
-        s0 += b.x;
-        s1 += b.y;
-      }
-      gemm::Pair2<OutT>::store(static_cast<OutT*>(e->out) + idx, s0, s1);
-    }
-  };
-
   // One thread, after phase A of tile (tm, tn): release the tile to the other owners it
   // touches; if it holds rows of this rank, wait for every peer's part of it.
   __device__ __forceinline__ void signal_and_wait(int tm, int tn) const {
     const int row_begin = tm * kBM, row_end = min(row_begin + kBM, M);
     const u64 tile = static_cast<u64>(tm) * tiles_n + tn;
     const int o_lo = row_begin / rows_per_rank, o_hi = (row_end - 1) / rows_per_rank;
-    // The other threads' phase-A stores (ordered by the barrier) go before the flags. A
-    // deterministic tile of this rank's rows only stored nothing (its rows stay in registers).
-    if (kAtomic || o_lo != rank || o_hi != rank) fence_acq_rel_sys();
+    fence_acq_rel_sys();  // the other threads' phase-A stores (ordered by the barrier) go first
     for (int o = o_lo; o <= o_hi; ++o) {
       if (o == rank) continue;
       u32* flag = reinterpret_cast<u32*>(bases[o] + flags_off) + tile * flag_stride + rank;
@@ -343,8 +287,7 @@ struct RsEpilogue {
     if (send.tile_m >= 0) signal_and_wait(tm, tn);
     Sync::sync();  // the acquires precede the loads of finish(); s_tile read by all before the
                    // next tile rewrites it
-    if constexpr (kAtomic) finish<OutT>(tm, tn);
-    else body(Own<OutT>{this, reinterpret_cast<const char*>(bases[rank] + data_off)});
+    finish<OutT>(tm, tn);
   }
   template <class Body> __device__ __forceinline__ void with_writer(Body&& body) const {
     if (out_f32) run<float>(body);
