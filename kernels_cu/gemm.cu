@@ -24,16 +24,18 @@ using namespace cuflux;
 // group_m: tile rows (in units of kClusterM tiles) per L2 group. kEpiTma: bf16 / fp16 outputs
 // leave through shared memory and TMA stores, described by tma_c (C [M, N], box
 // {64, kBM / 2}, 128B swizzle); otherwise (and for fp32 outputs) from registers, and tma_c is
-// not read.
+// not read. kPingpong: the two consumer warpgroups take alternate tiles, each a whole tile
+// (gemm_sm90.cuh); register epilogue only. Defaulted: the other configurations' name
+// expressions (cuflux/ops/gemm.py) stay as they were.
 template <typename T, int kBM, int kBN, int kStages, int kClusterM, bool kBTransposed,
-          bool kEpiTma>
+          bool kEpiTma, bool kPingpong = false>
 __global__ void __launch_bounds__(384, 1) CUFLUX_CLUSTER_DIMS(kClusterM)
     gemm_sm90(const __grid_constant__ sm90::TmaDesc tma_a,
               const __grid_constant__ sm90::TmaDesc tma_b,
               const __grid_constant__ sm90::TmaDesc tma_c, int M, int N, int K, void* out,
               long long ldc, int out_kind, const T* bias, int group_m) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Cfg = sm90::Config<T, kBM, kBN, kStages, kClusterM, kBTransposed, kEpiTma>;
+  using Cfg = sm90::Config<T, kBM, kBN, kStages, kClusterM, kBTransposed, kEpiTma, kPingpong>;
   const int tiles_m = (M + kBM - 1) / kBM;
   const int rows = (tiles_m + kClusterM - 1) / kClusterM;
   const gemm::GroupedScheduler sched{rows, (N + kBN - 1) / kBN, rows, group_m, {}};

@@ -143,8 +143,127 @@ def test_config_smem_fits_one_sm():
     assert set(G.TUNER_CANDIDATES) <= set(G.SM90_CONFIGS) and G.SM90_DEFAULT in G.SM90_CONFIGS
 
 
+def test_pingpong_config_is_opt_in_and_compiles_its_schedule():
+    cfg = G.SM90_CONFIGS["128x128s7c1p"]
+    assert cfg.pingpong and not cfg.tma_store and cfg.cluster == 1
+    assert cfg.kernel("__half", True) == "gemm_sm90<__half, 128, 128, 7, 1, true, false, true>"
+    assert G.SM90_CONFIGS["256x128s4c1"].kernel("__half", True).endswith("true, false>")
+    assert "128x128s7c1p" not in G.TUNER_CANDIDATES  # not yet run on a GPU
+    for bad in (dict(bm=256, bn=128), dict(bm=128, bn=256), dict(bm=128, bn=128, tma_store=True)):
+        with pytest.raises(ValueError, match="ping-pong"):
+            G.Sm90Config(stages=4, cluster=1, pingpong=True, **bad)
+    ptx = _ptx("sm_90a", [cfg.kernel("__nv_bfloat16", False)])
+    for instr in ("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16", "bar.arrive",
+                  "bar.sync", "mbarrier.try_wait.parity", "setmaxnreg.inc"):
+        assert instr in ptx, instr
+
+
 def test_shape_class_and_heuristic():
     assert G._shape_class(8192, 8192, 8192) == "13x13x13"
     assert G._shape_class(777, 1536, 2048) == "10x11x11"
     assert G._heuristic(4096, 8, 4096) in G.SM90_CONFIGS
     assert G._heuristic(4096, 4096, 4096) in G.SM90_CONFIGS
+
+
+# ---- the ping-pong consumers' protocol (mirror of gemm_sm90.cuh consume() with kPingpong) ------
+def _pingpong_run(tiles, k_tiles, stages, seed, ordered=True):
+    """Random interleavings of the producer and the two consumer warpgroups on a model of the
+    ring: mbarrier parity waits (true once the phase of that parity completed, i.e. the current
+    phase's parity differs), one reader per stage use, the ordering barriers as bar.sync (the
+    owner) + bar.arrive (the other). Returns the (warpgroup, tile, k-step, data) reads; raises
+    TimeoutError when the actors stop making progress (a deadlock), AssertionError on a barrier
+    that two arrivals would complete."""
+    import random
+
+    rnd = random.Random(seed)
+    full, empty, data = [0] * stages, [0] * stages, [None] * stages  # completed phases, contents
+    bar = [[0, 0], [0, 0]]  # per order barrier: [arrivals pending, syncs waiting]
+    reads = []
+
+    def wait(phases, s, parity):
+        while (phases[s] & 1) == parity:  # parity of the current (incomplete) phase
+            yield
+
+    def producer():
+        for i in range(tiles * k_tiles):
+            s = i % stages
+            yield from wait(empty, s, ((i // stages) & 1) ^ 1)
+            data[s] = i
+            full[s] += 1
+
+    def bar_sync(b):
+        bar[b][1] += 1
+        while bar[b][0] + bar[b][1] < 2:
+            yield
+        if bar[b][1]:  # the first of the two to see it complete resets it
+            bar[b] = [0, 0]
+
+    def bar_arrive(b):
+        assert bar[b][0] == 0, "two arrivals before the sync: the barrier completes wrongly"
+        bar[b][0] += 1  # a waiting sync completes on its next poll
+
+    def consumer(wg):
+        stage, phase, seq = 0, 0, 0
+        for j in range(tiles):
+            owner, seq = seq & 1, seq + 1
+            if owner != wg:
+                stage += k_tiles
+                phase ^= (stage // stages) & 1
+                stage %= stages
+                continue
+            if ordered and seq > 1:
+                yield from bar_sync(wg)
+            prev = 0
+            for kb in range(k_tiles):
+                yield from wait(full, stage, phase)
+                reads.append((wg, j, kb, data[stage]))
+                yield  # the wgmma are in flight
+                if kb > 0:
+                    empty[prev] += 1  # release (one reader per use)
+                prev = stage
+                stage += 1
+                if stage == stages:
+                    stage, phase = 0, phase ^ 1
+            if ordered:
+                bar_arrive(1 - wg)
+            empty[prev] += 1
+            yield  # the epilogue
+        if ordered and seq > 0 and ((seq - 1) & 1) != wg:
+            yield from bar_sync(wg)
+
+    actors = [producer(), consumer(0), consumer(1)]
+    for _ in range(200 * (tiles * k_tiles + 10)):  # far more steps than a live run needs
+        if not actors:
+            break
+        a = rnd.choice(actors)
+        try:
+            next(a)
+        except StopIteration:
+            actors.remove(a)
+    else:
+        raise TimeoutError("no progress: deadlock", reads)
+    assert bar == [[0, 0], [0, 0]], bar  # every arrival met its sync
+    return reads
+
+
+@pytest.mark.parametrize("tiles,k_tiles,stages", [(1, 3, 7), (2, 1, 7), (5, 16, 7), (7, 3, 2),
+                                                  (6, 7, 7), (9, 2, 3), (4, 8, 3)])
+def test_pingpong_protocol_reads_each_stage_in_order(tiles, k_tiles, stages):
+    for seed in range(30):
+        reads = _pingpong_run(tiles, k_tiles, stages, seed)
+        want = [(j % 2, j, kb, j * k_tiles + kb) for j in range(tiles) for kb in range(k_tiles)]
+        assert sorted(reads, key=lambda r: (r[1], r[2])) == want
+
+
+def test_pingpong_protocol_needs_the_order_barrier():
+    # Without it a warpgroup that skipped the other's tile may pass a parity wait one phase
+    # early (the stage still holds the other's data) and then hang the ring: the barrier is a
+    # correctness condition, not only a performance one.
+    bad = 0
+    for seed in range(20):
+        try:
+            reads = _pingpong_run(4, 8, 3, seed, ordered=False)
+        except TimeoutError as e:  # the early pass also releases a wrong phase: a hang follows
+            reads = e.args[1]
+        bad += any(d != j * 8 + kb for _, j, kb, d in reads)
+    assert bad > 0

@@ -46,9 +46,11 @@ _SRC = "ag_gemm.cu"
 _IN = ("bfloat16", "float16")
 _LAYOUTS = ("kn", "nk")
 _MEMCPY_DEFAULT = 4
-# Hopper configurations instantiated here: every single-CTA one of the plain GEMM, so whatever
-# the GEMM's tuner picked for a shape is available (2-CTA clusters are slower, docs/gemm_notes).
-AG_SM90_CONFIGS = {name: c for name, c in G.SM90_CONFIGS.items() if c.cluster == 1}
+# Hopper configurations instantiated here: every single-CTA cooperative one of the plain GEMM
+# (ag_gemm_sm90 has neither cluster multicast nor the ping-pong schedule); a tuner choice outside
+# these falls back to the heuristic (_sm90_config).
+AG_SM90_CONFIGS = {name: c for name, c in G.SM90_CONFIGS.items()
+                   if c.cluster == 1 and not c.pingpong}
 _SM80_TILE = (128, 128)  # kernels_cu/ag_gemm.cu AgSm80Cfg == gemm.cu Sm80Cfg
 
 # chunk_rows default (no measurement yet: `python -m cuflux.bench ag_gemm` sweeps it). Few copy

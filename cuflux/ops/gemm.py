@@ -39,18 +39,29 @@ _LAYOUTS = ("kn", "nk")
 
 @dataclasses.dataclass(frozen=True)
 class Sm90Config:
-    """One instantiation of the Hopper core: tile bm x bn (x 64), stages, CTAs per cluster, and
-    whether bf16/fp16 outputs leave through shared memory and TMA stores (name suffix "t")."""
+    """One instantiation of the Hopper core: tile bm x bn (x 64), stages, CTAs per cluster,
+    whether bf16/fp16 outputs leave through shared memory and TMA stores (name suffix "t"), and
+    whether the two consumer warpgroups take alternate whole tiles instead of sharing each one
+    (ping-pong, suffix "p": one warpgroup's epilogue overlaps the other's main loop)."""
 
     bm: int
     bn: int
     stages: int
     cluster: int
     tma_store: bool = False
+    pingpong: bool = False
+
+    def __post_init__(self):
+        # Mirrors sm90::Config's static_asserts: one warpgroup holds a whole bm x bn fp32
+        # accumulator (bm / 64 * bn / 2 registers a thread, at most 128 of its 232), and the
+        # TMA-store staging is sized for two warpgroups sharing a tile.
+        if self.pingpong and (self.bm // 64 * self.bn // 2 > 128 or self.tma_store):
+            raise ValueError(f"ping-pong needs bm * bn <= 128 * 128 and no TMA store: {self}")
 
     @property
     def name(self) -> str:
-        return f"{self.bm}x{self.bn}s{self.stages}c{self.cluster}" + ("t" if self.tma_store else "")
+        return (f"{self.bm}x{self.bn}s{self.stages}c{self.cluster}"
+                + ("t" if self.tma_store else "") + ("p" if self.pingpong else ""))
 
     @property
     def smem_bytes(self) -> int:  # mirrors sm90::Config::kSmemBytes
@@ -59,21 +70,26 @@ class Sm90Config:
         return self.stages * (self.bm + self.bn) * 64 * 2 + epi + 2 * self.stages * 8 + 1024
 
     def kernel(self, cuda_type: str, transposed: bool) -> str:
+        # kPingpong is a defaulted template argument: named only where it is set.
         return (f"gemm_sm90<{cuda_type}, {self.bm}, {self.bn}, {self.stages}, {self.cluster}, "
-                f"{'true' if transposed else 'false'}, {'true' if self.tma_store else 'false'}>")
+                f"{'true' if transposed else 'false'}, {'true' if self.tma_store else 'false'}"
+                + (", true>" if self.pingpong else ">"))
 
 
 SM90_CONFIGS = {c.name: c for c in (
     Sm90Config(128, 256, 4, 1), Sm90Config(128, 256, 4, 2), Sm90Config(256, 128, 4, 1),
     Sm90Config(256, 128, 4, 2),
-    Sm90Config(128, 128, 6, 1), Sm90Config(256, 128, 4, 1, True), Sm90Config(128, 256, 4, 1, True))}
+    Sm90Config(128, 128, 6, 1), Sm90Config(256, 128, 4, 1, True), Sm90Config(128, 256, 4, 1, True),
+    # ping-pong (v4): 7 stages of 32 KB fill shared memory (230,512 bytes of 232,448)
+    Sm90Config(128, 128, 7, 1, pingpong=True))}
 SM90_DEFAULT = "256x128s4c1"  # fastest on 8 of the 10 bar cases measured (docs/gemm_notes.md)
 # The tuner's candidates. The 2-CTA cluster configurations (B multicast) measured at half the
 # speed of their 1-CTA twins (docs/gemm_notes.md, v1): each consumer's remote stage release
 # compiled to a GPU-wide fence (v3 removes it); they join once a GPU run has timed the fix.
 # The TMA-store configurations ("...t", v2) win where K is small (16384x8192x1024: 0.95x cuBLAS
 # against 0.77x) and lose 3-10 % elsewhere, so the tuner tries them too. All stay callable
-# through config=.
+# through config=. The ping-pong configuration ("...p", v4) has not run on a GPU yet: not a
+# candidate until tests/test_gemm.py's every-config tests and the benchmark have passed on it.
 TUNER_CANDIDATES = ("256x128s4c1", "128x256s4c1", "128x128s6c1", "256x128s4c1t", "128x256s4c1t")
 SM80_CONFIG = "128x128x32s4"  # fixed in gemm.cu (Sm80Cfg)
 _SM80_TILE, _SM80_THREADS, _SM80_SMEM, _SM80_PER_SM = (128, 128), 256, 4 * 2 * 128 * 32 * 2, 2

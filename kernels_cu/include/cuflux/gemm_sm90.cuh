@@ -30,6 +30,19 @@
 // warpgroup goes on to the next tile while the copy engine writes (it waits only before it
 // reuses a buffer the engine is still reading). TMA clips rows >= M and columns >= N.
 //
+// Ping-pong (kPingpong, opt-in): the two consumer warpgroups work on DIFFERENT tiles, each
+// a whole kBM x kBN tile (kBM rows per warpgroup, accumulator <= 128 registers a thread), and
+// take turns: tile j of the CTA's sequence (the scheduler's order, unchanged) belongs to
+// warpgroup j % 2, so while one runs its epilogue the other runs its main loop. The producer
+// is the same ring walk: it fills tile j's stages, then tile j + 1's, in consumption order; a
+// stage has one reader (empty counts 1 per CTA), and each warpgroup skips the k_tiles ring
+// slots of the other's tiles. An ordering barrier (named barriers 4 + wg) lets warpgroup w
+// start tile j only after the other issued all of tile j - 1; that keeps the two main loops
+// from competing for the tensor cores AND is what makes the skip safe: a parity wait only
+// tells the awaited phase from the one just before it, so a warpgroup may wait on a stage's
+// full barrier only once that stage's previous use (the other's tile) has completed.
+// Epilogues must not synchronise the two warpgroups (rs_hooks' barrier 6 would deadlock).
+//
 // Clusters (kClusterM = 2): the two CTAs take vertically adjacent tiles of the same tile
 // column; each loads its own A and half of B, multicast to both. A stage is refilled only when
 // the consumers of both CTAs released it (empty counts 2 x 2 arrivals), and neither CTA leaves
@@ -68,15 +81,18 @@ namespace cuflux {
 namespace sm90 {
 
 template <typename T_, int kBM_, int kBN_, int kStages_, int kClusterM_, bool kBTransposed_,
-          bool kEpiTma_ = false>
+          bool kEpiTma_ = false, bool kPingpong_ = false>
 struct Config {
   using T = T_;
   static constexpr int kBM = kBM_, kBN = kBN_, kBK = 64, kStages = kStages_;
   static constexpr int kClusterM = kClusterM_;
   static constexpr bool kBTransposed = kBTransposed_;  // B given as [K, N] ("kn")
   static constexpr int kConsumers = 2;
+  static constexpr bool kPingpong = kPingpong_;  // consumers on alternate tiles (see top)
+  static constexpr int kStageReaders = kPingpong ? 1 : kConsumers;  // warpgroups per stage use
   static constexpr int kThreads = 128 * (kConsumers + 1);
-  static constexpr int kWgRows = kBM / kConsumers;  // rows of the tile per consumer warpgroup
+  // rows of the tile per consumer warpgroup (ping-pong: the whole tile)
+  static constexpr int kWgRows = kPingpong ? kBM : kBM / kConsumers;
   static constexpr int kMmaM = kWgRows / 64;        // m64 blocks per consumer warpgroup
   static constexpr int kABytes = kBM * kBK * 2;
   static constexpr int kBBytes = kBN * kBK * 2;
@@ -94,6 +110,9 @@ struct Config {
   static_assert(kClusterM == 1 || kClusterM == 2, "cluster of 1 or 2 CTAs along M");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory budget of one SM");
   static_assert(kProducerRegs * 128 + kConsumerRegs * 128 * kConsumers <= 65536, "registers");
+  static_assert(!kPingpong || kMmaM * kBN / 2 <= 128,
+                "ping-pong: one warpgroup's accumulator must fit in 128 registers a thread");
+  static_assert(!kPingpong || !kEpiTma, "ping-pong: register epilogue only (no staging yet)");
 };
 
 // ---- PTX wrappers, order and scope in the names --------------------------------------------------
@@ -160,6 +179,11 @@ __device__ __forceinline__ void fence_proxy_async_global() {
 }
 __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+// Counts this warp's threads toward `threads` on barrier `id` without waiting (the other side
+// of a bar.sync: a signal from one warpgroup to another).
+__device__ __forceinline__ void named_barrier_arrive(u32 id, u32 threads) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
 __device__ __forceinline__ void prefetch_tensormap(const TmaDesc* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<u64>(map)) : "memory");
@@ -348,6 +372,9 @@ __device__ __forceinline__ void store_tile_tma(const float (&acc)[Cfg::kMmaM][Cf
 }
 
 // ---- consumers -----------------------------------------------------------------------------------
+// Ping-pong turn barriers: warpgroup wg waits on kOrderBar + wg, the other arrives on it.
+constexpr u32 kOrderBar = 4;
+
 template <class Cfg>
 __device__ __forceinline__ void release_stage(u32 empty_bar) {
   if constexpr (Cfg::kClusterM == 1) {
@@ -374,16 +401,30 @@ __device__ __forceinline__ void consume(u32 smem, u32 epi_smem, u32 full, u32 em
     for (int i = 0; i < kAcc; ++i) acc[mi][i] = 0.0f;
   int stage = 0, buf_turn = 0;
   u32 phase = 0;
+  int seq = 0;  // ping-pong: tiles of the CTA's sequence met so far, both warpgroups'
   const int slots = sched.num_slots();
   for (int slot = cluster; slot < slots; slot += num_clusters) {
     int tm, tn;
     if (!sched.tile(slot, tm, tn)) continue;
+    if constexpr (Cfg::kPingpong) {
+      if ((seq++ & 1) != wg) {  // the other warpgroup's tile: skip its k_tiles ring slots
+        stage += k_tiles;
+        phase ^= static_cast<u32>(stage / Cfg::kStages) & 1u;
+        stage %= Cfg::kStages;
+        continue;
+      }
+      // Wait until the other warpgroup has issued tile seq - 2 (our predecessor): every use
+      // of a stage before ours then completed, so our parity waits below are unambiguous.
+      if (seq > 1) named_barrier_sync(kOrderBar + wg, 256);
+    }
     const int m_blk = tm * Cfg::kClusterM + static_cast<int>(crank);
     const int m0 = m_blk * Cfg::kBM, n0 = tn * Cfg::kBN;
     int prev = 0;
     for (int kb = 0; kb < k_tiles; ++kb) {
       mbar_wait(full + 8 * stage, phase);
-      const u32 a_base = smem + stage * Cfg::kStageBytes + wg * Cfg::kWgRows * 128;
+      // this warpgroup's rows of the stage's A (ping-pong: all of them)
+      const u32 a_base =
+          smem + stage * Cfg::kStageBytes + (Cfg::kPingpong ? 0 : wg) * Cfg::kWgRows * 128;
       const u32 b_base = smem + stage * Cfg::kStageBytes + Cfg::kABytes;
 #pragma unroll
       for (int mi = 0; mi < Cfg::kMmaM; ++mi) fence_registers(acc[mi]);
@@ -410,6 +451,9 @@ __device__ __forceinline__ void consume(u32 smem, u32 epi_smem, u32 full, u32 em
         phase ^= 1;
       }
     }
+    // Ping-pong: every full wait of this tile returned and its wgmma are issued: the other
+    // warpgroup's turn (its wgmma queue behind ours while we drain and run the epilogue).
+    if constexpr (Cfg::kPingpong) named_barrier_arrive(kOrderBar + (1 - wg), 256);
     wgmma_wait<0>();
 #pragma unroll
     for (int mi = 0; mi < Cfg::kMmaM; ++mi) fence_registers(acc[mi]);
@@ -424,7 +468,7 @@ __device__ __forceinline__ void consume(u32 smem, u32 epi_smem, u32 full, u32 em
     }
     // Epilogue from registers (see gemm_sm90_wgmma.cuh for the fragment layout).
     const int warp = t / 32, lane = t % 32;
-    const int row0 = m0 + wg * Cfg::kWgRows + warp * 16 + lane / 4;
+    const int row0 = m0 + (Cfg::kPingpong ? 0 : wg) * Cfg::kWgRows + warp * 16 + lane / 4;
     const int col0 = n0 + (lane % 4) * 2;
     epi.with_writer([&](const auto& w) {
 #pragma unroll
@@ -441,9 +485,16 @@ __device__ __forceinline__ void consume(u32 smem, u32 epi_smem, u32 full, u32 em
       }
     });
     if constexpr (Epi::kSignalsTiles) {
-      named_barrier_sync(1, 128 * Cfg::kConsumers);  // every consumer stored its part
-      if (wg == 0 && leader) epi.tile_done(m_blk, tn, min(m0, M), min(m0 + Cfg::kBM, M));
+      if constexpr (Cfg::kPingpong) named_barrier_sync(2 + wg, 128);  // the tile is ours alone
+      else named_barrier_sync(1, 128 * Cfg::kConsumers);  // every consumer stored its part
+      if ((Cfg::kPingpong || wg == 0) && leader)
+        epi.tile_done(m_blk, tn, min(m0, M), min(m0 + Cfg::kBM, M));
     }
+  }
+  if constexpr (Cfg::kPingpong) {
+    // The last tile's owner signalled a successor that does not exist: the other warpgroup
+    // takes that arrival, so every bar.arrive meets its bar.sync and the barrier ends idle.
+    if (seq > 0 && ((seq - 1) & 1) != wg) named_barrier_sync(kOrderBar + wg, 256);
   }
   if constexpr (Epi::kTmaStore) {
     if (leader) bulk_wait_group_all();  // staging buffers stay valid until the engine is done
@@ -475,7 +526,8 @@ __device__ __forceinline__ void gemm_tiles(const TmaDesc* tma_a, const TmaDesc* 
   if (threadIdx.x == 0) {
     for (int s = 0; s < Cfg::kStages; ++s) {
       mbar_init(full + 8 * s, 1);  // the producer's arrive.expect_tx
-      mbar_init(empty + 8 * s, Cfg::kConsumers * Cfg::kClusterM);  // one per consumer WG per CTA
+      // one arrival per reading warpgroup per CTA
+      mbar_init(empty + 8 * s, Cfg::kStageReaders * Cfg::kClusterM);
     }
     fence_mbarrier_init_release_cluster();
     prefetch_tensormap(tma_a);
