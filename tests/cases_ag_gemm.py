@@ -14,8 +14,8 @@ import numpy as np
 
 from cuflux.arrays import dtype_info
 from cuflux.errors import CommTimeoutError, CufluxError
+from tests.checks import check_close
 
-TOL = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}  # relative Frobenius error
 # Bound of every wait in these tests (it starts when the stream or CTA reaches the wait). A
 # legitimate wait is a peer's copy plus time-slicing (milliseconds); a protocol bug should fail
 # in seconds, not eat the GPU lease.
@@ -43,28 +43,10 @@ def _host(key, shape, dtype, scale=1.0):
         dtype_info(dtype).storage)
 
 
-def _f64(x):
-    import cupy
-
-    return cupy.asnumpy(x).astype(np.float64)
-
-
 def _poisoned(shape, dtype):
     import cupy
 
     return cupy.full(shape, np.nan, dtype=np.float32).astype(dtype_info(dtype).storage)
-
-
-def _check_close(got, ref, out_dtype, what):
-    g = _f64(got)
-    assert np.isfinite(g).all(), f"{what}: {int((~np.isfinite(g)).sum())} elements not written"
-    rms = np.sqrt(np.mean(ref ** 2)) + 1e-30
-    rel = np.linalg.norm(g - ref) / (np.linalg.norm(ref) + 1e-30)
-    worst = np.abs(g - ref).max() / rms
-    tol = TOL[out_dtype]
-    assert rel < tol, f"{what}: relative error {rel:.3g} >= {tol}"
-    assert worst < 10 * tol, f"{what}: worst element off by {worst:.3g} x rms"
-    return float(rel)
 
 
 def _same_bits(x, y) -> bool:
@@ -98,7 +80,7 @@ def _one_call(world, op, seed, case, call, rows, b_host, b, bias_host, bias, ret
     ref = full.astype(np.float64) @ (b64 if op.b_layout == "kn" else b64.T)
     if bias_host is not None:
         ref += bias_host.astype(np.float64)[None, :]
-    rel = _check_close(got, ref, op.out_dtype.name, what)
+    rel = check_close(got, ref, op.out_dtype.name, what)
     plan = op.plan_for(rows)
     plain = G.gemm(cupy.asarray(full), b, bias=bias, out_dtype=op.out_dtype.name,
                    b_layout=op.b_layout, impl=plan.impl,

@@ -9,13 +9,13 @@ import os
 import numpy as np
 import pytest
 
+from tests.checks import check_close, f64
 from tests.mpi import gpu_available, run_ranks, world_sizes
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
 WS = world_sizes()
 
 # relative Frobenius error allowed per output dtype (bf16 rounding is 2^-9 relative)
-TOL = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}
 SHAPES = [(1000, 1000, 1000), (8, 4096, 4096), (4096, 8, 4096), (777, 1536, 2048), (130, 264, 72)]
 
 
@@ -42,23 +42,6 @@ def _rand(shape, dtype, seed, scale=1.0):
     return (rs.standard_normal(shape, dtype=cupy.float32) * scale).astype(dtype_info(dtype).storage)
 
 
-def _f64(x) -> np.ndarray:
-    import cupy
-
-    return cupy.asnumpy(x).astype(np.float64)
-
-
-def _check(got, ref, out_dtype, what):
-    g = _f64(got)
-    assert np.isfinite(g).all(), f"{what}: {int((~np.isfinite(g)).sum())} elements not written"
-    rms = np.sqrt(np.mean(ref**2)) + 1e-30
-    rel = np.linalg.norm(g - ref) / (np.linalg.norm(ref) + 1e-30)
-    worst = np.abs(g - ref).max() / rms
-    tol = TOL[out_dtype]
-    assert rel < tol, f"{what}: relative error {rel:.3g} >= {tol}"
-    assert worst < 10 * tol, f"{what}: worst element off by {worst:.3g} x rms"
-
-
 def _run(impl, M, N, K, layout="kn", dtype="bfloat16", out_dtype=None, bias=False, config=None,
          seed=None, group_m=8):
     import cupy
@@ -76,11 +59,11 @@ def _run(impl, M, N, K, layout="kn", dtype="bfloat16", out_dtype=None, bias=Fals
                  group_m=group_m)
     assert got is out
     cupy.cuda.Device().synchronize()
-    bm = _f64(b) if layout == "kn" else _f64(b).T
-    ref = _f64(a) @ bm
+    bm = f64(b) if layout == "kn" else f64(b).T
+    ref = f64(a) @ bm
     if bias:
-        ref += _f64(bv)[None, :]
-    _check(got, ref, od, f"{impl} {layout} {M}x{N}x{K} {dtype}->{od} bias={bias} "
+        ref += f64(bv)[None, :]
+    check_close(got, ref, od, f"{impl} {layout} {M}x{N}x{K} {dtype}->{od} bias={bias} "
                          f"config={config} seed={seed}")
 
 
@@ -119,13 +102,13 @@ def test_identity_operand_is_exact(impl, layout, which):
     x = _rand((n, n), "bfloat16", seed)
     eye = cupy.eye(n, dtype=cupy.float32).astype(bf)
     if which == "a":  # A = x, B = I: C = x
-        a, b, want = x, eye, _f64(x)
+        a, b, want = x, eye, f64(x)
     else:  # A = I, B = x: C = x ("kn") or x^T ("nk")
         a, b = eye, x
-        want = _f64(x) if layout == "kn" else _f64(x).T
+        want = f64(x) if layout == "kn" else f64(x).T
     out = cupy.full((n, n), np.nan, dtype=np.float32)
     G.gemm(a, b, out=out, b_layout=layout, impl=impl)
-    got = _f64(out)
+    got = f64(out)
     if not np.array_equal(got, want):
         cols = _mapping(got, want, 1)[:72]
         rows = _mapping(got, want, 0)[:72]
@@ -224,7 +207,7 @@ def test_other_stream_and_default_output():
     c = G.gemm(a, b, b_layout="nk", stream=s, out_dtype="float32")
     s.synchronize()
     assert c.shape == (300, 256) and c.dtype == np.float32
-    _check(c, _f64(a) @ _f64(b).T, "float32", f"stream seed={seed}")
+    check_close(c, f64(a) @ f64(b).T, "float32", f"stream seed={seed}")
 
 
 def test_bad_input_is_named():
@@ -332,9 +315,9 @@ def hooks_reduce_scatter(world, impl, seed, rows_per_rank=200, N=520, K=264):
 
         got = cupy.asnumpy(buf.local("out")).view(ml_dtypes.bfloat16).astype(np.float64)
         ref = np.zeros((rows_per_rank, N))
-        bt = _f64(b).T
+        bt = f64(b).T
         for r in range(W):
-            ar = _f64(_rand((M, K), "bfloat16", seed + 10 * r))
+            ar = f64(_rand((M, K), "bfloat16", seed + 10 * r))
             ref += ar[me * rows_per_rank:(me + 1) * rows_per_rank] @ bt
         rel = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert rel < 1.5e-2, f"rank {me}: reduce-scatter relative error {rel:.3g} (seed {seed})"
