@@ -10,12 +10,15 @@ from __future__ import annotations
 import math
 import os
 
-from cuflux.bench.common import print_table, time_ms, write_results
+from cuflux.bench.common import print_table, time_interleaved, time_ms, write_results
 
 # The bar shapes (M, N, K); 4096x6144x12288 and 4096x12288x6144 are Flux's AG and RS
 # GEMMs at W = 8.
 BAR_SHAPES = [(8192, 8192, 8192), (4096, 8192, 3584), (16384, 8192, 1024), (4096, 6144, 12288),
               (4096, 12288, 6144)]
+# L2 group heights of the tile order tried on the two best configurations of each case
+# (8 is the default; 1 is row-major).
+GROUP_M_SWEEP = (1, 2, 4, 8, 16)
 EXTRA_SHAPES = [(4096, 4096, 4096), (2048, 2048, 2048), (8, 4096, 4096), (777, 1536, 2048)]
 
 
@@ -73,39 +76,60 @@ def run(world, args) -> None:
                 def cublas(a, b, layout=layout, c=c):
                     cupy.matmul(a, b if layout == "kn" else b.T, out=c)
 
-                base_ms = time_ms(_rotating(cublas, sets), warmup=5, iters=iters)
-                per_cfg = {}
+                # cuBLAS and every configuration timed in interleaved rounds: clocks and
+                # power drift over a run (a GEMM timed in two blocks differed by up to 14 %).
+                fns = {"cublas": _rotating(cublas, sets)}
                 for name in configs:
-                    fn = _rotating(lambda a, b, name=name: G.gemm(
+                    fns[name] = _rotating(lambda a, b, name=name: G.gemm(
                         a, b, out=c, b_layout=layout, impl="sm90", config=name), sets)
-                    per_cfg[name] = time_ms(fn, warmup=5, iters=iters)
+                t = time_interleaved(fns, rounds=5, iters=max(2, iters // 4), warmup=3)
+                base_ms = t.pop("cublas")
+                per_cfg = dict(t)
+                # The tile order's L2 group height, for the two best configurations, against
+                # cuBLAS again (interleaved among themselves).
+                by_gm = {}
+                if per_cfg:
+                    top = sorted(per_cfg, key=per_cfg.get)[:2]
+                    fns = {"cublas": _rotating(cublas, sets)}
+                    for name in top:
+                        for gm in GROUP_M_SWEEP:
+                            fns[(name, gm)] = _rotating(lambda a, b, name=name, gm=gm: G.gemm(
+                                a, b, out=c, b_layout=layout, impl="sm90", config=name,
+                                group_m=gm), sets)
+                    t = time_interleaved(fns, rounds=5, iters=max(2, iters // 4), warmup=2)
+                    gm_base = t.pop("cublas")
+                    by_gm = {f"{name}/g{gm}": gm_base / v for (name, gm), v in t.items()}
                 sm80_ms = time_ms(_rotating(lambda a, b: G.gemm(
                     a, b, out=c, b_layout=layout, impl="sm80"), sets), warmup=3,
                     iters=max(5, iters // 2))
                 best = min(per_cfg, key=per_cfg.get) if per_cfg else None
                 ms = per_cfg[best] if best else sm80_ms
+                # Cross-check with the earlier method: cuBLAS, then the best configuration,
+                # each in one block of back-to-back calls (an earlier device call measured
+                # cuBLAS ~15 % faster that way than interleaved; docs/gemm_notes.md, v5).
+                block = {}
+                if best:
+                    block["cublas"] = time_ms(_rotating(cublas, sets), warmup=5, iters=iters)
+                    block["best"] = time_ms(_rotating(lambda a, b: G.gemm(
+                        a, b, out=c, b_layout=layout, impl="sm90", config=best), sets),
+                        warmup=5, iters=iters)
                 row = {"case": f"{M}x{N}x{K} {layout}", "cuflux_ms": ms,
                        "config": best or "sm80", "baseline": "cupy.matmul (cuBLAS)",
                        "baseline_ms": base_ms, "speedup": base_ms / ms,
                        "tflops": flop / ms / 1e9, "cublas_tflops": flop / base_ms / 1e9,
                        "sm80_ms": sm80_ms, "sm80_ratio": base_ms / sm80_ms,
-                       "configs_ms": per_cfg}
+                       "configs_ms": per_cfg, "group_m_ratio": by_gm}
+                if block:
+                    row["block_speedup"] = block["cublas"] / block["best"]
+                    row["block_cublas_tflops"] = flop / block["cublas"] / 1e9
+                if by_gm:
+                    g = max(by_gm, key=by_gm.get)
+                    row["best_group_m"], row["best_group_m_ratio"] = g, by_gm[g]
                 for name, t in per_cfg.items():
                     row[name] = base_ms / t
                 rows.append(row)
                 del sets, c
                 cupy.get_default_memory_pool().free_all_blocks()
-        if hopper and not args.quick:  # the L2-grouped tile order against plain row-major
-            M, N, K = 8192, 8192, 8192
-            sets = _inputs(M, N, K, "nk", l2, bf16)
-            c = cupy.empty((M, N), dtype=bf16)
-            for gm in (1, 4, 8, 16, 32):
-                ms = time_ms(_rotating(lambda a, b, gm=gm: G.gemm(
-                    a, b, out=c, b_layout="nk", impl="sm90", config=G.SM90_DEFAULT,
-                    group_m=gm), sets), warmup=5, iters=iters)
-                rows.append({"case": f"{M}x{N}x{K} nk group_m={gm}", "cuflux_ms": ms,
-                             "config": G.SM90_DEFAULT, "baseline": "none", "baseline_ms": None,
-                             "speedup": None, "tflops": 2.0 * M * N * K / ms / 1e9})
         if hopper and not args.quick:  # 2-CTA clusters: is the persistent grid too large?
             M, N, K = 8192, 8192, 8192
             sets = _inputs(M, N, K, "nk", l2, bf16)
@@ -124,7 +148,8 @@ def run(world, args) -> None:
         print("resident CTAs assumed for 2-CTA clusters (cuOccupancyMaxActiveClusters x 2):",
               sorted(set(v * 2 for v in G._CLUSTERS.values())))
         cols = ["case", "config", "cuflux_ms", "baseline_ms", "speedup", "tflops",
-                "cublas_tflops", "sm80_ratio"] + list(G.SM90_CONFIGS)
+                "cublas_tflops", "block_speedup", "block_cublas_tflops",
+                "sm80_ratio", "best_group_m", "best_group_m_ratio"] + list(G.SM90_CONFIGS)
         print("cuflux.gemm vs cupy.matmul (cuBLAS), bf16 -> bf16; speedup = cuBLAS ms / cuflux "
               "ms (best Hopper config); per-config columns: the same ratio per configuration")
         print_table(rows, cols)

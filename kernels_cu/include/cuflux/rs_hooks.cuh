@@ -278,6 +278,11 @@ struct RsEpilogue {
     __shared__ int s_tile[2];
     const Send<OutT> send{this};
     body(send);
+#if defined(CUFLUX_RS_PROBE)  // scripts/probe_rs_epilogue.py only (W = 1 timing; wrong results):
+    if constexpr (CUFLUX_RS_PROBE >= 2) return;  // 2: phase A alone, no barrier, no phase B
+    Sync::sync();
+    if constexpr (CUFLUX_RS_PROBE >= 1) return;  // 1: phase A and one barrier, no phase B
+#endif
     if (send.tile_m >= 0) {
       s_tile[0] = send.tile_m;
       s_tile[1] = send.tile_n;
