@@ -57,16 +57,18 @@ def _ptx(arch: str, names) -> str:
 def test_hopper_kernels_use_the_protocol_instructions():
     det = _ptx("sm_90a", [R.sm90_kernel("__nv_bfloat16", R.SM90_RS_DEFAULT, False, False)])
     for instr in ("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
-                  "cp.async.bulk.tensor.2d", "st.release.sys.global.u32",
+                  "cp.async.bulk.tensor.2d", "st.relaxed.sys.global.u32",
                   "ld.acquire.sys.global.u32", "fence.acq_rel.sys", "barrier.sync 6, 256",
                   "%globaltimer", "nanosleep"):
         assert instr in det, instr
+    # the tile flags are relaxed stores made release stores by the one fence before them
+    assert det.index("fence.acq_rel.sys") < det.index("st.relaxed.sys.global.u32")
     assert not re.search(r"\sred\.", det)  # deterministic: plain stores only
     atomic = _ptx("sm_90a", [R.sm90_kernel("__nv_bfloat16", "128x256s4c1", True, True),
                              R.copy_kernel("__half", "float", True)])
     for instr in ("red.relaxed.sys.global.add.noftz.bf16x2", "red.relaxed.sys.global.add.v2.f32",
                   "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
-                  "st.release.sys.global.u32"):
+                  "fence.acq_rel.sys", "st.relaxed.sys.global.u32"):
         assert instr in atomic, instr
 
 
@@ -76,7 +78,8 @@ def test_portable_kernels_below_sm90():
                          R.copy_kernel("__half", "__half", True)])
     assert "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx  # Hopper kernels: empty
     for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "atom.sys.cas.b32",
-                  "red.relaxed.sys.global.add.noftz.f16x2", "st.release.sys.global.u32"):
+                  "red.relaxed.sys.global.add.noftz.f16x2", "fence.acq_rel.sys",
+                  "st.relaxed.sys.global.u32"):
         assert instr in ptx, instr
 
 

@@ -11,8 +11,8 @@
 //      deterministic mode stores it into o's slot for this source rank,
 //      data[o][me][row - o * R][col]; atomic mode adds it (red.add, bf16x2 / f16x2 / f32) into
 //      o's acc[row - o * R][col]. Then (barrier over the epilogue threads) one thread raises,
-//      with st.release.sys, this tile's flag for source `me` in the memory of every other
-//      owner the tile touches;
+//      after one fence.acq_rel.sys, with relaxed system-scope stores, this tile's flag for
+//      source `me` in the memory of every other owner the tile touches;
 //   B. if the tile holds rows of this rank, the same thread waits (bounded, acquire) for the
 //      tile's flags of every peer, a barrier releases the others, and all epilogue threads
 //      finish this rank's rows of the tile in 16-byte vectors: deterministic: the W slots
@@ -184,19 +184,30 @@ struct RsEpilogue {
   template <typename OutT> struct Send {
     const RsEpilogue* e;
     mutable int tile_m = -1, tile_n = -1;  // set in the one thread that handles (m0, n0)
+    // Owner cache (registers after inlining): rows [lo, hi) go to dst + (row - lo) * N + col.
+    // Refilled only when a row leaves the cached owner's range (once per tile per thread, plus
+    // once per owner boundary the thread's rows cross), so the division by rows_per_rank and
+    // the bases[o] load leave the per-pair path.
+    mutable int lo = 1, hi = 0;
+    mutable OutT* dst = nullptr;
     __device__ __forceinline__ void put2(int row, int col, float v0, float v1) const {
-      if (row % kBM == 0 && col % kBN == 0) {
-        tile_m = row / kBM;
-        tile_n = col / kBN;
+      if ((row & (kBM - 1)) == 0 && (col & (kBN - 1)) == 0) {  // row, col >= 0; powers of 2
+        tile_m = static_cast<int>(static_cast<unsigned>(row) / kBM);
+        tile_n = static_cast<int>(static_cast<unsigned>(col) / kBN);
       }
-      const int o = row / e->rows_per_rank;
-      const long long idx = static_cast<long long>(row - o * e->rows_per_rank) * e->N + col;
-      char* base = reinterpret_cast<char*>(e->bases[o] + e->data_off);
+      if (row < lo || row >= hi) {
+        const int o = row / e->rows_per_rank;
+        lo = o * e->rows_per_rank;
+        hi = lo + e->rows_per_rank;
+        char* base = reinterpret_cast<char*>(e->bases[o] + e->data_off);
+        if constexpr (!kAtomic) base += e->rank * e->slot_bytes;
+        dst = reinterpret_cast<OutT*>(base);
+      }
+      OutT* p = dst + static_cast<long long>(row - lo) * e->N + col;
       if constexpr (kAtomic) {
-        Red2<OutT>::add(reinterpret_cast<OutT*>(base) + idx, v0, v1);
+        Red2<OutT>::add(p, v0, v1);
       } else {
-        OutT* slot = reinterpret_cast<OutT*>(base + e->rank * e->slot_bytes);
-        gemm::Pair2<OutT>::store(slot + idx, v0, v1);
+        gemm::Pair2<OutT>::store(p, v0, v1);
       }
     }
   };
@@ -207,11 +218,17 @@ struct RsEpilogue {
     const int row_begin = tm * kBM, row_end = min(row_begin + kBM, M);
     const u64 tile = static_cast<u64>(tm) * tiles_n + tn;
     const int o_lo = row_begin / rows_per_rank, o_hi = (row_end - 1) / rows_per_rank;
-    fence_acq_rel_sys();  // the other threads' phase-A stores (ordered by the barrier) go first
+    // One system-scope fence orders the other threads' phase-A stores (ordered before this
+    // thread by the barrier; the fence is cumulative) before every flag below, which can then
+    // be relaxed stores (st.release would fence again per owner). A deterministic tile of this
+    // rank's rows alone signals nobody and is read back only by this CTA, which the barrier
+    // after the wait orders: no fence (a MEMBAR.SYS) for it. Atomic mode keeps the fence: its
+    // own red.adds are system-scope and peers add into the same accumulator.
+    if (kAtomic || o_lo != rank || o_hi != rank) fence_acq_rel_sys();
     for (int o = o_lo; o <= o_hi; ++o) {
       if (o == rank) continue;
       u32* flag = reinterpret_cast<u32*>(bases[o] + flags_off) + tile * flag_stride + rank;
-      st_release_sys(flag, epoch);
+      st_relaxed_sys(flag, epoch);
     }
     if (o_lo <= rank && rank <= o_hi) {
       const u32* flags = reinterpret_cast<const u32*>(bases[rank] + flags_off) + tile * flag_stride;
@@ -234,6 +251,52 @@ struct RsEpilogue {
     const int vecs_per_row = (c_hi - c_lo) / kElems;  // N % 8 == 0
     const int total = (r_hi - r_lo) * vecs_per_row;
     const char* local = reinterpret_cast<const char*>(bases[me] + data_off);
+    if constexpr (!kAtomic && kBN / kElems <= 32) {
+      constexpr int kVpr = kBN / kElems;  // 16-byte vectors per tile row (a power of 2)
+      constexpr int kUnroll = 4;          // independent rows in flight per thread
+      if (c_hi - c_lo == kBN) {           // full-width tile: each thread keeps one column
+        const int t = Sync::thread(), rows_per_pass = Sync::count() / kVpr;
+        const int col = c_lo + (t % kVpr) * kElems;
+        float b[kElems];  // bias of this thread's column: loaded once per tile
+#pragma unroll
+        for (int j = 0; j < kElems; ++j) b[j] = 0.0f;
+        if (bias != nullptr) {
+          constexpr int kBiasBytes = kElems * sizeof(BiasT);
+          add_vec<BiasT, kBiasBytes>(b, ld_nc<kBiasBytes>(bias + col));
+        }
+        for (int r0 = r_lo + t / kVpr; r0 < r_hi; r0 += kUnroll * rows_per_pass) {
+          float acc[kUnroll][kElems];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+#pragma unroll
+            for (int j = 0; j < kElems; ++j) acc[u][j] = 0.0f;
+          for (int p = 0; p < world_size; ++p) {  // rank order 0..W-1 (deterministic)
+            RawVec<16> part[kUnroll];
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) {
+              const int r = min(r0 + u * rows_per_pass, r_hi - 1);  // past the end: reload, unused
+              const long long idx = static_cast<long long>(r - me * R) * N + col;
+              part[u] = ld_plain<16>(reinterpret_cast<const OutT*>(local + p * slot_bytes) + idx);
+            }
+#pragma unroll
+            for (int u = 0; u < kUnroll; ++u) add_vec<OutT, 16>(acc[u], part[u]);
+          }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            const int r = r0 + u * rows_per_pass;
+            if (r < r_hi) {
+              RawVec<16> packed;
+              OutT* pe = reinterpret_cast<OutT*>(&packed);
+#pragma unroll  // + bias after the slots: the same fp32 order as the general path
+              for (int j = 0; j < kElems; ++j) pe[j] = from_float<OutT>(acc[u][j] + b[j]);
+              st_na<16>(static_cast<OutT*>(out) + static_cast<long long>(r - me * R) * N + col,
+                        packed);
+            }
+          }
+        }
+        return;
+      }
+    }
     for (int i = Sync::thread(); i < total; i += Sync::count()) {
       const int rr = i / vecs_per_row;
       const int col = c_lo + (i - rr * vecs_per_row) * kElems;
