@@ -93,11 +93,9 @@ def test_sass_has_hgmma_when_cuobjdump_is_present(tmp_path):
 def _tile(slot, tiles_m, tiles_n, chunk_tiles_m, group_m, order):
     per_chunk = chunk_tiles_m * tiles_n
     visit, r = divmod(slot, per_chunk)
-    group, in_group = divmod(r, group_m * tiles_n)
-    first = group * group_m
-    rows = min(group_m, chunk_tiles_m - first)
-    tm = order(visit) * chunk_tiles_m + first + in_group % rows
-    return (tm, in_group // rows) if tm < tiles_m else None
+    row, tn = G.grouped_tile(r, chunk_tiles_m, tiles_n, group_m)
+    tm = order(visit) * chunk_tiles_m + row
+    return (tm, tn) if tm < tiles_m else None
 
 
 @pytest.mark.parametrize("tiles_m,tiles_n,chunk,group", [(9, 5, 9, 4), (64, 32, 64, 8), (7, 3, 2, 3),

@@ -312,6 +312,16 @@ def tuner_path():
     return kernels._cache_dir() / "gemm_tuner.json"
 
 
+def grouped_tile(r: int, rows: int, tiles_n: int, group_m: int) -> tuple[int, int]:
+    """(tile row within the walk, tile column) of position r of a walk over `rows` tile rows in
+    L2 groups of group_m rows: mirror of gemm_hooks.cuh grouped_tile, which every tile scheduler
+    uses (for the CPU tests of the tile orders)."""
+    group, in_group = divmod(r, group_m * tiles_n)
+    first = group * group_m
+    n = min(group_m, rows - first)
+    return first + in_group % n, in_group // n
+
+
 def _shape_class(M: int, N: int, K: int) -> str:
     return "x".join(str(max(3, math.ceil(math.log2(max(x, 1))))) for x in (M, N, K))
 

@@ -98,15 +98,10 @@ def tile_order(M: int, N: int, world_size: int, rank: int, bm: int, bn: int,
     order = []
     for slot in range(tiles_m * tiles_n):
         if slot < peer_rows * tiles_n:
-            group, in_group = divmod(slot, group_m * tiles_n)
-            first = group * group_m
-            rows = min(group_m, peer_rows - first)
-            pos, tn = first + in_group % rows, in_group // rows
+            pos, tn = G.grouped_tile(slot, peer_rows, tiles_n, group_m)
         else:  # own tile rows, grouped the same way (each tile row still walked in tn order)
-            group, in_group = divmod(slot - peer_rows * tiles_n, group_m * tiles_n)
-            first = group * group_m
-            rows = min(group_m, num_own - first)
-            pos, tn = peer_rows + first + in_group % rows, in_group // rows
+            pos, tn = G.grouped_tile(slot - peer_rows * tiles_n, num_own, tiles_n, group_m)
+            pos += peer_rows
         order.append(((pos + rot) % tiles_m, tn))
     return order
 

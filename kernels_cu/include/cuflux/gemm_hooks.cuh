@@ -39,6 +39,20 @@ namespace gemm {
 // The last chunk may be shorter than chunk_tiles_m: its missing slots are skipped (tile() returns
 // false), which keeps slot -> tile a closed formula for every chunk order.
 
+// Position r of a walk over `rows` tile rows in L2 groups of group_m rows (down a group's rows,
+// then its next column; the last group may be shorter): the tile row within the walk and the
+// tile column. Every tile scheduler walks its tiles this way.
+__device__ __forceinline__ void grouped_tile(int r, int rows, int tiles_n, int group_m,
+                                             int& row, int& tn) {
+  const int group_tiles = group_m * tiles_n;
+  const int group = r / group_tiles;
+  const int first = group * group_m;
+  const int in_group_rows = min(group_m, rows - first);
+  const int in_group = r - group * group_tiles;
+  row = first + in_group % in_group_rows;
+  tn = in_group / in_group_rows;
+}
+
 struct NaturalChunks {  // chunk i is visited i-th
   __device__ __forceinline__ int chunk(int i) const { return i; }
 };
@@ -68,6 +82,8 @@ struct ChunkedScheduler {
   __device__ __forceinline__ bool tile(int slot, int& tm, int& tn) const {
     const int per_chunk = chunk_tiles_m * tiles_n;
     const int visit = slot / per_chunk;
+    // grouped_tile's walk, written out: the GPU-tested SASS of gemm.cu and ag_gemm.cu came from
+    // this form (calling grouped_tile recompiles them differently); fold it in with a GPU run.
     const int r = slot - visit * per_chunk;
     const int group_tiles = group_m * tiles_n;
     const int group = r / group_tiles;

@@ -65,22 +65,10 @@ struct RsScheduler {
     const int peer_slots = peer_rows * tiles_n;
     int pos;
     if (slot < peer_slots) {
-      const int group_tiles = group_m * tiles_n;
-      const int group = slot / group_tiles;
-      const int first = group * group_m;
-      const int rows = min(group_m, peer_rows - first);
-      const int in_group = slot - group * group_tiles;
-      pos = first + in_group % rows;
-      tn = in_group / rows;
+      gemm::grouped_tile(slot, peer_rows, tiles_n, group_m, pos, tn);
     } else {  // own tile rows, grouped the same way (each tile row still walked in tn order)
-      const int r = slot - peer_slots;
-      const int group_tiles = group_m * tiles_n;
-      const int group = r / group_tiles;
-      const int first = group * group_m;
-      const int rows = min(group_m, num_own - first);
-      const int in_group = r - group * group_tiles;
-      pos = peer_rows + first + in_group % rows;
-      tn = in_group / rows;
+      gemm::grouped_tile(slot - peer_slots, num_own, tiles_n, group_m, pos, tn);
+      pos += peer_rows;
     }
     tm = pos + rot;
     if (tm >= tiles_m) tm -= tiles_m;
@@ -147,8 +135,6 @@ template <> struct Red2<__nv_bfloat16> {
 #endif
   }
 };
-
-constexpr int kLoadBatch = 8;  // source slots loaded before any is added (deterministic finish)
 
 template <typename T, int kBytes>
 __device__ __forceinline__ void add_vec(float (&acc)[kBytes / sizeof(T)], const RawVec<kBytes>& r) {
@@ -239,99 +225,69 @@ struct RsEpilogue {
     }
   }
 
-  // Phase B: this rank's rows of tile (tm, tn), 16-byte vectors spread over the epilogue
-  // threads: out = sum of the W slots in rank order 0..W-1 (deterministic) or the accumulator
-  // (atomic, then reset to 0 for the call after next), + bias, in fp32.
+  // Phase B: this rank's rows of tile (tm, tn), 16-byte vectors: out = sum of the W slots in
+  // rank order 0..W-1 (deterministic) or the accumulator (atomic, then reset to 0 for the call
+  // after next), + bias, in fp32. Each epilogue thread keeps one 16-byte column of the tile and
+  // walks its rows, kRows at a time: the bias is loaded once a tile, kRows loads (per rank) are
+  // in flight before any is summed, and no index needs a division.
   template <typename OutT> __device__ __forceinline__ void finish(int tm, int tn) const {
     constexpr int kElems = 16 / sizeof(OutT);
+    constexpr int kVpr = kBN / kElems;  // 16-byte vectors in a full tile row (<= 64 <= threads)
+    constexpr int kRows = 4;
     const int me = rank, R = rows_per_rank;
     const int r_lo = max(tm * kBM, me * R), r_hi = min(min(tm * kBM + kBM, M), (me + 1) * R);
     if (r_lo >= r_hi) return;
-    const int c_lo = tn * kBN, c_hi = min(c_lo + kBN, N);
-    const int vecs_per_row = (c_hi - c_lo) / kElems;  // N % 8 == 0
-    const int total = (r_hi - r_lo) * vecs_per_row;
+    const int t = Sync::thread(), rows_per_pass = Sync::count() / kVpr;
+    const int col = tn * kBN + (t % kVpr) * kElems;
+    if (t >= rows_per_pass * kVpr || col >= N) return;  // past a short last tile column
+    constexpr int kBiasBytes = kElems * sizeof(BiasT);
+    float b[kElems];
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) b[j] = 0.0f;
+    if (bias != nullptr) add_vec<BiasT, kBiasBytes>(b, ld_nc<kBiasBytes>(bias + col));
     const char* local = reinterpret_cast<const char*>(bases[me] + data_off);
-    if constexpr (!kAtomic && kBN / kElems <= 32) {
-      constexpr int kVpr = kBN / kElems;  // 16-byte vectors per tile row (a power of 2)
-      constexpr int kUnroll = 4;          // independent rows in flight per thread
-      if (c_hi - c_lo == kBN) {           // full-width tile: each thread keeps one column
-        const int t = Sync::thread(), rows_per_pass = Sync::count() / kVpr;
-        const int col = c_lo + (t % kVpr) * kElems;
-        float b[kElems];  // bias of this thread's column: loaded once per tile
+    for (int r0 = r_lo + t / kVpr; r0 < r_hi; r0 += kRows * rows_per_pass) {
+      // element index of row u of this pass (past the end: the last row, loaded but unused);
+      // recomputed where used rather than kept live across the rank loop
+      const auto idx = [&](int u) {
+        return static_cast<long long>(min(r0 + u * rows_per_pass, r_hi - 1) - me * R) * N + col;
+      };
+      float acc[kRows][kElems];
 #pragma unroll
-        for (int j = 0; j < kElems; ++j) b[j] = 0.0f;
-        if (bias != nullptr) {
-          constexpr int kBiasBytes = kElems * sizeof(BiasT);
-          add_vec<BiasT, kBiasBytes>(b, ld_nc<kBiasBytes>(bias + col));
-        }
-        for (int r0 = r_lo + t / kVpr; r0 < r_hi; r0 += kUnroll * rows_per_pass) {
-          float acc[kUnroll][kElems];
+      for (int u = 0; u < kRows; ++u)
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-#pragma unroll
-            for (int j = 0; j < kElems; ++j) acc[u][j] = 0.0f;
-          for (int p = 0; p < world_size; ++p) {  // rank order 0..W-1 (deterministic)
-            RawVec<16> part[kUnroll];
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) {
-              const int r = min(r0 + u * rows_per_pass, r_hi - 1);  // past the end: reload, unused
-              const long long idx = static_cast<long long>(r - me * R) * N + col;
-              part[u] = ld_plain<16>(reinterpret_cast<const OutT*>(local + p * slot_bytes) + idx);
-            }
-#pragma unroll
-            for (int u = 0; u < kUnroll; ++u) add_vec<OutT, 16>(acc[u], part[u]);
-          }
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            const int r = r0 + u * rows_per_pass;
-            if (r < r_hi) {
-              RawVec<16> packed;
-              OutT* pe = reinterpret_cast<OutT*>(&packed);
-#pragma unroll  // + bias after the slots: the same fp32 order as the general path
-              for (int j = 0; j < kElems; ++j) pe[j] = from_float<OutT>(acc[u][j] + b[j]);
-              st_na<16>(static_cast<OutT*>(out) + static_cast<long long>(r - me * R) * N + col,
-                        packed);
-            }
-          }
-        }
-        return;
-      }
-    }
-    for (int i = Sync::thread(); i < total; i += Sync::count()) {
-      const int rr = i / vecs_per_row;
-      const int col = c_lo + (i - rr * vecs_per_row) * kElems;
-      const long long idx = static_cast<long long>(r_lo + rr - me * R) * N + col;
-      float acc[kElems];
-#pragma unroll
-      for (int j = 0; j < kElems; ++j) acc[j] = 0.0f;
+        for (int j = 0; j < kElems; ++j) acc[u][j] = 0.0f;
       if constexpr (kAtomic) {
-        OutT* p = reinterpret_cast<OutT*>(const_cast<char*>(local)) + idx;
-        add_vec<OutT, 16>(acc, ld_plain<16>(p));
+        OutT* accum = reinterpret_cast<OutT*>(const_cast<char*>(local));
+        RawVec<16> part[kRows];
+#pragma unroll
+        for (int u = 0; u < kRows; ++u) part[u] = ld_plain<16>(accum + idx(u));
         RawVec<16> zero;
         zero.v = make_uint4(0u, 0u, 0u, 0u);
-        st_na<16>(p, zero);
+#pragma unroll
+        for (int u = 0; u < kRows; ++u) {
+          add_vec<OutT, 16>(acc[u], part[u]);
+          if (r0 + u * rows_per_pass < r_hi) st_na<16>(accum + idx(u), zero);
+        }
       } else {
-        for (int p0 = 0; p0 < world_size; p0 += kLoadBatch) {
-          RawVec<16> part[kLoadBatch];
+        for (int p = 0; p < world_size; ++p) {  // rank order 0..W-1: bit-identical sums
+          const OutT* slot = reinterpret_cast<const OutT*>(local + p * slot_bytes);
+          RawVec<16> part[kRows];
 #pragma unroll
-          for (int k = 0; k < kLoadBatch; ++k) {  // past the last rank: reload it, unused
-            const int p = min(p0 + k, world_size - 1);
-            part[k] = ld_plain<16>(reinterpret_cast<const OutT*>(local + p * slot_bytes) + idx);
-          }
+          for (int u = 0; u < kRows; ++u) part[u] = ld_plain<16>(slot + idx(u));
 #pragma unroll
-          for (int k = 0; k < kLoadBatch; ++k)
-            if (p0 + k < world_size) add_vec<OutT, 16>(acc, part[k]);
+          for (int u = 0; u < kRows; ++u) add_vec<OutT, 16>(acc[u], part[u]);
         }
       }
-      if (bias != nullptr) {
-        constexpr int kBiasBytes = kElems * sizeof(BiasT);
-        add_vec<BiasT, kBiasBytes>(acc, ld_nc<kBiasBytes>(bias + col));
-      }
-      RawVec<16> packed;
-      OutT* pe = reinterpret_cast<OutT*>(&packed);
 #pragma unroll
-      for (int j = 0; j < kElems; ++j) pe[j] = from_float<OutT>(acc[j]);
-      st_na<16>(static_cast<OutT*>(out) + idx, packed);
+      for (int u = 0; u < kRows; ++u) {
+        if (r0 + u * rows_per_pass >= r_hi) continue;
+        RawVec<16> packed;
+        OutT* pe = reinterpret_cast<OutT*>(&packed);
+#pragma unroll  // + bias after the sum, as before (b is 0 + bias: the same fp32 value)
+        for (int j = 0; j < kElems; ++j) pe[j] = from_float<OutT>(acc[u][j] + b[j]);
+        st_na<16>(static_cast<OutT*>(out) + idx(u), packed);
+      }
     }
   }
 
