@@ -25,7 +25,6 @@ export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
 mkdir -p "$CUFLUX_CACHE_DIR"; [ -d .cubins ] && cp -n .cubins/* "$CUFLUX_CACHE_DIR"/ 2>/dev/null
 MPI=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
 L="$OUT/logs"; B="$L/bench.log"
-TEST_END=$((SECONDS + ${CUFLUX_TEST_BUDGET_S:-360}))  # tests of all groups end by then
 step() { local log=$1 cap=$2; shift 2; echo "=== [$cap s] $*" >>"$log"; local t0=$SECONDS
          timeout "$cap" "$@" >>"$log" 2>&1; echo "=== rc=$? in $((SECONDS - t0)) s" >>"$log"; }
 tests() { local g=$1 ws=$2 cap=$3; shift 3; cap=$(( cap < TEST_END - SECONDS ? cap : TEST_END - SECONDS ))
@@ -35,9 +34,8 @@ bench() { step "$B" "$1" "${MPI[@]}" -np "$2" python -m cuflux.bench "$3" --quic
 export CUFLUX_FAIL_LOG="$L/failures.log"  # tests/mpi.py writes each failure there at once
 
 tests_runtime() { tests runtime 1,2,4,8 400 tests/test_gpu_runtime.py; }
-tests_comm() { tests comm 1,2,4,8 220 tests/test_allreduce.py
-               tests comm 1,2,4,8 200 tests/test_all2all.py; }
 tests_a2a() { tests comm 1,2,4,8 200 tests/test_all2all.py; }
+tests_comm() { tests comm 1,2,4,8 220 tests/test_allreduce.py; tests_a2a; }
 tests_gemm() { tests gemm 1,2,4 300 tests/test_gemm.py; }
 tests_rs() {  # most telling first: bit-exact routing names the first wrong element
   tests rs 1,2 90 -x tests/test_gemm_rs.py -k "exact_routing or reduce_scatter_only"
@@ -61,7 +59,8 @@ bench_rsprobe() { step "$B" 90 python scripts/probe_rs_epilogue.py; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >>"$B"
 python -c "from cuda.bindings import nvrtc; print('NVRTC', nvrtc.nvrtcVersion()[1:])" >>"$B" 2>&1
 step "$B" 240 python -c "from cuflux import kernels; [kernels.load(f) for f in kernels.families()]"
-TEST_END=$((SECONDS + ${CUFLUX_TEST_BUDGET_S:-360}))  # one compile of everything missing from the cache, before ranks race for it
+# (above: one compile of everything missing from the cache, before ranks race for it)
+TEST_END=$((SECONDS + ${CUFLUX_TEST_BUDGET_S:-360}))  # tests of all groups end by then
 for g in "$@"; do
   declare -F "tests_$g" >/dev/null || { echo "unknown group $g"; exit 2; }
   if [ "${CUFLUX_PAR:-0}" = 1 ]; then "tests_$g" & else "tests_$g"; fi

@@ -12,12 +12,12 @@ if [ ! -e "$NV/nvidia/cu13/lib/libnvrtc.so.13" ]; then
 fi
 grep -qx "/.cubins/" .git/info/exclude 2>/dev/null || echo "/.cubins/" >> .git/info/exclude
 rm -rf .cubins && mkdir -p .cubins
-LD_LIBRARY_PATH="$NV/nvidia/cu13/lib" LD_PRELOAD="$NV/nvidia/cu13/lib/libnvrtc.so.13" \
-  CUFLUX_CACHE_DIR="$(pwd)/.cubins" python -c "
+export LD_LIBRARY_PATH="$NV/nvidia/cu13/lib" LD_PRELOAD="$NV/nvidia/cu13/lib/libnvrtc.so.13"
+export CUFLUX_CACHE_DIR="$(pwd)/.cubins" PYTHONPATH="$(pwd)"
+python -c "
 from cuda.bindings import nvrtc
 from cuflux import kernels
 assert nvrtc.nvrtcVersion()[1:] == (13, 0), nvrtc.nvrtcVersion()
 print(kernels.compile_all(('sm_90a',)))"
-LD_LIBRARY_PATH="$NV/nvidia/cu13/lib" LD_PRELOAD="$NV/nvidia/cu13/lib/libnvrtc.so.13" \
-  CUFLUX_CACHE_DIR="$(pwd)/.cubins" PYTHONPATH="$(pwd)" python scripts/probe_rs_epilogue.py --compile-only
+python scripts/probe_rs_epilogue.py --compile-only
 du -sh .cubins
