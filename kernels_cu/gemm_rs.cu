@@ -7,9 +7,10 @@
 //
 // Push: each CTA's epilogue writes the rows of its tile that other ranks own into their memory
 // (deterministic: a per-source slot, plain stores; atomic: red.add into one accumulator) and
-// raises the tile's flag there (st.release.sys); the owner finishes its own tiles (visited last)
-// after waiting for every peer's flag of the tile (bounded, ld.acquire.sys), summing in fp32 and
-// adding the bias. Remote buffers: the op's symmetric data[parity] and flags (rs_hooks.cuh).
+// raises the tile's flag there (one fence, relaxed stores); the owner finishes its own tiles
+// (visited last) from its registers after waiting for every peer's flag of the tile (bounded,
+// ld.acquire.sys), summing in fp32 and adding the bias. Remote buffers: the op's symmetric
+// data[parity] and flags (rs_hooks.cuh).
 // Sync points: one per (tile, source) flag; nothing else, no grid-wide barrier.
 //
 // Entry points (grid: persistent, co-resident, see cuflux/ops/gemm_rs.py):
@@ -136,6 +137,6 @@ __global__ void __launch_bounds__(512, 1)
         if (r < M && c < N) w.put2(r, c, v[j].x, v[j].y);  // N even: c + 1 < N too
       }
     };
-    h.epi.template run<OutT>(body);
+    h.epi.template run<OutT>(m0, n0, body);
   }
 }

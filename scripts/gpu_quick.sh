@@ -5,7 +5,7 @@
 #   bash scripts/gpu_quick.sh runtime comm rs ag   # tests group by group, then benches alone
 # Groups: runtime (runtime + AllGather), comm (AllReduce(+RMSNorm), All2AllHeads), gemm,
 # rs (GemmReduceScatter), ag (AllGatherGemm). Every step has a wall-clock cap.
-# Bench-only groups (name them in CUFLUX_BENCH_GROUPS): multi (W = 2 benches), rsprobe.
+# Bench-only groups (name them in CUFLUX_BENCH_GROUPS): multi (W = 2 benches).
 # a2a: the All2AllHeads tests alone. rs2 / ag2: the rest of the GemmReduceScatter / AllGatherGemm tests, all W (no benches).
 # CUFLUX_BENCH_GROUPS="rs ag" benches only those groups ("none": no benches; default: the
 # groups named).
@@ -48,13 +48,11 @@ bench_comm() { bench 45 1 allreduce; bench 45 1 all2all; }
 bench_gemm() { step "$B" 150 "${MPI[@]}" -np 1 python -m cuflux.bench gemm --iters 20 --outdir "$L"; }
 bench_rs() { bench 90 1 gemm_rs; }
 bench_none() { :; }
-tests_none() { :; }  # benches only: CUFLUX_BENCH_GROUPS="multi rsprobe" gpu_quick.sh none
+tests_none() { :; }  # benches only: CUFLUX_BENCH_GROUPS=multi gpu_quick.sh none
 bench_ag() { bench 90 1 ag_gemm; }
 # W = 2 sharing the GPU: checks the multi-rank benchmark paths run (chunk_rows sweep, one-/two-shot
 # columns); the figures measure time-slicing, not links.
 bench_multi() { bench 150 2 ag_gemm; bench 120 2 gemm_rs; bench 60 2 allreduce; }
-# Where GemmReduceScatter's fused kernel loses time at W = 1 (kernels from scripts/precompile.sh).
-bench_rsprobe() { step "$B" 90 python scripts/probe_rs_epilogue.py; }
 
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >>"$B"
 python -c "from cuda.bindings import nvrtc; print('NVRTC', nvrtc.nvrtcVersion()[1:])" >>"$B" 2>&1

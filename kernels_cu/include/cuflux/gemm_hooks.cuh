@@ -10,8 +10,10 @@
 //                                                            caller-given order of M-chunks)
 //   prologue   wait_rows(row_begin, row_end) -> bool        before the first A load of a tile
 //              (one thread; a bounded wait on the flags of the M-chunks the rows come from)
-//   epilogue   with_writer(body): body(writer) once per tile, writer.put2(row, col, v0, v1)
-//              for two adjacent columns (row < M, col + 1 < N checked by the core), then, when
+//   epilogue   with_writer(m0, n0, body): for the tile whose first element is (m0, n0),
+//              body(writer) (the epilogue may call it more than once: it only reads the
+//              accumulators), writer.put2(row, col, v0, v1) for two adjacent columns (row < M,
+//              col + 1 < N checked by the core), then, when
 //              kSignalsTiles, tile_done(tm, tn, row_begin, row_end) by one thread after every
 //              writer thread of the tile has stored (a named barrier) -> raise per-tile flags.
 //              kTmaStore: the Hopper core may instead stage the tile in shared memory and write
@@ -165,6 +167,17 @@ template <typename T> __device__ __forceinline__ float2 load2_float(const T* p) 
   }
 }
 
+// Coherent load (data another rank wrote during this kernel, after an acquire on its flag).
+template <typename T> __device__ __forceinline__ float2 load2_plain(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    return *reinterpret_cast<const float2*>(p);
+  } else {
+    const unsigned int raw = *reinterpret_cast<const unsigned int*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+    return make_float2(to_float<T>(e[0]), to_float<T>(e[1]));
+  }
+}
+
 // ---- epilogues -----------------------------------------------------------------------------------
 enum : int { kOutBF16 = 0, kOutF16 = 1, kOutF32 = 2 };
 
@@ -192,7 +205,7 @@ struct StoreEpilogue {
       Pair2<OutT>::store(out + static_cast<long long>(row) * ldc + col, v0, v1);
     }
   };
-  template <class Body> __device__ __forceinline__ void with_writer(Body&& body) const {
+  template <class Body> __device__ __forceinline__ void with_writer(int, int, Body&& body) const {
     if (out_kind == kOutF32) {
       body(Writer<float>{static_cast<float*>(out), ldc, bias});
     } else if (out_kind == kOutF16) {
@@ -235,7 +248,7 @@ struct ScatterEpilogue {
       else Pair2<OutT>::store(p, v0, v1);
     }
   };
-  template <class Body> __device__ __forceinline__ void with_writer(Body&& body) const {
+  template <class Body> __device__ __forceinline__ void with_writer(int, int, Body&& body) const {
     body(Writer{this});
   }
   // Called by one thread after a barrier over every thread that wrote the tile.

@@ -208,7 +208,7 @@ __device__ __forceinline__ void gemm_tiles(const typename Cfg::T* a, const typen
 
     const int row0 = m0 + warp_m * Cfg::kWarpM + lane / 4;
     const int col0 = n0 + warp_n * Cfg::kWarpN + (lane % 4) * 2;
-    epi.with_writer([&](const auto& w) {
+    epi.with_writer(m0, n0, [&](const auto& w) {
 #pragma unroll
       for (int mi = 0; mi < Cfg::kMi; ++mi) {
         const int r = row0 + mi * 16;

@@ -470,7 +470,7 @@ __device__ __forceinline__ void consume(u32 smem, u32 epi_smem, u32 full, u32 em
     const int warp = t / 32, lane = t % 32;
     const int row0 = m0 + (Cfg::kPingpong ? 0 : wg) * Cfg::kWgRows + warp * 16 + lane / 4;
     const int col0 = n0 + (lane % 4) * 2;
-    epi.with_writer([&](const auto& w) {
+    epi.with_writer(m0, n0, [&](const auto& w) {
 #pragma unroll
       for (int mi = 0; mi < Cfg::kMmaM; ++mi) {
         const int r = row0 + mi * 64;

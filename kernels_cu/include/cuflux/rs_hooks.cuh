@@ -19,9 +19,12 @@
 //      summed in fp32 in rank order 0..W-1 (bit-identical run to run); atomic: the
 //      accumulator, which is then reset to 0; plus bias (added once, here, by the owner);
 //      stored into this rank's output.
-// The thread that signals and waits is the one the core hands element (m0, n0): exactly one
-// per tile, found without knowing the core's fragment layout; it publishes the tile through
-// shared memory for phase B.
+// The signalling thread is the first epilogue thread; the core hands the epilogue the tile's
+// first element (m0, n0). At W = 1 there is nobody to send to or wait for: each element goes
+// straight to the output as B would finish it (no slot round trip, no barrier). Keeping this
+// rank's partial in registers at W > 1 too (skipping its slot) was written and compiled, not
+// kept: it reads the peers' slots one element pair at a time in the core's fragment order
+// (dependent loads; B's 16-byte vectors keep 4 rows in flight) and the kernels grew 6x.
 //
 // Remote buffers (one symmetric allocation per op, offsets from the Python Layout):
 //   data   deterministic [2][W][R_max][N], atomic [2][R_max][N], output dtype; the first index
@@ -169,7 +172,6 @@ struct RsEpilogue {
   // source, or added into the owner's accumulator.
   template <typename OutT> struct Send {
     const RsEpilogue* e;
-    mutable int tile_m = -1, tile_n = -1;  // set in the one thread that handles (m0, n0)
     // Owner cache (registers after inlining): rows [lo, hi) go to dst + (row - lo) * N + col.
     // Refilled only when a row leaves the cached owner's range (once per tile per thread, plus
     // once per owner boundary the thread's rows cross), so the division by rows_per_rank and
@@ -177,10 +179,6 @@ struct RsEpilogue {
     mutable int lo = 1, hi = 0;
     mutable OutT* dst = nullptr;
     __device__ __forceinline__ void put2(int row, int col, float v0, float v1) const {
-      if ((row & (kBM - 1)) == 0 && (col & (kBN - 1)) == 0) {  // row, col >= 0; powers of 2
-        tile_m = static_cast<int>(static_cast<unsigned>(row) / kBM);
-        tile_n = static_cast<int>(static_cast<unsigned>(col) / kBN);
-      }
       if (row < lo || row >= hi) {
         const int o = row / e->rows_per_rank;
         lo = o * e->rows_per_rank;
@@ -195,6 +193,23 @@ struct RsEpilogue {
       } else {
         gemm::Pair2<OutT>::store(p, v0, v1);
       }
+    }
+  };
+
+  // W = 1: no peer to send to or wait for: every element goes straight to the output, as
+  // phase B would finish it (the partial rounded to the output dtype as a slot holds it, + bias
+  // in fp32), without the round trip through the slot.
+  template <typename OutT> struct Direct {
+    const RsEpilogue* e;
+    __device__ __forceinline__ void put2(int row, int col, float v0, float v1) const {
+      float s0 = to_float<OutT>(from_float<OutT>(v0)), s1 = to_float<OutT>(from_float<OutT>(v1));
+      if (e->bias != nullptr) {
+        const float2 b = gemm::load2_float(e->bias + col);
+        s0 += b.x;
+        s1 += b.y;
+      }
+      gemm::Pair2<OutT>::store(static_cast<OutT*>(e->out) + static_cast<long long>(row) * e->N + col,
+                               s0, s1);
     }
   };
 
@@ -291,31 +306,27 @@ struct RsEpilogue {
     }
   }
 
-  // body(writer) calls writer.put2 for every element of the tile; run by every epilogue
-  // thread. The thread that handled (m0, n0) publishes the tile's coordinates.
-  template <typename OutT, class Body> __device__ __forceinline__ void run(Body& body) const {
-    __shared__ int s_tile[2];
-    const Send<OutT> send{this};
-    body(send);
-#if defined(CUFLUX_RS_PROBE)  // scripts/probe_rs_epilogue.py only (W = 1 timing; wrong results):
-    if constexpr (CUFLUX_RS_PROBE >= 2) return;  // 2: phase A alone, no barrier, no phase B
-    Sync::sync();
-    if constexpr (CUFLUX_RS_PROBE >= 1) return;  // 1: phase A and one barrier, no phase B
-#endif
-    if (send.tile_m >= 0) {
-      s_tile[0] = send.tile_m;
-      s_tile[1] = send.tile_n;
+  // The tile whose first element is (m0, n0); body(writer) calls writer.put2 for each of its
+  // elements the calling thread holds (run by every epilogue thread).
+  template <typename OutT, class Body>
+  __device__ __forceinline__ void run(int m0, int n0, Body& body) const {
+    if (world_size == 1) {
+      body(Direct<OutT>{this});
+      return;
     }
-    Sync::sync();  // every phase-A store precedes the releases; s_tile is written
-    const int tm = s_tile[0], tn = s_tile[1];
-    if (send.tile_m >= 0) signal_and_wait(tm, tn);
-    Sync::sync();  // the acquires precede the loads of finish(); s_tile read by all before the
-                   // next tile rewrites it
-    finish<OutT>(tm, tn);
+    const int tm = m0 / kBM, tn = n0 / kBN;
+    const bool mine = m0 < (rank + 1) * rows_per_rank && min(m0 + kBM, M) > rank * rows_per_rank;
+    body(Send<OutT>{this});
+    Sync::sync();  // every phase-A store precedes the releases (and this CTA's finish loads)
+    if (Sync::thread() == 0) signal_and_wait(tm, tn);
+    if (mine) {
+      Sync::sync();  // the acquires precede the loads of finish()
+      finish<OutT>(tm, tn);
+    }
   }
-  template <class Body> __device__ __forceinline__ void with_writer(Body&& body) const {
-    if (out_f32) run<float>(body);
-    else run<BiasT>(body);
+  template <class Body> __device__ __forceinline__ void with_writer(int m0, int n0, Body&& body) const {
+    if (out_f32) run<float>(m0, n0, body);
+    else run<BiasT>(m0, n0, body);
   }
 };
 
