@@ -141,12 +141,11 @@ def test_config_smem_fits_one_sm():
     assert set(G.TUNER_CANDIDATES) <= set(G.SM90_CONFIGS) and G.SM90_DEFAULT in G.SM90_CONFIGS
 
 
-def test_pingpong_config_is_opt_in_and_compiles_its_schedule():
+def test_pingpong_config_compiles_its_schedule():
     cfg = G.SM90_CONFIGS["128x128s7c1p"]
     assert cfg.pingpong and not cfg.tma_store and cfg.cluster == 1
     assert cfg.kernel("__half", True) == "gemm_sm90<__half, 128, 128, 7, 1, true, false, true>"
     assert G.SM90_CONFIGS["256x128s4c1"].kernel("__half", True).endswith("true, false>")
-    assert "128x128s7c1p" not in G.TUNER_CANDIDATES  # opt-in until a GPU run with it as a candidate
     for bad in (dict(bm=256, bn=128), dict(bm=128, bn=256), dict(bm=128, bn=128, tma_store=True)):
         with pytest.raises(ValueError, match="ping-pong"):
             G.Sm90Config(stages=4, cluster=1, pingpong=True, **bad)

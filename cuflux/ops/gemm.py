@@ -82,13 +82,15 @@ SM90_CONFIGS = {c.name: c for c in (
     Sm90Config(128, 128, 6, 1), Sm90Config(256, 128, 4, 1, True), Sm90Config(128, 256, 4, 1, True),
     # ping-pong (v4): 7 stages of 32 KB fill shared memory (230,512 bytes of 232,448)
     Sm90Config(128, 128, 7, 1, pingpong=True))}
-SM90_DEFAULT = "256x128s4c1"  # fastest on 8 of the 10 bar cases measured (docs/gemm_notes.md)
-# The tuner's candidates, as run by the H200 tests of 2026-11-29. Measured since (docs/gemm_notes.md,
-# v5): the TMA-store configurations ("...t") are the fastest on every bar case, the 2-CTA ones run
-# at their 1-CTA twins' speed, ping-pong ("...p") wins on small problems. Making "256x128s4c1t"
-# the default and adding "128x256s4c2" / "128x128s7c1p" here waits for a GPU test run of the op
-# with that choice. All stay callable through config=.
-TUNER_CANDIDATES = ("256x128s4c1", "128x256s4c1", "128x128s6c1", "256x128s4c1t", "128x256s4c1t")
+# The TMA-store 256x128 is the fastest or within 0.01 of it on all ten bar cases, timed
+# interleaved with cuBLAS (docs/gemm_notes.md, v5).
+SM90_DEFAULT = "256x128s4c1t"
+# The tuner's candidates: the 1-CTA cooperative tiles with both epilogues, one 2-CTA cluster (B
+# multicast; at its 1-CTA twin's speed so far) and the ping-pong 128x128, which wins where tiles
+# are few (2048^2, 8x4096x4096, 777x1536x2048). Every entry of SM90_CONFIGS stays callable
+# through config=.
+TUNER_CANDIDATES = ("256x128s4c1t", "128x256s4c1t", "256x128s4c1", "128x256s4c1", "128x256s4c2",
+                    "128x128s6c1", "128x128s7c1p")
 SM80_CONFIG = "128x128x32s4"  # fixed in gemm.cu (Sm80Cfg)
 _SM80_TILE, _SM80_THREADS, _SM80_SMEM, _SM80_PER_SM = (128, 128), 256, 4 * 2 * 128 * 32 * 2, 2
 
@@ -327,11 +329,11 @@ def _shape_class(M: int, N: int, K: int) -> str:
 
 
 def _heuristic(M: int, N: int, K: int) -> str:
-    """The configuration without tuning, from the H200 measurements in docs/gemm_notes.md: few
-    k-steps per tile make the register epilogue's stall count (TMA stores, v2)."""
+    """The configuration without tuning, from the H200 measurements in docs/gemm_notes.md (v5:
+    the TMA-store epilogue wins at every K)."""
     if N <= 128:
         return "128x128s6c1"
-    return "256x128s4c1t" if K <= 2048 else SM90_DEFAULT
+    return SM90_DEFAULT
 
 
 def _load_tuner() -> dict:
