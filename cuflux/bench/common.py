@@ -38,14 +38,18 @@ def time_ms(fn, warmup: int = 5, iters: int = 50, stream=None) -> float:
 
 
 def time_interleaved(fns: dict, *, rounds: int = 5, iters: int = 10, warmup: int = 3,
-                     stream=None, before=None, after=None) -> dict:
+                     stream=None, before=None, after=None, gaps: bool = False) -> dict:
     """Median milliseconds per call of each fn, measured in `rounds` interleaved rounds (each
     round times every fn for `iters` calls, starting one fn later than the round before).
 
     Timing A then B in one block each lets clock and power drift between the blocks pass for a
     difference between A and B: on the H200 one GEMM timed twice that way differed by up to
-    14 %. Interleaving spreads the drift over every fn alike. `before()` runs before each
-    block (a barrier across ranks), `after()` after it (raise pending errors)."""
+    14 %. Interleaving spreads the drift over every fn alike. Every call of every round is
+    enqueued before the host waits once, so the GPU never idles between blocks: with a host
+    wait after each block (`gaps=True`, forced by `before` / `after`) the H200 ran the same GEMM
+    up to 19 % slower than back to back (scripts/results/gemm-h200-W1-2026-11-29.json), as if
+    each block started from lower clocks. `before()` runs before each block (a barrier across
+    ranks), `after()` after it (raise pending errors)."""
     import cupy
 
     s = stream or cupy.cuda.get_current_stream()
@@ -54,21 +58,25 @@ def time_interleaved(fns: dict, *, rounds: int = 5, iters: int = 10, warmup: int
         for _ in range(warmup):
             fns[name]()
     s.synchronize()
-    samples = {name: [] for name in names}
+    gaps = gaps or before is not None or after is not None
+    events = {name: [] for name in names}
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             if before is not None:
                 before()
-            events = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
-            for a, b in events:
+            block = [(cupy.cuda.Event(), cupy.cuda.Event()) for _ in range(iters)]
+            for a, b in block:
                 a.record(s)
                 fns[name]()
                 b.record(s)
-            events[-1][1].synchronize()
-            samples[name] += [cupy.cuda.get_elapsed_time(a, b) for a, b in events]
+            events[name] += block
+            if gaps:
+                block[-1][1].synchronize()
             if after is not None:
                 after()
-    return {name: float(np.median(v)) for name, v in samples.items()}
+    s.synchronize()
+    return {name: float(np.median([cupy.cuda.get_elapsed_time(a, b) for a, b in ev]))
+            for name, ev in events.items()}
 
 
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
