@@ -99,7 +99,9 @@ def run(world, args) -> None:
                 o.synchronize()
 
         multi = world.size > 1  # W = 1: no barrier, no host wait between blocks (gapless)
-        ms = time_interleaved(fns, rounds=5, iters=max(2, iters // 5), warmup=3, stream=stream,
+        rounds = 5 if multi else 2 * len(fns)  # W = 1: every fn at every rotation position twice
+        ms = time_interleaved(fns, rounds=rounds, iters=max(2, iters // 5) if multi
+                              else max(5, iters // rounds), warmup=3, stream=stream,
                               before=world.barrier if multi else None,
                               after=raise_pending if multi else None)
         raise_pending()

@@ -132,8 +132,12 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs):
             op.synchronize(stream)
 
     try:
-        # W = 1: no barrier, no host wait between blocks (gapless interleaving)
-        per_key = time_interleaved(timed, rounds=5, iters=max(2, iters // 5) if W > 1 else iters,
+        # W = 1: no barrier, no host wait between blocks (gapless interleaving), and as many
+        # rounds as it takes every fn to hold every position in the rotation twice (the bar's
+        # 2 % is near the drift between positions)
+        rounds = 5 if W > 1 else 2 * len(timed)
+        per_key = time_interleaved(timed, rounds=rounds,
+                                   iters=max(2, iters // 5) if W > 1 else max(5, 5 * iters // rounds),
                                    warmup=3, stream=stream,
                                    before=world.barrier if W > 1 else None,
                                    after=raise_pending if W > 1 else None)
