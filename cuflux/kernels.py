@@ -263,11 +263,65 @@ def load(source: str, device_id: int | None = None) -> LoadedModule:
     return mod
 
 
-def launch(kernel, grid, block, args, stream, *, op: str, name: str, shared_mem: int = 0) -> None:
-    """Launch a loaded kernel; a CUDA error raises CudaError naming the op and kernel."""
+def launch(kernel, grid, block, args, stream, *, op: str, name: str, shared_mem: int = 0,
+           pdl: bool = False) -> None:
+    """Launch a loaded kernel; a CUDA error raises CudaError naming the op and kernel.
+
+    pdl=True (compute capability >= 9.0; a plain launch below): programmatic stream
+    serialisation, so the kernel's CTAs may become resident before the kernel ahead of it on the
+    stream has ended. The kernel must execute griddepcontrol.wait before it touches memory
+    earlier work writes or reads. Arguments then are numpy scalars and CuPy arrays (pointers)."""
     from cuflux.errors import CudaError
 
     try:
-        kernel(grid, block, args, stream=stream, shared_mem=shared_mem)
+        if pdl and _pdl_capable():
+            _launch_pdl(kernel, grid, block, args, stream, shared_mem)
+        else:
+            kernel(grid, block, args, stream=stream, shared_mem=shared_mem)
     except Exception as e:  # CuPy raises CUDADriverError / CUDARuntimeError
         raise CudaError(f"{op}: launching kernel {name} failed: {e}") from e
+
+
+_PDL_ATTRS = None
+
+
+def _pdl_capable() -> bool:
+    import cupy
+
+    return int(cupy.cuda.Device().compute_capability) >= 90
+
+
+def _launch_pdl(kernel, grid, block, args, stream, shared_mem: int) -> None:
+    import ctypes
+
+    import numpy as np
+    from cuda.bindings import driver as cu
+
+    global _PDL_ATTRS
+    if _PDL_ATTRS is None:
+        attr = cu.CUlaunchAttribute()
+        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        attr.value.programmaticStreamSerializationAllowed = 1
+        _PDL_ATTRS = [attr]
+    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+    lc = cu.CUlaunchConfig()
+    lc.gridDimX, lc.gridDimY, lc.gridDimZ = grid
+    lc.blockDimX, lc.blockDimY, lc.blockDimZ = block
+    lc.sharedMemBytes = shared_mem
+    lc.hStream = cu.CUstream(stream.ptr)
+    lc.attrs = _PDL_ATTRS
+    lc.numAttrs = 1
+    values, types = [], []
+    for a in args:
+        if isinstance(a, np.generic):
+            values.append(a.item())
+            types.append(np.ctypeslib.as_ctypes_type(a.dtype))
+        elif hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its pointer
+            values.append(a.data.ptr)
+            types.append(ctypes.c_void_p)
+        else:
+            raise TypeError(f"a PDL launch takes numpy scalars and CuPy arrays, got {type(a)}")
+    err, = cu.cuLaunchKernelEx(lc, cu.CUfunction(kernel.kernel.ptr),
+                               (tuple(values), tuple(types)), 0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernelEx: {err}")

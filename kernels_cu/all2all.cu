@@ -23,6 +23,8 @@
 //   a2a_copy_out<V> (W > 1, unless the caller asked for a view of the slot): copies the peers'
 //     rows from our slot into the output. It has no waits (it runs after a2a_wait on the stream),
 //     so no grid size can deadlock against peers that share the GPU.
+//   a2a_copy_w1 (W = 1, 16-byte aligned): input and output have the same layout: one pass, one
+//     16-byte vector a thread, launched with programmatic dependent launch (below).
 // Remote buffers: the peers' receive slots and flags are written; nothing remote is ever read.
 // Reads are local only (x or y of the caller, our own slot) and use the read-only path.
 //
@@ -199,4 +201,19 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_copy_out(
   copy_rows<kVec>(slot, out, row_bytes, num_rows, map, blockIdx.x, gridDim.x);
   if (scale_row_bytes != 0)
     copy_rows<4>(slot_scale, out_scale, scale_row_bytes, num_rows, map, blockIdx.x, gridDim.x);
+}
+
+// W = 1: the whole call is one copy of n_vec 16-byte vectors (input and output have the same
+// layout). Launched with programmatic stream serialisation (cuflux/kernels.py, pdl=True): its
+// CTAs may be resident before the kernel ahead of it on the stream ends; griddepcontrol.wait
+// holds them until that kernel has completed and its writes are visible. Back to back this
+// hides the gap between kernels that cudaMemcpyAsync pays: 0.95 of the 2 GiB copy rate at
+// 64 MiB against 0.89 (scripts/probe_pdl.py, scripts/results/probe_pdl-h200-2026-11-29.txt).
+extern "C" __global__ void __launch_bounds__(256) a2a_copy_w1(const uint4* src, uint4* dst,
+                                                             u64 n_vec) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+  const u64 i = static_cast<u64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n_vec) dst[i] = src[i];
 }

@@ -94,7 +94,7 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
         outs = [cupy.empty(out_shape, dtype=info.storage) for _ in range(count)] \
             if mode == "out" else None
         fn = op.gather_heads if direction == "gather" else op.scatter_heads
-        op._w1_memcpy = not kernel  # W = 1: the plain copy the op uses, or its kernel
+        op._w1_direct = not kernel  # W = 1: the op's direct copy, or its general kernel
 
         def call(i):
             k = i % count
