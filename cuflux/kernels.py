@@ -264,64 +264,94 @@ def load(source: str, device_id: int | None = None) -> LoadedModule:
 
 
 def launch(kernel, grid, block, args, stream, *, op: str, name: str, shared_mem: int = 0,
-           pdl: bool = False) -> None:
+           pdl: bool = False, arg_types=None) -> None:
     """Launch a loaded kernel; a CUDA error raises CudaError naming the op and kernel.
 
     pdl=True (compute capability >= 9.0; a plain launch below): programmatic stream
     serialisation, so the kernel's CTAs may become resident before the kernel ahead of it on the
     stream has ended. The kernel must execute griddepcontrol.wait before it touches memory
-    earlier work writes or reads. Arguments then are numpy scalars and CuPy arrays (pointers)."""
+    earlier work writes or reads. Arguments then are numpy scalars and CuPy arrays (pointers),
+    or, with arg_types (ctypes types, one per argument), plain Python ints: the short host path
+    for ops that launch tens of thousands of times a second."""
     from cuflux.errors import CudaError
 
     try:
         if pdl and _pdl_capable():
-            _launch_pdl(kernel, grid, block, args, stream, shared_mem)
+            _launch_pdl(kernel, grid, block, args, stream, shared_mem, arg_types)
         else:
+            if arg_types is not None:  # plain ints as the kernel's integer / pointer types
+                import ctypes
+
+                import numpy as np
+
+                args = tuple(np.dtype(ctypes.c_uint64 if t is ctypes.c_void_p else t).type(v)
+                             for v, t in zip(args, arg_types))
             kernel(grid, block, args, stream=stream, shared_mem=shared_mem)
     except Exception as e:  # CuPy raises CUDADriverError / CUDARuntimeError
         raise CudaError(f"{op}: launching kernel {name} failed: {e}") from e
 
 
-_PDL_ATTRS = None
+_PDL_DEVICES: dict = {}  # device id -> compute capability >= 9.0
 
 
 def _pdl_capable() -> bool:
     import cupy
 
-    return int(cupy.cuda.Device().compute_capability) >= 90
+    dev = cupy.cuda.runtime.getDevice()
+    ok = _PDL_DEVICES.get(dev)
+    if ok is None:
+        ok = _PDL_DEVICES[dev] = int(cupy.cuda.Device(dev).compute_capability) >= 90
+    return ok
 
 
-def _launch_pdl(kernel, grid, block, args, stream, shared_mem: int) -> None:
+_PDL_CONFIGS: dict = {}  # (function, grid, block, smem, stream) -> (CUlaunchConfig, CUfunction)
+_PDL_CTYPES: dict = {}   # numpy dtype -> ctypes type
+
+
+def _launch_pdl(kernel, grid, block, args, stream, shared_mem: int, arg_types=None) -> None:
+    """cuLaunchKernelEx with programmatic stream serialisation. The host path is kept short
+    (configurations and argument types cached): at W = 1 All2AllHeads moves 128 MiB in ~33 us
+    and the host must stay ahead of that."""
     import ctypes
 
     import numpy as np
     from cuda.bindings import driver as cu
 
-    global _PDL_ATTRS
-    if _PDL_ATTRS is None:
+    key = (kernel.kernel.ptr, tuple(grid), tuple(block), shared_mem, stream.ptr)
+    entry = _PDL_CONFIGS.get(key)
+    if entry is None:
         attr = cu.CUlaunchAttribute()
         attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         attr.value.programmaticStreamSerializationAllowed = 1
-        _PDL_ATTRS = [attr]
-    grid, block = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-    lc = cu.CUlaunchConfig()
-    lc.gridDimX, lc.gridDimY, lc.gridDimZ = grid
-    lc.blockDimX, lc.blockDimY, lc.blockDimZ = block
-    lc.sharedMemBytes = shared_mem
-    lc.hStream = cu.CUstream(stream.ptr)
-    lc.attrs = _PDL_ATTRS
-    lc.numAttrs = 1
+        g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
+        lc = cu.CUlaunchConfig()
+        lc.gridDimX, lc.gridDimY, lc.gridDimZ = g
+        lc.blockDimX, lc.blockDimY, lc.blockDimZ = b
+        lc.sharedMemBytes = shared_mem
+        lc.hStream = cu.CUstream(stream.ptr)
+        lc.attrs = [attr]
+        lc.numAttrs = 1
+        if len(_PDL_CONFIGS) >= 256:  # grids follow token counts: bounded
+            _PDL_CONFIGS.clear()
+        entry = _PDL_CONFIGS[key] = (lc, cu.CUfunction(kernel.kernel.ptr))
+    if arg_types is not None:
+        err, = cu.cuLaunchKernelEx(entry[0], entry[1], (tuple(args), tuple(arg_types)), 0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuLaunchKernelEx: {err}")
+        return
     values, types = [], []
     for a in args:
         if isinstance(a, np.generic):
+            t = _PDL_CTYPES.get(a.dtype)
+            if t is None:
+                t = _PDL_CTYPES[a.dtype] = np.ctypeslib.as_ctypes_type(a.dtype)
             values.append(a.item())
-            types.append(np.ctypeslib.as_ctypes_type(a.dtype))
+            types.append(t)
         elif hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its pointer
             values.append(a.data.ptr)
             types.append(ctypes.c_void_p)
         else:
             raise TypeError(f"a PDL launch takes numpy scalars and CuPy arrays, got {type(a)}")
-    err, = cu.cuLaunchKernelEx(lc, cu.CUfunction(kernel.kernel.ptr),
-                               (tuple(values), tuple(types)), 0)
+    err, = cu.cuLaunchKernelEx(entry[0], entry[1], (tuple(values), tuple(types)), 0)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernelEx: {err}")

@@ -15,6 +15,7 @@ optional float32 scales (per token, or per token and head) travel with their row
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import hashlib
 import operator
@@ -41,6 +42,7 @@ CACHE_MAX = 1024       # distinct token lists remembered (checked across ranks, 
 CHECK_TAG = 7301       # MPI tag of the per-distinct-call argument check (on the op's own comm)
 MEMCPY_DEFAULT = 4     # cudaMemcpyDefault
 MAX_ROWS = 2**31 - 1   # rows per kernel (u32 row indices in the .cu)
+_COPY_W1_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)  # a2a_copy_w1(src, dst, n_vec)
 
 
 def _name_push(vec: int, gather: bool) -> str:
@@ -470,8 +472,8 @@ class All2AllHeads(Closeable):
             if nbytes % 16 == 0 and a.data.ptr % 16 == 0 and out.data.ptr % 16 == 0:
                 n_vec = nbytes // 16
                 kernels.launch(self._copy_w1, (-(-n_vec // 256),), (256,),
-                               (a, out, np.uint64(n_vec)), s, op=_OP, name="a2a_copy_w1",
-                               pdl=True)
+                               (a.data.ptr, out.data.ptr, n_vec), s, op=_OP,
+                               name="a2a_copy_w1", pdl=True, arg_types=_COPY_W1_TYPES)
             else:
                 runtime.memcpyAsync(out.data.ptr, a.data.ptr, nbytes, MEMCPY_DEFAULT, s.ptr)
             rows = B * plan.total
