@@ -69,7 +69,7 @@ def _inputs(shape, dtype_name, count, storage):
 
 
 def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, scales=False,
-          kernel=False):
+          kernel=False, pdl=False):
     """Time one configuration on every rank; return rank 0's row (None elsewhere)."""
     import cupy
 
@@ -94,6 +94,7 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
         outs = [cupy.empty(out_shape, dtype=info.storage) for _ in range(count)] \
             if mode == "out" else None
         fn = op.gather_heads if direction == "gather" else op.scatter_heads
+        op._w1_pdl = pdl  # W = 1: the copy kernel with programmatic dependent launch
         op._w1_direct = not kernel  # W = 1: the op's direct copy, or its general kernel
 
         def call(i):
@@ -118,7 +119,8 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
     moved = 2 * in_bytes  # read + written per rank (input and output have the same size)
     return {"case": f"{direction} B={B} T={T_total} H={H} D={D} {dtype}"
                     + (" +scales" if scales else "") + f" {mode}"
-                    + (f" sms={num_sms}" if num_sms else "") + (" kernel" if kernel else ""),
+                    + (f" sms={num_sms}" if num_sms else "") + (" kernel" if kernel else "")
+                    + (" pdl" if pdl else ""),
             "cuflux_ms": max(all_ms), "single_ms": max(all_single), "host_us": host_us,
             "copy_ms": copy_ms, "ratio_to_copy": None if copy_ms is None else copy_ms / max(all_ms),
             "gbps_per_rank": moved / (max(all_ms) * 1e-3) / 1e9,
@@ -215,6 +217,9 @@ def run(world, args) -> None:
         rows.append(_case(world, args, *bar, "owned", "scatter", num_sms=sms, kernel=True))
     if W == 1:
         rows.append(_copy_row(args, *bar[:4]))
+        for direction in ("scatter", "gather"):  # the op's copy with programmatic dependent launch
+            for mode in ("owned", "out"):
+                rows.append(_case(world, args, *bar, mode, direction, pdl=True))
     extra = {"copy_ceiling_gbps": ceiling}
     if _distinct_gpus(world):
         from cupy.cuda import nccl

@@ -311,6 +311,12 @@ class All2AllHeads(Closeable):
         self._comm = world.comm.Dup() if W > 1 else None
         self._last_stream = None
         self._w1_direct = True  # W = 1: the op is one copy; False runs the general kernel (tests, bench)
+        # W = 1: that copy as a kernel launched with programmatic dependent launch instead of
+        # cudaMemcpyAsync. Back to back, a bare copy kernel so launched ran at 0.95 of the copy
+        # ceiling against 0.89 (scripts/probe_pdl.py); inside the op, its first version's host
+        # path (since cut) outran the GPU's 33 us a call, so the op's rate with it is not known
+        # yet: off until `python -m cuflux.bench all2all` measures it (rows "pdl").
+        self._w1_pdl = False
         self.epoch = 0
         self._closed = False
 
@@ -462,14 +468,14 @@ class All2AllHeads(Closeable):
         row_bytes, slot = self._row_bytes, self._slots[parity]
         scale_cols = 0 if mode == 0 else (1 if mode == 1 else spec.heads_per_rank)
         if W == 1 and self._w1_direct:
-            # One rank: input and output have the same layout, the op is one copy: a kernel
-            # launched with programmatic dependent launch where 16-byte vectors fit (back to
-            # back it starts before the kernel ahead of it ends: 0.95 of the copy ceiling at
-            # 64 MiB against cudaMemcpyAsync's 0.89), else cudaMemcpyAsync.
+            # One rank: input and output have the same layout, the op is one copy:
+            # cudaMemcpyAsync, or (_w1_pdl, where 16-byte vectors fit) a copy kernel launched
+            # with programmatic dependent launch.
             from cupy.cuda import runtime
 
             nbytes = B * plan.total * row_bytes
-            if nbytes % 16 == 0 and a.data.ptr % 16 == 0 and out.data.ptr % 16 == 0:
+            if (self._w1_pdl and nbytes % 16 == 0 and a.data.ptr % 16 == 0
+                    and out.data.ptr % 16 == 0):
                 n_vec = nbytes // 16
                 kernels.launch(self._copy_w1, (-(-n_vec // 256),), (256,),
                                (a.data.ptr, out.data.ptr, n_vec), s, op=_OP,
