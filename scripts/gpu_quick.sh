@@ -46,10 +46,11 @@ tests_ag2() { tests ag 1,2,4,8 300 tests/test_ag_gemm.py -k "not late_peer"; }
 bench_runtime() { for W in 1 2 8; do bench 40 "$W" allgather; done; }
 bench_comm() { bench 45 1 allreduce; bench 45 1 all2all; }
 bench_gemm() { step "$B" 150 "${MPI[@]}" -np 1 python -m cuflux.bench gemm --iters 20 --outdir "$L"; }
-bench_rs() { bench 90 1 gemm_rs; }
+# W = 1 fused-vs-GEMM-only bars: 3-4x the default iterations (50 left a 2-3 % spread between runs)
+bench_rs() { step "$B" 150 "${MPI[@]}" -np 1 python -m cuflux.bench gemm_rs --quick --iters 150 --outdir "$L"; }
 bench_none() { :; }
 tests_none() { :; }  # benches only: CUFLUX_BENCH_GROUPS=multi gpu_quick.sh none
-bench_ag() { bench 90 1 ag_gemm; }
+bench_ag() { step "$B" 120 "${MPI[@]}" -np 1 python -m cuflux.bench ag_gemm --quick --iters 200 --outdir "$L"; }
 # W = 2 sharing the GPU: checks the multi-rank benchmark paths run (chunk_rows sweep, one-/two-shot
 # columns); the figures measure time-slicing, not links.
 bench_multi() { bench 150 2 ag_gemm; bench 120 2 gemm_rs; bench 60 2 allreduce; }
