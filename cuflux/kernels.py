@@ -335,23 +335,21 @@ def _launch_pdl(kernel, grid, block, args, stream, shared_mem: int, arg_types=No
             _PDL_CONFIGS.clear()
         entry = _PDL_CONFIGS[key] = (lc, cu.CUfunction(kernel.kernel.ptr))
     if arg_types is not None:
-        err, = cu.cuLaunchKernelEx(entry[0], entry[1], (tuple(args), tuple(arg_types)), 0)
-        if err != cu.CUresult.CUDA_SUCCESS:
-            raise RuntimeError(f"cuLaunchKernelEx: {err}")
-        return
-    values, types = [], []
-    for a in args:
-        if isinstance(a, np.generic):
-            t = _PDL_CTYPES.get(a.dtype)
-            if t is None:
-                t = _PDL_CTYPES[a.dtype] = np.ctypeslib.as_ctypes_type(a.dtype)
-            values.append(a.item())
-            types.append(t)
-        elif hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its pointer
-            values.append(a.data.ptr)
-            types.append(ctypes.c_void_p)
-        else:
-            raise TypeError(f"a PDL launch takes numpy scalars and CuPy arrays, got {type(a)}")
+        values, types = args, arg_types
+    else:
+        values, types = [], []
+        for a in args:
+            if isinstance(a, np.generic):
+                t = _PDL_CTYPES.get(a.dtype)
+                if t is None:
+                    t = _PDL_CTYPES[a.dtype] = np.ctypeslib.as_ctypes_type(a.dtype)
+                values.append(a.item())
+                types.append(t)
+            elif hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its pointer
+                values.append(a.data.ptr)
+                types.append(ctypes.c_void_p)
+            else:
+                raise TypeError(f"a PDL launch takes numpy scalars and CuPy arrays, got {type(a)}")
     err, = cu.cuLaunchKernelEx(entry[0], entry[1], (tuple(values), tuple(types)), 0)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernelEx: {err}")

@@ -473,7 +473,8 @@ class All2AllHeads(Closeable):
             # with programmatic dependent launch.
             from cupy.cuda import runtime
 
-            nbytes = B * plan.total * row_bytes
+            rows = B * plan.total
+            nbytes = rows * row_bytes
             if (self._w1_pdl and nbytes % 16 == 0 and a.data.ptr % 16 == 0
                     and out.data.ptr % 16 == 0):
                 n_vec = nbytes // 16
@@ -482,7 +483,6 @@ class All2AllHeads(Closeable):
                                name="a2a_copy_w1", pdl=True, arg_types=_COPY_W1_TYPES)
             else:
                 runtime.memcpyAsync(out.data.ptr, a.data.ptr, nbytes, MEMCPY_DEFAULT, s.ptr)
-            rows = B * plan.total
             if mode:
                 runtime.memcpyAsync(out_scale.data.ptr, scale.data.ptr, rows * 4 * scale_cols,
                                     MEMCPY_DEFAULT, s.ptr)

@@ -167,17 +167,6 @@ template <typename T> __device__ __forceinline__ float2 load2_float(const T* p) 
   }
 }
 
-// Coherent load (data another rank wrote during this kernel, after an acquire on its flag).
-template <typename T> __device__ __forceinline__ float2 load2_plain(const T* p) {
-  if constexpr (sizeof(T) == 4) {
-    return *reinterpret_cast<const float2*>(p);
-  } else {
-    const unsigned int raw = *reinterpret_cast<const unsigned int*>(p);
-    const T* e = reinterpret_cast<const T*>(&raw);
-    return make_float2(to_float<T>(e[0]), to_float<T>(e[1]));
-  }
-}
-
 // ---- epilogues -----------------------------------------------------------------------------------
 enum : int { kOutBF16 = 0, kOutF16 = 1, kOutF32 = 2 };
 
