@@ -153,9 +153,9 @@ def features(world, seed):
         op._w1_direct = False  # at W = 1 run the kernel instead of the plain copy
         _exchange(world, op, "bfloat16", 1, _tokens(W, 9, seed, 52), (seed, 52), via="owned")
         op._w1_direct = True
-        op._w1_pdl = True  # at W = 1 the copy kernel launched with PDL (opt-in)
+        op._w1_pdl = False  # at W = 1 cudaMemcpyAsync instead of the PDL copy kernel
         _exchange(world, op, "bfloat16", 1, _tokens(W, 9, seed, 53), (seed, 53), via="owned")
-        op._w1_pdl = False
+        op._w1_pdl = True
         # misaligned x: a contiguous view 2 bytes past a 256-byte boundary -> 2-byte vectors
         tokens = _tokens(W, 9, seed, 51)
         xs = [_data((1, tokens[r], 40 * W, 128), "bfloat16", seed, 51, r) for r in range(W)]

@@ -60,6 +60,9 @@ def test_all2all_back_to_back_alternates_the_op_and_its_twin(monkeypatch):
 
     _fake_cupy(monkeypatch)
     order = []
+    # every timed block starts behind a hold of the stream (the host queues the block first)
+    monkeypatch.setattr("cuflux.bench.all2all.hold_stream",
+                        lambda stream, us: order.append(("hold", us >= 100)))
 
     def make(name, cost):
         def fn(i):
@@ -69,8 +72,9 @@ def test_all2all_back_to_back_alternates_the_op_and_its_twin(monkeypatch):
 
     ms, host_us, twin_ms = _back_to_back_ms(make("op", 2.0), _Stream(), calls=4, reps=3,
                                             warmup=1, twin=make("copy", 1.5))
-    assert order == ["op", "copy"] + (["op"] * 4 + ["copy"] * 4) * 3
+    hold = ("hold", True)
+    assert order == ["op", "copy"] + ([hold] + ["op"] * 4 + [hold] + ["copy"] * 4) * 3
     assert abs(ms - 2.0) < 1e-9 and abs(twin_ms - 1.5) < 1e-9 and host_us >= 0
     order.clear()
     assert _back_to_back_ms(make("op", 1.0), _Stream(), calls=2, reps=2, warmup=0)[2] is None
-    assert order == ["op"] * 4
+    assert order == [hold] + ["op"] * 2 + [hold] + ["op"] * 2

@@ -79,6 +79,35 @@ def time_interleaved(fns: dict, *, rounds: int = 5, iters: int = 10, warmup: int
             for name, ev in events.items()}
 
 
+_HOLD_SRC = r"""
+extern "C" __global__ void cuflux_bench_hold(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(1000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+"""
+_HOLD_MAX_US = 20_000.0
+_hold_kernel = None
+
+
+def hold_stream(stream, us: float) -> None:
+    """Keep `stream` busy for `us` microseconds (at most 20 ms: one thread sleeping on the
+    global timer), so a block of calls enqueued behind it is all queued before the GPU reaches
+    the first. Events recorded after the hold then time the calls back to back, not the host's
+    time to issue the first of them (for a 25-call block of a 35 us op whose host path takes
+    20 us, that start alone is 2 % of the block)."""
+    global _hold_kernel
+    import cupy
+
+    if _hold_kernel is None:
+        _hold_kernel = cupy.RawKernel(_HOLD_SRC, "cuflux_bench_hold")
+    ns = int(min(max(us, 0.0), _HOLD_MAX_US) * 1e3)
+    _hold_kernel((1,), (1,), (np.uint64(ns),), stream=stream)
+
+
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
     """Measured device-to-device copy rate, counting bytes read plus bytes written."""
     import cupy

@@ -311,12 +311,11 @@ class All2AllHeads(Closeable):
         self._comm = world.comm.Dup() if W > 1 else None
         self._last_stream = None
         self._w1_direct = True  # W = 1: the op is one copy; False runs the general kernel (tests, bench)
-        # W = 1: that copy as a kernel launched with programmatic dependent launch instead of
-        # cudaMemcpyAsync. Back to back, a bare copy kernel so launched ran at 0.95 of the copy
-        # ceiling against 0.89 (scripts/probe_pdl.py); inside the op, its first version's host
-        # path (since cut) outran the GPU's 33 us a call, so the op's rate with it is not known
-        # yet: off until `python -m cuflux.bench all2all` measures it (rows "pdl").
-        self._w1_pdl = False
+        # W = 1: that copy as a kernel launched with programmatic dependent launch (where
+        # 16-byte vectors fit) rather than cudaMemcpyAsync: its launch overlaps the end of the
+        # kernel ahead of it (scripts/probe_pdl.py; `python -m cuflux.bench all2all`, rows
+        # "pdl" against the op's memcpy rows). False: always cudaMemcpyAsync (tests, bench).
+        self._w1_pdl = True
         self.epoch = 0
         self._closed = False
 
