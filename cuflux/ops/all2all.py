@@ -252,9 +252,10 @@ class All2AllHeads(Closeable):
     Every rank calls scatter_heads / gather_heads in the same order with the same
     tokens_per_rank, batch and kind of scales: checked across ranks the first time a combination
     is seen (bounded by timeout_s), and on every call by a hash the kernels compare. At W = 1 a
-    call is one cudaMemcpyAsync (input and output have the same layout). Each call returns at
-    once; a failed wait surfaces at the next call or at `synchronize()`. After any failure the
-    op refuses to run: close it (collectively) and build a new one.
+    call is one copy (input and output have the same layout): a kernel launched with
+    programmatic dependent launch where 16-byte vectors fit, else cudaMemcpyAsync. Each call
+    returns at once; a failed wait surfaces at the next call or at `synchronize()`. After any
+    failure the op refuses to run: close it (collectively) and build a new one.
     """
 
     def __init__(self, world, max_tokens_per_rank: int, num_heads: int, head_dim: int, dtype,
