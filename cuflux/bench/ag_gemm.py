@@ -22,7 +22,8 @@ with one GPU per rank.
 """
 from __future__ import annotations
 
-from cuflux.bench.common import print_table, time_interleaved, time_ms, write_results
+from cuflux.bench.common import (print_table, ranks_share_gpu, time_interleaved, time_ms,
+                                 write_results)
 
 # (name, M, N, K, N is split over the ranks)
 SHAPES = [("flux", 4096, 49152, 12288, True), ("llama70b-qkv", 8192, 10240, 8192, True),
@@ -75,8 +76,7 @@ def run(world, args) -> None:
 
     W, me = world.size, world.rank
     iters = args.iters
-    distinct = all(world.allgather(not any(l.same_gpu for l in world.topology.links
-                                           if l.peer != me)))
+    distinct = not ranks_share_gpu(world)
     comm = _nccl(world, distinct)
     if not all(world.allgather(comm is not None)):  # decided together: the timings are collective
         comm = None

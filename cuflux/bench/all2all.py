@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuflux.bench.common import (copy_bandwidth_gbps, hold_stream, print_table, time_ms,
-                                 write_results)
+from cuflux.bench.common import (copy_bandwidth_gbps, hold_stream, print_table, ranks_share_gpu,
+                                 time_ms, write_results)
 
 L2_BYTES = 60 << 20
 
@@ -157,10 +157,6 @@ def _copy_row(args, B, T, H, D):
             "gbps_all_ranks": 2 * nbytes / (ms * 1e-3) / 1e9}
 
 
-def _distinct_gpus(world) -> bool:
-    return world.size > 1 and not any(l.same_gpu for l in world.topology.links)
-
-
 def _link_gbps(world, num_bytes=256 << 20) -> float:
     """Measured one-way copy rate from this rank's GPU to the next rank's (cudaMemcpyPeer)."""
     import cupy
@@ -212,6 +208,7 @@ def _nccl_row(world, args, B, T_total, H, D):
 
 def run(world, args) -> None:
     W, me = world.size, world.rank
+    distinct = W > 1 and not ranks_share_gpu(world)
     ceiling = copy_bandwidth_gbps() if me == 0 else None
     world.barrier()
     rows = []
@@ -233,7 +230,7 @@ def run(world, args) -> None:
             for mode in ("owned", "out"):
                 rows.append(_case(world, args, *bar, mode, direction, pdl=False))
     extra = {"copy_ceiling_gbps": ceiling}
-    if _distinct_gpus(world):
+    if distinct:
         from cupy.cuda import nccl
 
         link = _link_gbps(world)
@@ -262,7 +259,7 @@ def run(world, args) -> None:
             r["speedup"] = r["baseline_ms"] / r["cuflux_ms"]
             r["fraction_of_copy"] = r["gbps_all_ranks"] / ceiling
     print(f"All2AllHeads, W={W}, device-to-device copy ceiling {ceiling:.0f} GB/s (read+write)"
-          + (", ranks share one GPU" if W > 1 and not _distinct_gpus(world) else ""))
+          + (", ranks share one GPU" if W > 1 and not distinct else ""))
     print_table(rows, ["case", "cuflux_ms", "single_ms", "host_us", "host_bound", "copy_ms",
                        "ratio_to_copy", "gbps_per_rank", "gbps_all_ranks", "fraction_of_copy",
                        "baseline_ms", "speedup"])

@@ -17,7 +17,8 @@ With ranks sharing one GPU (tests) the times of W > 1 measure time-slicing, not 
 """
 from __future__ import annotations
 
-from cuflux.bench.common import copy_bandwidth_gbps, print_table, time_ms, write_results
+from cuflux.bench.common import (copy_bandwidth_gbps, print_table, ranks_share_gpu, time_ms,
+                                 write_results)
 
 L2_BYTES = 60 << 20
 
@@ -59,7 +60,7 @@ def run(world, args) -> None:
                                       rmsnorm_residual)
 
     W, me = world.size, world.rank
-    shared_gpu = any(link.same_gpu for link in world.topology.links if link.peer != me)
+    shared_gpu = ranks_share_gpu(world)
     ceiling = copy_bandwidth_gbps() if me == 0 else None
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
     world.barrier()

@@ -108,6 +108,14 @@ def hold_stream(stream, us: float) -> None:
     _hold_kernel((1,), (1,), (np.uint64(ns),), stream=stream)
 
 
+def ranks_share_gpu(world) -> bool:
+    """True when any two ranks of the world run on one device (collective: every rank must
+    call it, and every rank gets the same answer, so all set up NCCL baselines or none do)."""
+    me = world.rank
+    mine = any(link.same_gpu for link in world.topology.links if link.peer != me)
+    return world.size > 1 and any(world.allgather(mine))
+
+
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
     """Measured device-to-device copy rate, counting bytes read plus bytes written."""
     import cupy

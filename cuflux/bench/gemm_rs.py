@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 
-from cuflux.bench.common import print_table, time_interleaved, write_results
+from cuflux.bench.common import print_table, ranks_share_gpu, time_interleaved, write_results
 
 L2_BYTES = 60 << 20
 SHAPES = [  # (name, M, n, K over all ranks)
@@ -167,8 +167,7 @@ def run(world, args) -> None:
     os.environ.setdefault("CUFLUX_GEMM_TUNE", "0")  # the same fixed configuration on both sides
     W, me = world.size, world.rank
     # Decided together: a rank that alone set up NCCL (or skipped it) would hang the others.
-    shared_gpu = any(world.allgather(any(link.same_gpu for link in world.topology.links
-                                         if link.peer != me)))
+    shared_gpu = ranks_share_gpu(world)
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
     iters = min(args.iters, 5) if W > 1 and shared_gpu else args.iters
     stream = cupy.cuda.Stream(non_blocking=True)
