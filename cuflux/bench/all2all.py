@@ -158,11 +158,19 @@ def _copy_row(args, B, T, H, D):
 
 
 def _link_gbps(world, num_bytes=256 << 20) -> float:
-    """Measured one-way copy rate from this rank's GPU to the next rank's (cudaMemcpyPeer)."""
+    """Measured one-way copy rate from this rank's GPU to the next rank's (cudaMemcpyPeer).
+
+    Peer access is enabled first: without it the driver stages the copy through the host
+    (35 GB/s between two H200s against 395 GB/s direct)."""
     import cupy
     from cupy.cuda import runtime
 
     peer_dev = world.allgather(world.device)[(world.rank + 1) % world.size]
+    try:
+        runtime.deviceEnablePeerAccess(peer_dev)
+    except runtime.CUDARuntimeError as e:  # already enabled (by this process) is fine
+        if "PeerAccessAlreadyEnabled" not in str(e):
+            raise
     src = cupy.empty(num_bytes, dtype=cupy.uint8)
     with cupy.cuda.Device(peer_dev):
         dst = cupy.empty(num_bytes, dtype=cupy.uint8)

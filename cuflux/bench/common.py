@@ -134,7 +134,9 @@ def machine_name() -> str:
 
         name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
         name = name.decode() if isinstance(name, bytes) else name
-        return name.replace("NVIDIA ", "").replace(" ", "-").lower()
+        count = cupy.cuda.runtime.getDeviceCount()
+        return (name.replace("NVIDIA ", "").replace(" ", "-").lower()
+                + (f"x{count}" if count > 1 else ""))  # h200x2: ranks may sit on distinct GPUs
     except Exception:
         return socket.gethostname()
 
