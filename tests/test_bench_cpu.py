@@ -78,3 +78,22 @@ def test_all2all_back_to_back_alternates_the_op_and_its_twin(monkeypatch):
     order.clear()
     assert _back_to_back_ms(make("op", 1.0), _Stream(), calls=2, reps=2, warmup=0)[2] is None
     assert order == [hold] + ["op"] * 2 + [hold] + ["op"] * 2
+
+
+def test_ranks_share_gpu_ignores_the_self_link_and_agrees_across_ranks():
+    from cuflux.bench.common import ranks_share_gpu
+    from cuflux.topology import PeerLink, Topology
+
+    def world(rank, size, same_gpu_peers, others_say=()):
+        links = tuple(PeerLink(p, True, p == rank or p in same_gpu_peers, True,
+                               "self" if p == rank else "nvlink") for p in range(size))
+        return types.SimpleNamespace(
+            rank=rank, size=size, topology=Topology(rank, links),
+            allgather=lambda mine: [mine, *others_say])
+
+    # the self link always says same_gpu: distinct GPUs must still read as not shared
+    assert ranks_share_gpu(world(0, 2, (), others_say=(False,))) is False
+    assert ranks_share_gpu(world(0, 2, (1,), others_say=(True,))) is True
+    # one rank seeing a shared GPU decides for all (NCCL set up everywhere or nowhere)
+    assert ranks_share_gpu(world(0, 3, (), others_say=(False, True))) is True
+    assert ranks_share_gpu(world(0, 1, ())) is False
