@@ -270,11 +270,13 @@ def launch(kernel, grid, block, args, stream, *, op: str, name: str, shared_mem:
     pdl=True (compute capability >= 9.0; a plain launch below): programmatic stream
     serialisation, so the kernel's CTAs may become resident before the kernel ahead of it on the
     stream has ended. The kernel must execute griddepcontrol.wait before it touches memory
-    earlier work writes or reads. Arguments then are numpy scalars and CuPy arrays (pointers),
-    or, with arg_types (ctypes types, one per argument), plain Python ints: the short host path
-    for ops that launch tens of thousands of times a second."""
+    earlier work writes or reads. A PDL launch takes its arguments as plain Python ints with
+    arg_types (ctypes types, one per argument): the short host path for ops that launch tens of
+    thousands of times a second."""
     from cuflux.errors import CudaError
 
+    if pdl and arg_types is None:
+        raise TypeError(f"{op}: a PDL launch of {name} needs arg_types")
     try:
         if pdl and _pdl_capable():
             _launch_pdl(kernel, grid, block, args, stream, shared_mem, arg_types)
@@ -305,16 +307,12 @@ def _pdl_capable() -> bool:
 
 
 _PDL_CONFIGS: dict = {}  # (function, grid, block, smem, stream) -> (CUlaunchConfig, CUfunction)
-_PDL_CTYPES: dict = {}   # numpy dtype -> ctypes type
 
 
-def _launch_pdl(kernel, grid, block, args, stream, shared_mem: int, arg_types=None) -> None:
+def _launch_pdl(kernel, grid, block, args, stream, shared_mem: int, arg_types) -> None:
     """cuLaunchKernelEx with programmatic stream serialisation. The host path is kept short
-    (configurations and argument types cached): at W = 1 All2AllHeads moves 128 MiB in ~33 us
-    and the host must stay ahead of that."""
-    import ctypes
-
-    import numpy as np
+    (configurations cached, arguments typed by the caller): at W = 1 All2AllHeads moves 128 MiB
+    in ~33 us and the host must stay ahead of that."""
     from cuda.bindings import driver as cu
 
     key = (kernel.kernel.ptr, tuple(grid), tuple(block), shared_mem, stream.ptr)
@@ -334,22 +332,6 @@ def _launch_pdl(kernel, grid, block, args, stream, shared_mem: int, arg_types=No
         if len(_PDL_CONFIGS) >= 256:  # grids follow token counts: bounded
             _PDL_CONFIGS.clear()
         entry = _PDL_CONFIGS[key] = (lc, cu.CUfunction(kernel.kernel.ptr))
-    if arg_types is not None:
-        values, types = args, arg_types
-    else:
-        values, types = [], []
-        for a in args:
-            if isinstance(a, np.generic):
-                t = _PDL_CTYPES.get(a.dtype)
-                if t is None:
-                    t = _PDL_CTYPES[a.dtype] = np.ctypeslib.as_ctypes_type(a.dtype)
-                values.append(a.item())
-                types.append(t)
-            elif hasattr(a, "data") and hasattr(a.data, "ptr"):  # a CuPy array: its pointer
-                values.append(a.data.ptr)
-                types.append(ctypes.c_void_p)
-            else:
-                raise TypeError(f"a PDL launch takes numpy scalars and CuPy arrays, got {type(a)}")
-    err, = cu.cuLaunchKernelEx(entry[0], entry[1], (tuple(values), tuple(types)), 0)
+    err, = cu.cuLaunchKernelEx(entry[0], entry[1], (tuple(args), tuple(arg_types)), 0)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernelEx: {err}")

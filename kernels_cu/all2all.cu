@@ -209,6 +209,8 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_copy_out(
 // holds them until that kernel has completed and its writes are visible. Back to back this
 // hides the gap between kernels that cudaMemcpyAsync pays: 0.95 of the 2 GiB copy rate at
 // 64 MiB against 0.89 (scripts/probe_pdl.py, scripts/results/probe_pdl-h200-2026-11-29.txt).
+// Loads stay plain (not ld.global.nc): the kernel ahead may still be writing src when this
+// grid starts, and .nc needs data read-only for the grid's whole lifetime.
 extern "C" __global__ void __launch_bounds__(256) a2a_copy_w1(const uint4* src, uint4* dst,
                                                              u64 n_vec) {
 #if __CUDA_ARCH__ >= 900

@@ -8,9 +8,9 @@
 // Push: each CTA's epilogue writes the rows of its tile that other ranks own into their memory
 // (deterministic: a per-source slot, plain stores; atomic: red.add into one accumulator) and
 // raises the tile's flag there (one fence, relaxed stores); the owner finishes its own tiles
-// (visited last) from its registers after waiting for every peer's flag of the tile (bounded,
-// ld.acquire.sys), summing in fp32 and adding the bias. Remote buffers: the op's symmetric
-// data[parity] and flags (rs_hooks.cuh).
+// (visited last; its own partial goes through its own slot too) after waiting for every peer's
+// flag of the tile (bounded, ld.acquire.sys), summing in fp32 and adding the bias. Remote
+// buffers: the op's symmetric data[parity] and flags (rs_hooks.cuh).
 // Sync points: one per (tile, source) flag; nothing else, no grid-wide barrier.
 //
 // Entry points (grid: persistent, co-resident, see cuflux/ops/gemm_rs.py):

@@ -55,9 +55,9 @@ _SM80_TILE = (128, 128)  # kernels_cu/ag_gemm.cu AgSm80Cfg == gemm.cu Sm80Cfg
 
 # chunk_rows default. Few copy engines and a host that issues every copy make small chunks slow;
 # a few chunks per shard let the GEMM start on a peer's rows before the whole shard has landed.
-# `python -m cuflux.bench ag_gemm` sweeps it at W > 1; the only run so far had two ranks sharing
-# one GPU (scripts/results/ag_gemm-h200-W2-2026-11-29.json: on the Flux shape this default,
-# 512 rows, beat 128 rows by 5-6 %), which says nothing about links: revisit on distinct GPUs.
+# `python -m cuflux.bench ag_gemm` sweeps it at W > 1: on the Flux shape this default (512 rows)
+# beat 128 rows by 5-6 % with two ranks sharing one GPU and by 8-9 % on two H200s
+# (scripts/results/ag_gemm-h200-W2- and ag_gemm-h200x2-W2-2026-11-29.json).
 DEFAULT_CHUNKS_PER_SHARD = 4
 DEFAULT_MIN_CHUNK_BYTES = 2 << 20
 _CHUNK_ALIGN_ROWS = 128  # whole tile rows of every core
