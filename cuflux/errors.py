@@ -5,7 +5,8 @@ import ctypes
 
 import numpy as np
 
-__all__ = ["CufluxError", "CommTimeoutError", "CudaError", "ErrorRecord", "OP_CODES"]
+__all__ = ["CufluxError", "CommTimeoutError", "CudaError", "CompileError", "CaptureError",
+           "ErrorRecord", "OP_CODES"]
 
 # Op codes written by kernels into the error record (kernels receive them as an argument).
 OP_CODES = {
@@ -26,6 +27,15 @@ STATUS_OK, STATUS_TIMEOUT, STATUS_ABORTED = 0, 1, 2
 
 class CufluxError(RuntimeError):
     """Base class of cuflux's runtime errors."""
+
+
+class CompileError(CufluxError):
+    """NVRTC could not compile a kernel file; the message holds its log."""
+
+
+class CaptureError(CufluxError):
+    """An op (or one path of it) that cannot be captured in a CUDA graph was called while its
+    stream was being captured."""
 
 
 class CudaError(CufluxError):
@@ -60,6 +70,8 @@ class ErrorRecord:
         self._host_ptr = runtime.hostAlloc(nbytes, 3)
         self.words = np.ctypeslib.as_array((ctypes.c_uint32 * NUM_WORDS).from_address(self._host_ptr))
         self.words[:] = 0
+        # The status word alone, read on every call (0.05 us, against 1.5 us for the array).
+        self._status = ctypes.c_uint32.from_address(self._host_ptr + 4 * STATUS)
         self.claim = cupy.zeros(1, dtype=cupy.uint32)
 
     @property
@@ -75,6 +87,8 @@ class ErrorRecord:
 
     def check(self) -> None:
         """Raise CommTimeoutError if a device wait of this op has failed."""
+        if self._status.value == STATUS_OK:
+            return
         w = [int(x) for x in self.words]
         if w[STATUS] == STATUS_OK:
             return
@@ -96,5 +110,6 @@ class ErrorRecord:
             from cupy.cuda import runtime
 
             self.words = None
+            self._status = ctypes.c_uint32(STATUS_OK)  # the pinned word is freed below
             runtime.freeHost(self._host_ptr)
             self._host_ptr = 0

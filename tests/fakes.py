@@ -18,6 +18,7 @@ class FakeArray:
             self.dtype = np.dtype(dtype)
         self.size = int(np.prod(shape))
         self.flags = SimpleNamespace(c_contiguous=contiguous)
+        self._c_contiguous = contiguous
         self.strides = (0,) * len(shape)
         self.device = SimpleNamespace(id=device)
-        self.data = SimpleNamespace(ptr=ptr)
+        self.data = SimpleNamespace(ptr=ptr, device_id=device)

@@ -126,6 +126,20 @@ def test_norm_plans(dtype, mode, W, T, H):
 
 
 @pytest.mark.parametrize("dtype", ar.DTYPES)
+@pytest.mark.parametrize("n", [8, 1000 * 8, 8192 * 3, 1 << 22])
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_plain_row_geometry_does_not_depend_on_pointer_alignment(dtype, n, W):
+    """One rank passing a misaligned view (narrow accesses) must stage and reduce the same rows
+    in the same blocks as its aligned peers: rows, cols and grid agree, only the vector width
+    differs."""
+    for algo in ("one_shot", "two_shot"):
+        wide = plan_launch("plain", dtype, n, None, W, algo, True, 32, 132)
+        narrow = plan_launch("plain", dtype, n, None, W, algo, False, 32, 132)
+        assert narrow.vec_bytes < wide.vec_bytes == 16
+        assert (narrow.rows, narrow.cols, narrow.grid) == (wide.rows, wide.cols, wide.grid)
+
+
+@pytest.mark.parametrize("dtype", ar.DTYPES)
 @pytest.mark.parametrize("n", [1, 7, 8, 1000, 8192 * 3 + 5, 1 << 22])
 def test_plain_plans(dtype, n):
     d = dtype_info(dtype)
@@ -133,7 +147,7 @@ def test_plain_plans(dtype, n):
         p = plan_launch("plain", dtype, n, None, W, algo, True, 32, 132)
         assert p.kernel in ALL_NAMES and not p.local
         assert p.vec_bytes == (16 if n * d.itemsize % 16 == 0 else d.itemsize)
-        assert p.cols == ar.PLAIN_ROW_VECS * p.vec_bytes // d.itemsize
+        assert p.cols == ar.PLAIN_ROW_VECS * 16 // d.itemsize
         assert (p.rows - 1) * p.cols < n <= p.rows * p.cols
         assert p.block == 1024 and p.shared_mem == 8 * W
 
@@ -155,7 +169,10 @@ def _fake_world(W=2, rank=0):
     (dict(max_tokens=0), ValueError, "max_tokens and hidden must be >= 1"),
     (dict(hidden=0), ValueError, "max_tokens and hidden must be >= 1"),
     (dict(max_tokens=1 << 20, hidden=1 << 12), ValueError, r"max_tokens \* hidden must be"),
-    (dict(timeout_s=0), ValueError, "timeout_s must be > 0"),
+    (dict(timeout_s=0), ValueError, "timeout_s must be a finite number of seconds > 0"),
+    (dict(timeout_s=float("nan")), ValueError, "timeout_s must be a finite number"),
+    (dict(timeout_s=float("inf")), ValueError, "timeout_s must be a finite number"),
+    (dict(timeout_s="30"), ValueError, "timeout_s must be a finite number"),
     (dict(max_blocks=0), ValueError, "max_blocks must be >= 1"),
     (dict(output="sharded_residual", algo="one_shot"), ValueError, "needs the two-shot"),
     (dict(output="sequence_parallel", algo="one_shot"), ValueError, "needs the two-shot"),
@@ -269,12 +286,12 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, W, T):
     op._offsets, op._stage_parity_bytes, op.flag_stride = {"stage": 0, "start": 4096,
                                                            "mid": 8192}, 1 << 20, 32
     op.buf, op.state = SimpleNamespace(ptrs_dev=DeviceArray()), DeviceArray()
-    op.err = SimpleNamespace(ptr=1 << 40, claim=DeviceArray(), timeout_ns=10**9)
+    op.err_args = (np.uint64(1 << 40), DeviceArray(), np.uint64(10**9), np.uint32(4))
     op._static_args()
-    arr = SimpleNamespace(data=SimpleNamespace(ptr=1 << 30))
+    arr = DeviceArray()
     for H in (4096, 1001, 8192 * 4):
         plan = plan_launch("replicated", "bfloat16", T * H, H, W, "two_shot", True, 16, 132)
-        op._launch(plan, arr, arr, arr, arr, 1e-6, None)
+        op._launch(op._entry(plan), arr, arr, arr, arr, np.float32(1e-6), None)
         name = plan.kernel.split("<")[0]
         expected = ("allreduce_rmsnorm" if W > 1 else
                     "rmsnorm_local_reg" if H <= 8192 else "rmsnorm_local")
@@ -282,5 +299,5 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, W, T):
         _check_args(name, captured[-1][1])
     if W > 1:
         plan = plan_launch("plain", "float32", 1000, None, W, "one_shot", True, 16, 132)
-        op._launch(plan, arr, arr, None, None, 0.0, None)
+        op._launch(op._entry(plan), arr, arr, None, None, np.float32(0.0), None)
         _check_args("allreduce_rmsnorm", captured[-1][1])

@@ -183,21 +183,3 @@ def test_cache_files_are_written_aside_then_renamed(tmp_path, monkeypatch):
     assert target.read_bytes() == b"x" * 1000
     assert seen == [(f"load-abc.tmp{os.getpid()}", False)]
     assert [p.name for p in tmp_path.iterdir()] == ["load-abc.cubin"]
-
-
-def test_pdl_launch_falls_back_to_a_plain_launch_with_typed_ints(monkeypatch):
-    """Below compute capability 9.0 a launch asked for PDL is a plain launch; arguments given as
-    plain ints with ctypes types reach the kernel as numpy scalars of those types."""
-    import ctypes
-
-    got = {}
-
-    def fake_kernel(grid, block, args, stream=None, shared_mem=0):
-        got.update(grid=grid, block=block, args=args, stream=stream)
-
-    monkeypatch.setattr(kernels, "_pdl_capable", lambda: False)
-    kernels.launch(fake_kernel, (3,), (256,), (16, 2**40 + 32, 5), "s", op="op", name="k",
-                   pdl=True, arg_types=(ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint32))
-    assert got["grid"] == (3,) and got["stream"] == "s"
-    assert [a.dtype for a in got["args"]] == [np.dtype(np.uint64)] * 2 + [np.dtype(np.uint32)]
-    assert [int(a) for a in got["args"]] == [16, 2**40 + 32, 5]

@@ -1,0 +1,113 @@
+"""CPU tests of cuflux.launch: how arguments are packed for cuLaunchKernel (a wrong width or
+offset would hand the kernel garbage), which types are refused, and which driver entry a
+launch takes. The driver is faked: no GPU needed."""
+import ctypes
+import struct
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from cuflux import launch as L
+from cuflux.errors import CudaError
+
+
+class _Array:
+    """Stands for a cupy.ndarray: only .data.ptr is read."""
+
+    def __init__(self, ptr):
+        self.data = SimpleNamespace(ptr=ptr)
+
+
+_Array.__name__ = "ndarray"
+
+
+class _FakeLib:
+    def __init__(self, err=0):
+        self.calls, self.err = [], err
+
+    def _params(self, params, n):
+        return [params[i] for i in range(n)]
+
+    def cuLaunchKernel(self, func, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
+        self.calls.append(("plain", func, gx, bx, smem, stream, params))
+        return self.err
+
+    def cuLaunchKernelEx(self, cfg, func, params, extra):
+        c = ctypes.cast(cfg, ctypes.POINTER(L._LaunchConfig)).contents
+        self.calls.append(("pdl", func, c.gridDimX, c.blockDimX, c.sharedMemBytes, c.hStream,
+                           c.attrs[0].id, c.attrs[0].value[0], params))
+        return self.err
+
+    def cuGetErrorName(self, code, out):
+        return 1
+
+
+def _values(packer, n):
+    """Read back what the packer wrote, argument by argument, through its pointers."""
+    base = packer.params[0]
+    raw = ctypes.string_at(base, packer.struct.size)
+    return packer.struct.unpack(raw), [packer.params[i] - base for i in range(n)]
+
+
+def test_arguments_packed_at_their_natural_widths_in_order(monkeypatch):
+    lib = _FakeLib()
+    monkeypatch.setattr(L, "_lib", lib)
+    tmap = bytes(range(128))
+    args = (np.uint64(2**63 + 5), np.int32(-7), tmap, _Array(0xABC0), np.float32(1.5),
+            np.uint32(9), np.int64(-2**40), np.void(bytes(128)))
+    L.kernel(123, (4,), (256,), args, SimpleNamespace(ptr=77), op="t", name="k", shared_mem=64)
+    kind, func, g, b, smem, stream, params = lib.calls[0]
+    assert (kind, func, g, b, smem, stream) == ("plain", 123, 4, 256, 64, 77)
+    p = L._packer(args)
+    vals, offsets = _values(p, len(args))
+    assert offsets == [0, 8, 12, 140, 148, 152, 156, 164]
+    assert vals == (2**63 + 5, -7, tmap, 0xABC0, 1.5, 9, -2**40, bytes(128))
+
+
+def test_each_signature_gets_its_own_block_and_blocks_are_reused():
+    a = (np.uint64(1), np.int32(2))
+    b = (np.uint64(1), np.uint32(2))
+    assert L._packer(a) is L._packer((np.uint64(5), np.int32(6)))
+    assert L._packer(a) is not L._packer(b)
+
+
+def test_plain_python_ints_are_refused():
+    with pytest.raises(TypeError, match="no fixed C width"):
+        L._packer((np.uint64(1), 5))
+
+
+def test_pdl_launch_uses_launch_kernel_ex_with_the_serialisation_attribute(monkeypatch):
+    lib = _FakeLib()
+    monkeypatch.setattr(L, "_lib", lib)
+    monkeypatch.setattr(L, "_pdl_capable", lambda func: True)
+    L.kernel(55, (3,), (128,), (np.uint64(1),), 9, op="t", name="k", pdl=True)
+    kind, func, g, b, smem, stream, attr_id, allowed, _ = lib.calls[0]
+    assert (kind, func, g, b, smem, stream) == ("pdl", 55, 3, 128, 0, 9)
+    assert (attr_id, allowed) == (6, 1)
+
+
+def test_pdl_falls_back_to_a_plain_launch_below_hopper(monkeypatch):
+    lib = _FakeLib()
+    monkeypatch.setattr(L, "_lib", lib)
+    monkeypatch.setattr(L, "_pdl_capable", lambda func: False)
+    L.kernel(55, (3,), (128,), (np.uint64(1),), 9, op="t", name="k", pdl=True)
+    assert lib.calls[0][0] == "plain"
+
+
+def test_driver_error_names_op_kernel_and_launch(monkeypatch):
+    monkeypatch.setattr(L, "_lib", _FakeLib(err=701))
+    with pytest.raises(CudaError, match=r"op: launching kernel kern \(grid 2, block 64"):
+        L.kernel(1, (2,), (64,), (np.int32(1),), 0, op="op", name="kern")
+
+
+def test_launch_structures_match_cuda_h():
+    """CUlaunchConfig / CUlaunchAttribute as cuda.h lays them out (checked with offsetof on
+    CUDA 13.0: attribute 72 bytes, value at 8; config 56 bytes, stream at 32, attrs at 40)."""
+    assert ctypes.sizeof(L._LaunchAttribute) == 72
+    assert L._LaunchAttribute.value.offset == 8
+    assert ctypes.sizeof(L._LaunchConfig) == 56
+    assert L._LaunchConfig.sharedMemBytes.offset == 24
+    assert L._LaunchConfig.hStream.offset == 32
+    assert L._LaunchConfig.attrs.offset == 40 and L._LaunchConfig.numAttrs.offset == 48
+    assert struct.calcsize("=Qi128sQ") == 148
