@@ -161,7 +161,7 @@ GOOD = dict(max_m=512, n=256, k=128, dtype="bfloat16", out_dtype=None, b_layout=
     ({"k": 0}, ValueError, "k must be a positive multiple of 8"),
     ({"max_m": 3}, ValueError, r"max_m .* \[world size 4, 2\*\*31\), got 3"),
     ({"chunk_rows": 0}, ValueError, "chunk_rows must be an int >= 1 or None"),
-    ({"timeout_s": 0}, ValueError, "timeout_s must be > 0"),
+    ({"timeout_s": 0}, ValueError, "timeout_s must be a finite number of seconds > 0"),
     ({"impl": "cuda"}, ValueError, "impl must be 'auto', 'sm90' or 'sm80'"),
     ({"config": "128x256s4c2"}, ValueError, "config must be one of"),
     ({"config": "256x128s4c1", "impl": "sm80"}, ValueError, "impl='sm80' has one fixed tile"),
@@ -369,6 +369,9 @@ def _fake_env(monkeypatch, sim):
     for name in ("as_cupy", "check_array"):
         monkeypatch.setattr(AGM, name, lambda x, *a, **k: x)
     monkeypatch.setattr(AGM, "stream_of", lambda s: s)
+    from cuflux import launch
+
+    monkeypatch.setattr(launch, "capturing", lambda s: False)  # simulated streams
 
 
 def _world_topo(W, rank, kind):
@@ -512,7 +515,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, b_layout, w
     captured = []
     monkeypatch.setattr(AGG.kernels, "launch", lambda fn, grid, block, args, stream, **kw:
                         captured.append((kw["name"], args)))
-    monkeypatch.setattr(G, "_tensor_map", lambda *a: np.zeros(1, np.dtype((np.void, 128)))[0])
+    monkeypatch.setattr(G, "tensor_map", lambda *a: np.zeros(1, np.dtype((np.void, 128)))[0])
     op = object.__new__(AllGatherGemm)
     op.world = SimpleNamespace(size=4, rank=1, device=0)
     op.n, op.k, op.group_m, op.chunk_rows, op.b_layout = 256, 512, 8, 64, b_layout

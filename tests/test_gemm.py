@@ -165,6 +165,60 @@ def test_every_hopper_config_out_dtypes(config, out_dtype):
     _run("sm90", 3000, 1032, 520, layout="nk", out_dtype=out_dtype, config=config, bias=True)
 
 
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+@pytest.mark.parametrize("shape", [(1, 8192, 1024), (16, 1000, 264), (255, 2056, 520),
+                                   (777, 1536, 2048)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_cublas_path_matches_float64(layout, shape, out_dtype):
+    """gemm's cuBLAS route (impl="cublas", and "auto" below CUBLAS_BELOW_M rows untuned):
+    both layouts, bias, fp32 output."""
+    if not gpu_available():
+        pytest.skip("needs a GPU")
+    _run("cublas", *shape, layout=layout, out_dtype=out_dtype, bias=True)
+
+
+def test_auto_small_m_runs_what_plan_says(monkeypatch):
+    import cuflux.ops.gemm as G
+
+    if not gpu_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("CUFLUX_GEMM_TUNE", "0")
+    assert G.plan(16, 2048, 1024) == G.CUBLAS
+    if _hopper():
+        assert G.plan(4096, 2048, 1024) in G.SM90_CONFIGS
+    _run("auto", 16, 2048, 1024, layout="nk", bias=True)
+
+
+@pytest.mark.parametrize("M", [16, 1024])
+def test_graph_capture_and_replay_with_new_inputs(monkeypatch, M):
+    """One gemm call captured in a CUDA graph and replayed 100 times, new inputs copied into
+    the captured operands before each replay: exact against a per-replay reference (cuBLAS
+    path at M = 16, our core at M = 1024, tuned first: a shape is never timed under capture)."""
+    import cupy
+
+    import cuflux.ops.gemm as G
+
+    if not gpu_available():
+        pytest.skip("needs a GPU")
+    N, K = 520, 264
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        a = _rand((M, K), "bfloat16", 1)
+        b = _rand((N, K), "bfloat16", 2)
+        out = cupy.full((M, N), np.nan, dtype=np.float32)
+        G.gemm(a, b, out=out, b_layout="nk", stream=s)  # tunes this shape class, if tuning
+        s.begin_capture()
+        G.gemm(a, b, out=out, b_layout="nk", stream=s)
+        graph = s.end_capture()
+        for i in range(100):
+            a[...] = _rand((M, K), "bfloat16", 100 + i)
+            b[...] = _rand((N, K), "bfloat16", 300 + i)
+            out.fill(np.nan)
+            graph.launch(s)
+            s.synchronize()
+            check_close(out, f64(a) @ f64(b).T, "float32", f"replay {i} M={M}")
+
+
 @pytest.mark.parametrize("impl", ["sm90", "sm80"])
 @pytest.mark.parametrize("group_m", [1, 3, 64])
 def test_tile_orders(impl, group_m):
@@ -183,13 +237,16 @@ def test_tuner_caches_its_choice(monkeypatch, tmp_path):
     monkeypatch.setenv("CUFLUX_GEMM_TUNE", "1")
     monkeypatch.setenv("CUFLUX_GEMM_TUNE_BUDGET_S", "5")
     monkeypatch.setattr(G, "tuner_path", lambda: tmp_path / "gemm_tuner.json")
+    monkeypatch.setattr(G, "_TUNER_TABLE", None)  # this process reads the (new) file afresh
     _run("auto", 1536, 2048, 1024)
     table = json.loads((tmp_path / "gemm_tuner.json").read_text())
     (key, entry), = table.items()
-    assert entry["config"] in G.SM90_CONFIGS and "|kn|" in key
-    assert set(entry["ms"]) <= set(G.SM90_CONFIGS)
+    assert (entry["config"] in G.SM90_CONFIGS or entry["config"] == G.CUBLAS) and "|kn|" in key
+    assert G.CUBLAS in entry["ms"] and set(entry["ms"]) <= set(G.SM90_CONFIGS) | {G.CUBLAS}
+    assert G.plan(1536, 2048, 1024, "bfloat16", "kn") == entry["config"]
     entry["config"] = "128x128s6c1"  # a cached choice is used as it is
     (tmp_path / "gemm_tuner.json").write_text(json.dumps(table))
+    monkeypatch.setattr(G, "_TUNER_TABLE", None)
     assert G._tuned_config(key, lambda name: (_ for _ in ()).throw(AssertionError(name)),
                            None) == "128x128s6c1"
     _run("auto", 1536, 2048, 1024)
@@ -261,8 +318,8 @@ def _launch_hooks(impl, a, b, M, N, K, order, chunk_tiles_m, chunk_flags_ptr, ro
         G._prepare(fn, cfg.smem_bytes)
         dt = dtype_info("bfloat16")
         tiles = -(-M // 128) * -(-N // 256)
-        args = (G._tensor_map(a.data.ptr, M, K, 64, 128, dt),
-                G._tensor_map(b.data.ptr, N, K, 64, 256, dt), np.int32(M), np.int32(N),
+        args = (G.tensor_map(a.data.ptr, M, K, 64, 128, dt),
+                G.tensor_map(b.data.ptr, N, K, 64, 256, dt), np.int32(M), np.int32(N),
                 np.int32(K)) + tail
         kernels.launch(fn, (min(tiles, sms),), (384,), args, stream, op="test",
                        name="gemm_hooks_sm90", shared_mem=cfg.smem_bytes)

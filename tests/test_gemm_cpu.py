@@ -160,6 +160,8 @@ def test_shape_class_and_heuristic():
     assert G._shape_class(777, 1536, 2048) == "10x11x11"
     assert G._heuristic(4096, 8, 4096) in G.SM90_CONFIGS
     assert G._heuristic(4096, 4096, 4096) in G.SM90_CONFIGS
+    assert G._heuristic(G.CUBLAS_BELOW_M - 1, 4096, 4096) == G.CUBLAS  # small M: cuBLAS
+    assert G.core_heuristic(16, 4096, 4096) in G.SM90_CONFIGS  # the fused ops' core: never cuBLAS
 
 
 # ---- the ping-pong consumers' protocol (mirror of gemm_sm90.cuh consume() with kPingpong) ------

@@ -374,7 +374,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     monkeypatch.setattr(R.kernels, "launch", lambda fn, grid, block, args, stream, **kw:
                         captured.append((kw["name"], grid, block, args, kw.get("shared_mem", 0))))
     monkeypatch.setattr(G, "_prepare", lambda fn, smem: None)
-    monkeypatch.setattr(G, "_tensor_map", lambda *a: np.zeros(1, np.dtype((np.void, 128)))[0])
+    monkeypatch.setattr(G, "tensor_map", lambda *a: np.zeros(1, np.dtype((np.void, 128)))[0])
     W, me, M = 4, 2, 1000
     op = _fake_op(W=W, rank=me, layout="nk", max_m=1024)
     op.impl, op.config, op.reduce, op.atomic = impl, R.SM90_RS_DEFAULT, reduce, reduce == "atomic"
@@ -385,7 +385,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     op.flag_stride = lay.regions["flags"].shape[1]
     op._slot_bytes, op._parity_bytes = op.max_m // W * op.n * 2, lay.regions["data"].num_bytes // 2
     op.buf = SimpleNamespace(ptrs_dev=DeviceArray())
-    op.err = SimpleNamespace(ptr=1 << 40, claim=DeviceArray(), timeout_ns=10**9)
+    op.err_args = (np.uint64(1 << 40), DeviceArray(), np.uint64(10**9), np.uint32(5))
     op.epoch = 0
     arr = DeviceArray()
     arr.data = SimpleNamespace(ptr=1 << 30)

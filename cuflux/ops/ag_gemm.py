@@ -36,7 +36,9 @@ from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import OP_CODES, CufluxError
 from cuflux.ops import gemm as G
-from cuflux.ops.allgather import AllGather, arrival_order
+from cuflux.ops.allgather import _NO_CAPTURE, AllGather, arrival_order
+from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, ranks_on_my_gpu, refuse_capture, \
+    sm_count
 
 __all__ = ["AllGatherGemm", "reference_ag_gemm", "visit_order", "chunks_for_rows",
            "default_chunk_rows", "block_tiles_for", "check_build_args", "AG_SM90_CONFIGS"]
@@ -161,8 +163,7 @@ def check_build_args(world_size: int, max_m: int, n: int, k: int, dtype, out_dty
     if chunk_rows is not None and (not isinstance(chunk_rows, (int, np.integer))
                                    or chunk_rows < 1):
         raise ValueError(f"{_OP}: chunk_rows must be an int >= 1 or None, got {chunk_rows!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"{_OP}: timeout_s must be > 0, got {timeout_s!r}")
+    check_timeout(_OP, timeout_s)
     if impl not in ("auto", "sm90", "sm80"):
         raise ValueError(f"{_OP}: impl must be 'auto', 'sm90' or 'sm80', got {impl!r}")
     if config is not None:
@@ -234,7 +235,7 @@ class AllGatherGemm(Closeable):
 
     def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
                  b_layout: str = "kn", mode: str = "pull", chunk_rows: int | None = None,
-                 timeout_s: float = 30.0, impl: str = "auto", config: str | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto", config: str | None = None,
                  group_m: int = 8):
         dt, odt, max_rows = check_build_args(world.size, max_m, n, k, dtype, out_dtype, b_layout,
                                              mode, chunk_rows, timeout_s, impl, config, group_m)
@@ -259,10 +260,8 @@ class AllGatherGemm(Closeable):
         self.impl = impl if impl != "auto" else ("sm90" if self.arch == "sm_90a" else "sm80")
         # Ranks sharing this GPU run their GEMMs side by side (under MPS): split the SMs, so that
         # no rank's grid waits for SMs another rank's waiting grid holds.
-        sharing = 1 + sum(1 for link in world.topology.links
-                          if link.same_gpu and link.peer != world.rank)
-        self.num_sms = dev.attributes["MultiProcessorCount"]
-        self.max_ctas = max(1, self.num_sms // sharing)
+        self.num_sms = sm_count(world.device)
+        self.max_ctas = max(1, self.num_sms // ranks_on_my_gpu(world))
         self.module = kernels.load(_SRC)  # eager: nothing may load while a stream waits
         self._side = cupy.cuda.Stream(non_blocking=True)    # push: copy-out of the gathered A
         self._upload = cupy.cuda.Stream(non_blocking=True)  # visit orders, once per shape
@@ -277,15 +276,11 @@ class AllGatherGemm(Closeable):
     def _sm90_config(self, M: int) -> str:
         if self.config is not None:
             return self.config
-        import cupy
-
-        gpu = cupy.cuda.runtime.getDeviceProperties(self.world.device)["name"]
-        gpu = gpu.decode() if isinstance(gpu, bytes) else gpu
-        key = f"{gpu}|{self.dtype.name}|{self.b_layout}|{G._shape_class(M, self.n, self.k)}"
-        cached = G._load_tuner().get(key, {}).get("config")  # read only: never tunes here
+        key = G.tune_key(self.dtype, self.b_layout, M, self.n, self.k)
+        cached = G.load_tuner().get(key, {}).get("config")  # read only: never tunes here
         if cached in AG_SM90_CONFIGS:
             return cached
-        return G._heuristic(M, self.n, self.k)
+        return G.core_heuristic(M, self.n, self.k)
 
     def plan_for(self, rows: int) -> _Plan:
         """The kernel, tile and grid a call with `rows` rows per rank runs."""
@@ -374,6 +369,8 @@ class AllGatherGemm(Closeable):
         a, b, bias, out, rows = self._check_call(a_shard, b, bias, out)
         s = stream_of(stream)
         W, M = self.world.size, self.world.size * rows
+        if W > 1:
+            refuse_capture(_OP, s, _NO_CAPTURE)
         pull = self.mode == "pull" or W == 1
         # Allocations come from s's pool arena: their blocks were last used by work queued on s,
         # which runs before everything below (the lanes fork from s).
@@ -428,13 +425,13 @@ class AllGatherGemm(Closeable):
                 bias if bias is not None else np.uint64(0))
         if plan.impl == "sm90":
             cfg, dt = AG_SM90_CONFIGS[plan.config], self.dtype
-            tma_a = G._tensor_map(a_ptr, M, K, 64, cfg.bm, dt)
+            tma_a = G.tensor_map(a_ptr, M, K, 64, cfg.bm, dt)
             if self.b_layout == "kn":
-                tma_b = G._tensor_map(b.data.ptr, K, N, 64, 64, dt)
+                tma_b = G.tensor_map(b.data.ptr, K, N, 64, 64, dt)
             else:
-                tma_b = G._tensor_map(b.data.ptr, N, K, 64, cfg.bn, dt)
+                tma_b = G.tensor_map(b.data.ptr, N, K, 64, cfg.bn, dt)
             if cfg.tma_store and self.out_dtype.itemsize == 2:
-                tma_c = G._tensor_map(out.data.ptr, M, N, 64, cfg.bm // 2, self.out_dtype)
+                tma_c = G.tensor_map(out.data.ptr, M, N, 64, cfg.bm // 2, self.out_dtype)
             else:
                 tma_c = tma_a  # not read by the kernel
             args = (tma_a, tma_b, tma_c) + head + tail

@@ -15,7 +15,6 @@ optional float32 scales (per token, or per token and head) travel with their row
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import hashlib
 import operator
@@ -23,11 +22,11 @@ import time
 
 import numpy as np
 
-from cuflux.resource import Closeable
 from cuflux import kernels
 from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of
-from cuflux.errors import (EXPECTED, OBSERVED, OP_CODES, PEER, RANK, STATUS, CommTimeoutError,
-                           CufluxError, ErrorRecord)
+from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, CommTimeoutError,
+                           CufluxError)
+from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_timeout
 from cuflux.symmetric import Layout
 
 __all__ = ["All2AllHeads", "reference_scatter_heads", "reference_gather_heads"]
@@ -42,7 +41,6 @@ CACHE_MAX = 1024       # distinct token lists remembered (checked across ranks, 
 CHECK_TAG = 7301       # MPI tag of the per-distinct-call argument check (on the op's own comm)
 MEMCPY_DEFAULT = 4     # cudaMemcpyDefault
 MAX_ROWS = 2**31 - 1   # rows per kernel (u32 row indices in the .cu)
-_COPY_W1_TYPES = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64)  # a2a_copy_w1(src, dst, n_vec)
 
 
 def _name_push(vec: int, gather: bool) -> str:
@@ -98,8 +96,7 @@ def check_op_args(world_size: int, max_tokens_per_rank, num_heads, head_dim, bat
                          f"got num_heads={num_heads}")
     if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
         raise ValueError(f"{_OP}: num_sms must be an integer >= 1 or None, got {num_sms!r}")
-    if not timeout_s > 0:
-        raise ValueError(f"{_OP}: timeout_s must be > 0, got {timeout_s!r}")
+    check_timeout(_OP, timeout_s)
     if batch * world_size * max_tokens_per_rank * (num_heads // world_size) > MAX_ROWS:
         raise ValueError(f"{_OP}: batch * world size * max_tokens_per_rank * num_heads / world "
                          f"size must stay below 2**31 rows, got {batch}, {world_size}, "
@@ -236,7 +233,7 @@ def reference_gather_heads(ys, tokens_per_rank, W, scales=None):
 
 
 # ---- the op --------------------------------------------------------------------------------------
-class All2AllHeads(Closeable):
+class All2AllHeads(CommOp):
     """Redistribute attention heads between the ranks of a World (Ulysses sequence parallelism).
 
     Args:
@@ -259,17 +256,17 @@ class All2AllHeads(Closeable):
     """
 
     def __init__(self, world, max_tokens_per_rank: int, num_heads: int, head_dim: int, dtype,
-                 batch: int = 1, num_sms: int | None = None, timeout_s: float = 30.0):
+                 batch: int = 1, num_sms: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         W = world.size
         check_op_args(W, max_tokens_per_rank, num_heads, head_dim, batch, num_sms, timeout_s)
         info = dtype_info(dtype, op=_OP)
-        self.world = world
+        self._closed = True  # until the buffers exist
+        super().__init__(world, _OP, timeout_s)
         self.spec = Spec(W, world.rank, world.device, int(max_tokens_per_rank), int(num_heads),
                          int(head_dim), info, int(batch))
         if num_sms is None:
-            from cupy.cuda import runtime
-
-            num_sms = runtime.getDeviceProperties(world.device)["multiProcessorCount"]
+            num_sms = self.num_sms
         self.num_blocks = max(int(num_sms) * BLOCKS_PER_SM, W)  # every target gets a block
         world.check_same((self.spec.max_tokens, num_heads, head_dim, info.name, batch,
                           self.num_blocks),
@@ -277,11 +274,9 @@ class All2AllHeads(Closeable):
                          f"batch, blocks)")
         self.blocks_per_target = -(-self.num_blocks // W)
         self.layout = layout = build_layout(self.spec, self.blocks_per_target)
-        self._closed = True  # until the buffers exist
-        self.err = ErrorRecord(_OP, world.rank, timeout_s)
         try:
             self.buf = world.alloc_layout(layout)
-        except Exception:
+        except BaseException:
             self.err.close()
             raise
         mod = kernels.load("all2all.cu")  # eager: nothing may load a module while we spin
@@ -301,8 +296,6 @@ class All2AllHeads(Closeable):
             self._slots.append({"data_off": np.uint64(d), "scale_off": np.uint64(sc),
                                 "flags_off": np.uint64(f), "data": np.uint64(base + d),
                                 "scale": np.uint64(base + sc), "flags": np.uint64(base + f)})
-        self._err_args = (np.uint64(self.err.ptr), self.err.claim, np.uint64(self.err.timeout_ns),
-                          np.uint32(OP_CODES[_OP]))
         self._row_bytes = self.spec.row_bytes
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._agreed: dict = {}
@@ -479,9 +472,8 @@ class All2AllHeads(Closeable):
             if (self._w1_pdl and nbytes % 16 == 0 and a.data.ptr % 16 == 0
                     and out.data.ptr % 16 == 0):
                 n_vec = nbytes // 16
-                kernels.launch(self._copy_w1, (-(-n_vec // 256),), (256,),
-                               (a.data.ptr, out.data.ptr, n_vec), s, op=_OP,
-                               name="a2a_copy_w1", pdl=True, arg_types=_COPY_W1_TYPES)
+                kernels.launch(self._copy_w1, -(-n_vec // 256), 256, (a, out, np.uint64(n_vec)),
+                               s, op=_OP, name="a2a_copy_w1", pdl=True)
             else:
                 runtime.memcpyAsync(out.data.ptr, a.data.ptr, nbytes, MEMCPY_DEFAULT, s.ptr)
             if mode:
@@ -507,7 +499,7 @@ class All2AllHeads(Closeable):
         kernels.launch(
             self._wait, (1,), (256,),
             (slot["flags"], np.uint32(me), np.uint32(W), np.uint32(self.num_blocks), epoch, h)
-            + self._err_args, s, op=_OP, name="a2a_wait")
+            + self.err_args, s, op=_OP, name="a2a_wait")
         if view:
             return
         T, S, P = plan.tokens[me], plan.total, int(plan.prefix[me])
@@ -563,12 +555,10 @@ class All2AllHeads(Closeable):
             self._last_stream.synchronize()
         self._raise_if_failed()
 
-    def _release(self) -> None:
-        """Collective and idempotent: every rank must call it. Views of the slots die here."""
+    def _free(self) -> None:
+        """Views of the slots die with the buffer (the base closes it after this)."""
         self._plans.clear()
         self._agreed.clear()
-        self.buf.close()
-        self.err.close()
         if self._comm is not None:
             self._comm.Free()
 

@@ -38,6 +38,7 @@ from cuflux.resource import Closeable
 from cuflux import driver
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
+from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, refuse_capture
 from cuflux.ops.signal import wait_flags
 from cuflux.symmetric import Layout
 from cuflux.topology import transfer_order
@@ -77,6 +78,13 @@ def arrival_order(rank: int, stages, num_chunks: int) -> list[tuple[int, int]]:
     return seq
 
 
+# Why the host-driven copy path cannot be captured: its waits are stream memory operations
+# whose deadlines a host watchdog tracks per call; a replayed graph would wait with no watchdog.
+_NO_CAPTURE = ("its peer waits are bounded by a host watchdog per call (cuStreamWaitValue32), "
+               "which a graph replay would bypass; call it outside the capture (W = 1 is "
+               "capturable)")
+
+
 class AllGather(Closeable):
     """Gather each rank's [rows, cols] shard into [W * rows, cols] on every rank.
 
@@ -97,7 +105,7 @@ class AllGather(Closeable):
     """
 
     def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
-                 chunk_rows: int | None = None, timeout_s: float = 30.0, wait: str = "stream",
+                 chunk_rows: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, wait: str = "stream",
                  name: str = _OP):
         if mode not in ("pull", "push"):
             raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
@@ -105,8 +113,7 @@ class AllGather(Closeable):
             raise ValueError(f"{_OP}: max_rows and cols must be >= 1, got {max_rows}, {cols}")
         if chunk_rows is not None and chunk_rows < 1:
             raise ValueError(f"{_OP}: chunk_rows must be >= 1 or None, got {chunk_rows}")
-        if timeout_s <= 0:
-            raise ValueError(f"{_OP}: timeout_s must be > 0, got {timeout_s}")
+        check_timeout(_OP, timeout_s)
         if wait not in ("stream", "kernel"):
             raise ValueError(f"{_OP}: wait must be 'stream' or 'kernel', got {wait!r}")
         import cupy
@@ -178,6 +185,8 @@ class AllGather(Closeable):
 
         x, rows, s = self._check_call(x, stream)
         W = self.world.size
+        if W > 1:
+            refuse_capture(self.name, s, _NO_CAPTURE)
         if out is None:
             out = cupy.empty((W * rows, self.cols), dtype=self.dtype.storage)
         else:

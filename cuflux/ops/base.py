@@ -22,7 +22,8 @@ import numpy as np
 from cuflux.errors import OP_CODES, CaptureError, CufluxError, ErrorRecord
 from cuflux.resource import Closeable
 
-__all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "ranks_on_my_gpu", "sm_count"]
+__all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
+           "sm_count"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
 # peer that is compiling kernels on first use (up to ~40 s a file, once per machine) to be
@@ -61,6 +62,14 @@ def check_timeout(op: str, timeout_s) -> float:
     return float(timeout_s)
 
 
+def refuse_capture(op: str, stream, why: str) -> None:
+    """Refuse, before anything is enqueued, a path that cannot run inside a CUDA graph."""
+    from cuflux.launch import capturing
+
+    if capturing(stream):
+        raise CaptureError(f"{op}: cannot be captured in a CUDA graph: {why}")
+
+
 class CommOp(Closeable):
     """Base of the collective ops. Subclasses set `self.buf` (a SymmetricBuffer, or None) and
     free whatever else they own in `_free()`; `close()` is collective (every rank calls it)."""
@@ -86,11 +95,7 @@ class CommOp(Closeable):
         self.err.check()  # host memory read: no synchronisation, capture-safe
 
     def _no_capture(self, stream, why: str) -> None:
-        """Refuse, before anything is enqueued, a path that cannot run inside a CUDA graph."""
-        from cuflux.launch import capturing
-
-        if capturing(stream):
-            raise CaptureError(f"{self.op}: cannot be captured in a CUDA graph: {why}")
+        refuse_capture(self.op, stream, why)
 
     # ---- lifetime ----------------------------------------------------------------------------
     def synchronize(self, stream=None) -> None:

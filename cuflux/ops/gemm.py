@@ -29,7 +29,8 @@ import numpy as np
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 
-__all__ = ["gemm", "Sm90Config", "SM90_CONFIGS", "SM80_CONFIG", "tuner_path"]
+__all__ = ["gemm", "plan", "tensor_map", "Sm90Config", "SM90_CONFIGS", "SM80_CONFIG", "CUBLAS",
+           "tuner_path"]
 
 _OP = "cuflux.gemm"
 _IN = ("bfloat16", "float16")
@@ -141,12 +142,12 @@ def _check_args(a, b, bias, out, out_dtype, b_layout, impl):
     if b_layout not in _LAYOUTS:
         raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [K, N]) or 'nk' (b is [N, K]), "
                          f"got {b_layout!r}")
-    if impl not in ("auto", "sm90", "sm80"):
-        raise ValueError(f"{_OP}: impl must be 'auto', 'sm90' or 'sm80', got {impl!r}")
+    if impl not in IMPLS:
+        raise ValueError(f"{_OP}: impl must be one of {IMPLS}, got {impl!r}")
     a = as_cupy(a, "a", _OP)
     b = as_cupy(b, "b", _OP)
     dt = dtype_info(a.dtype, _IN, _OP)
-    dev = cupy.cuda.Device().id
+    dev = cupy.cuda.runtime.getDevice()
     check_array(a, name="a", op=_OP, ndim=2, dtype=dt, device=dev)
     check_array(b, name="b", op=_OP, ndim=2, dtype=dt, device=dev)
     M, K = a.shape
@@ -180,49 +181,60 @@ def _check_args(a, b, bias, out, out_dtype, b_layout, impl):
     return a, b, bias, out, dt, odt, M, N, K
 
 
-def _device_props():
-    import cupy
+_PROPS: dict[int, tuple] = {}
 
-    dev = cupy.cuda.Device()
-    return dev.id, kernels.device_arch(dev.id), dev.attributes["MultiProcessorCount"]
+
+def _device_props(dev: int | None = None):
+    """(device id, NVRTC arch, SM count, GPU name) of the current device, queried once per
+    device: getDeviceProperties alone costs 0.7 ms (it was 1.4 ms of every call)."""
+    if dev is None:
+        from cupy.cuda import runtime
+
+        dev = runtime.getDevice()
+    props = _PROPS.get(dev)
+    if props is None:
+        from cupy.cuda import runtime
+
+        name = runtime.getDeviceProperties(dev)["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        props = _PROPS[dev] = (dev, kernels.device_arch(dev), runtime.deviceGetAttribute(
+            runtime.cudaDevAttrMultiProcessorCount, dev), name)
+    return props
 
 
 # ---- TMA descriptors -------------------------------------------------------------------------------
-_TMAP_CACHE: "collections.OrderedDict[tuple, np.void]" = collections.OrderedDict()
+_TMAP_CACHE: "collections.OrderedDict[tuple, bytes]" = collections.OrderedDict()
 _TMAP_LOCK = threading.Lock()
 
 
-def _tensor_map(ptr: int, rows: int, cols: int, box_cols: int, box_rows: int, dt) -> np.void:
-    """128-byte CUtensorMap of a row-major [rows, cols] matrix, 128-byte swizzle, zero fill."""
+_TMAP_DTYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / BFLOAT16
+_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
+
+
+def tensor_map(ptr: int, rows: int, cols: int, box_cols: int, box_rows: int, dt) -> bytes:
+    """128-byte CUtensorMap of a row-major [rows, cols] matrix, 128-byte swizzle, zero fill,
+    as the bytes a kernel takes by value. Cached per (pointer, geometry); a miss encodes it
+    through libcuda directly (~2 us)."""
     key = (ptr, rows, cols, box_cols, box_rows, dt.name)
-    with _TMAP_LOCK:
-        hit = _TMAP_CACHE.get(key)
-        if hit is not None:
-            _TMAP_CACHE.move_to_end(key)
-            return hit
-    from cuda.bindings import driver as cu
+    hit = _TMAP_CACHE.get(key)
+    if hit is not None:
+        return hit
+    import ctypes
 
-    dtype = (cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 if dt.name == "bfloat16"
-             else cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16)
-    def encode(u64, u32):
-        return cu.cuTensorMapEncodeTiled(
-            dtype, 2, ptr, [u64(cols), u64(rows)], [u64(cols * 2)], [u32(box_cols), u32(box_rows)],
-            [u32(1), u32(1)], cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    from cuflux.launch import driver_lib, error_name
 
-    try:
-        err, tmap = encode(int, int)
-    except TypeError:  # bindings that want their own integer types
-        err, tmap = encode(cu.cuuint64_t, cu.cuuint32_t)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"{_OP}: cuTensorMapEncodeTiled failed ({err}) for a [{rows}, {cols}] "
-                           f"matrix at {ptr:#x}, box [{box_rows}, {box_cols}]")
-    raw = np.array([int(w) for w in tmap.opaque], dtype=np.uint64).view(np.dtype((np.void, 128)))[0]
+    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    tmap = (ctypes.c_uint64 * 16)()
+    err = driver_lib().cuTensorMapEncodeTiled(
+        tmap, _TMAP_DTYPE[dt.name], 2, ptr, u64x2(cols, rows), u64x2(cols * 2, 0),
+        u32x2(box_cols, box_rows), u32x2(1, 1), 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    if err:
+        raise RuntimeError(f"{_OP}: cuTensorMapEncodeTiled failed ({error_name(err)}) for a "
+                           f"[{rows}, {cols}] matrix at {ptr:#x}, box [{box_rows}, {box_cols}]")
+    raw = bytes(tmap)
     with _TMAP_LOCK:
         _TMAP_CACHE[key] = raw
-        while len(_TMAP_CACHE) > 256:
+        while len(_TMAP_CACHE) > 1024:
             _TMAP_CACHE.popitem(last=False)
     return raw
 
@@ -264,17 +276,18 @@ def _max_ctas(fn, cfg: Sm90Config, sm_count: int) -> int:
 
 def _launch_sm90(cfg: Sm90Config, a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
                  group_m: int = 8, grid_cap: int | None = None) -> None:
-    _, _, sm_count = _device_props()
+    sm_count = _device_props()[2]
     transposed = b_layout == "kn"
-    fn = kernels.load("gemm.cu")[cfg.kernel(dt.cuda_type, transposed)]
+    name = cfg.kernel(dt.cuda_type, transposed)
+    fn = kernels.load("gemm.cu")[name]
     _prepare(fn, cfg.smem_bytes)
-    tma_a = _tensor_map(a.data.ptr, M, K, 64, cfg.bm, dt)
+    tma_a = tensor_map(a.data.ptr, M, K, 64, cfg.bm, dt)
     if transposed:
-        tma_b = _tensor_map(b.data.ptr, K, N, 64, 64, dt)
+        tma_b = tensor_map(b.data.ptr, K, N, 64, 64, dt)
     else:
-        tma_b = _tensor_map(b.data.ptr, N, K, 64, cfg.bn // cfg.cluster, dt)
+        tma_b = tensor_map(b.data.ptr, N, K, 64, cfg.bn // cfg.cluster, dt)
     if cfg.tma_store and odt.itemsize == 2:
-        tma_c = _tensor_map(out.data.ptr, M, N, 64, cfg.bm // 2, odt)
+        tma_c = tensor_map(out.data.ptr, M, N, 64, cfg.bm // 2, odt)
     else:
         tma_c = tma_a  # not read by the kernel
     tiles_m = -(-M // cfg.bm)
@@ -283,31 +296,69 @@ def _launch_sm90(cfg: Sm90Config, a, b, bias, out, dt, odt, M, N, K, b_layout, s
     grid = min(tiles, _max_ctas(fn, cfg, sm_count))
     if grid_cap is not None:  # benchmarks: a smaller persistent grid (a multiple of the cluster)
         grid = max(cfg.cluster, min(grid, grid_cap // cfg.cluster * cfg.cluster))
-    kernels.launch(fn, (grid,), (384,),
+    kernels.launch(fn, grid, 384,
                    (tma_a, tma_b, tma_c, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
-                    np.int32(_OUT_KIND[odt.name]),
-                    bias if bias is not None else np.uint64(0), np.int32(group_m)),
-                   stream, op=_OP, name=cfg.kernel(dt.cuda_type, transposed),
-                   shared_mem=cfg.smem_bytes)
+                    _OUT_KIND_ARG[odt.name], bias if bias is not None else _NULL,
+                    np.int32(group_m)),
+                   stream, op=_OP, name=name, shared_mem=cfg.smem_bytes)
 
 
 def _launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, group_m: int = 8) -> None:
-    _, _, sm_count = _device_props()
+    sm_count = _device_props()[2]
     name = _sm80_kernel(dt.cuda_type, b_layout == "kn")
     fn = kernels.load("gemm.cu")[name]
     _prepare(fn, _SM80_SMEM)
     tiles = -(-M // _SM80_TILE[0]) * -(-N // _SM80_TILE[1])
     grid = min(tiles, _SM80_PER_SM * sm_count)
-    kernels.launch(fn, (grid,), (_SM80_THREADS,),
+    kernels.launch(fn, grid, _SM80_THREADS,
                    (a, b, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
-                    np.int32(_OUT_KIND[odt.name]),
-                    bias if bias is not None else np.uint64(0), np.int32(group_m)),
+                    _OUT_KIND_ARG[odt.name], bias if bias is not None else _NULL,
+                    np.int32(group_m)),
                    stream, op=_OP, name=name, shared_mem=_SM80_SMEM)
+
+
+_NULL = np.uint64(0)
+_OUT_KIND_ARG = {k: np.int32(v) for k, v in _OUT_KIND.items()}
+
+
+# ---- cuBLAS (through CuPy): where our kernel is slower, gemm calls it instead ---------------------
+_CUDA_R = {"bfloat16": 14, "float16": 2, "float32": 0}  # cudaDataType
+_COMPUTE_32F, _ALGO_DEFAULT, _OP_N, _OP_T = 68, -1, 0, 1
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+
+def _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream) -> None:
+    """C = a @ b (+ bias) by cublasGemmEx, fp32 accumulation, any of our output dtypes.
+
+    Row-major C [M, N] is column-major C^T [N, M] = op(b) op(a): b "kn" is column-major [N, K]
+    (no transpose, ld N), "nk" column-major [K, N] (transposed, ld K); a is column-major
+    [K, M] (ld K). A bias is broadcast into C first and kept with beta = 1."""
+    from cupy.cuda import cublas
+    from cupy.cuda import device as cdev
+
+    handle = cdev.get_cublas_handle()
+    cublas.setStream(handle, stream.ptr)
+    beta = _ZERO
+    if bias is not None:
+        out[...] = bias
+        beta = _ONE
+    kn = b_layout == "kn"
+    try:
+        cublas.gemmEx(handle, _OP_N if kn else _OP_T, _OP_N, N, M, K, _ONE.ctypes.data,
+                      b.data.ptr, _CUDA_R[dt.name], N if kn else K, a.data.ptr, _CUDA_R[dt.name],
+                      K, beta.ctypes.data, out.data.ptr, _CUDA_R[odt.name], N, _COMPUTE_32F,
+                      _ALGO_DEFAULT)
+    except Exception as e:
+        from cuflux.errors import CudaError
+
+        raise CudaError(f"{_OP}: cublasGemmEx failed for {M}x{N}x{K} ({b_layout}): {e}") from e
 
 
 # ---- tuner -----------------------------------------------------------------------------------------
 _TUNER_LOCK = threading.Lock()
 _TUNER_MAX_ENTRIES = 512
+_TUNER_TABLE: dict | None = None  # the file's contents, read once per process
+CUBLAS = "cublas"  # the tuner's name for cuBLAS among the Hopper configurations
 
 
 def tuner_path():
@@ -328,33 +379,53 @@ def _shape_class(M: int, N: int, K: int) -> str:
     return "x".join(str(max(3, math.ceil(math.log2(max(x, 1))))) for x in (M, N, K))
 
 
-def _heuristic(M: int, N: int, K: int) -> str:
-    """The configuration without tuning, from the H200 measurements in docs/gemm_notes.md (v5:
-    the TMA-store epilogue wins at every K)."""
+# Below this many rows a 128- or 256-row tile is mostly padding and the grid covers few SMs:
+# cuBLAS (split-K, narrow tiles) is the untuned choice there. The tuner measures both.
+CUBLAS_BELOW_M = 256
+
+
+def core_heuristic(M: int, N: int, K: int) -> str:
+    """Our Hopper core's configuration without tuning, from the H200 measurements in
+    docs/gemm_notes.md (v5: the TMA-store epilogue wins at every K)."""
     if N <= 128:
         return "128x128s6c1"
     return SM90_DEFAULT
 
 
-def _load_tuner() -> dict:
-    try:
-        return json.loads(tuner_path().read_text())
-    except Exception:
-        return {}
+def _heuristic(M: int, N: int, K: int) -> str:
+    """gemm's choice without tuning: cuBLAS for small M, else core_heuristic."""
+    return CUBLAS if M < CUBLAS_BELOW_M else core_heuristic(M, N, K)
 
 
-def _tuned_config(key: str, run_candidate, stream) -> str | None:
-    """The cached choice for `key`, or time the candidates (bounded) and remember the winner."""
-    with _TUNER_LOCK:
-        table = _load_tuner()
-        if key in table and table[key].get("config") in SM90_CONFIGS:
-            return table[key]["config"]
+def load_tuner() -> dict:
+    """The tuner table (in memory after the first read)."""
+    global _TUNER_TABLE
+    if _TUNER_TABLE is None:
+        try:
+            _TUNER_TABLE = json.loads(tuner_path().read_text())
+        except Exception:
+            _TUNER_TABLE = {}
+    return _TUNER_TABLE
+
+
+def _valid(name) -> bool:
+    return name == CUBLAS or name in SM90_CONFIGS
+
+
+def _tuned_config(key: str, run_candidate, stream, tune: bool = True) -> str | None:
+    """The cached choice for `key`, or (tune) time the candidates (bounded) and remember the
+    winner."""
+    entry = load_tuner().get(key)
+    if entry is not None and _valid(entry.get("config")):
+        return entry["config"]
+    if not tune:
+        return None
     import cupy
 
     budget_s = float(os.environ.get("CUFLUX_GEMM_TUNE_BUDGET_S", "2"))
     t_end = time.monotonic() + budget_s
     times = {}
-    for name in TUNER_CANDIDATES:
+    for name in (CUBLAS,) + TUNER_CANDIDATES:
         if time.monotonic() > t_end:
             break
         run_candidate(name)  # warm-up (first launch of the kernel)
@@ -369,19 +440,43 @@ def _tuned_config(key: str, run_candidate, stream) -> str | None:
         return None
     best = min(times, key=times.get)
     with _TUNER_LOCK:
-        table = _load_tuner()
+        table = load_tuner()
+        try:  # merge what other processes wrote since this one read the file
+            table.update(json.loads(tuner_path().read_text()))
+        except Exception:
+            pass
         table.pop(key, None)
         table[key] = {"config": best, "ms": times, "when": time.strftime("%Y-%m-%d")}
         while len(table) > _TUNER_MAX_ENTRIES:
             table.pop(next(iter(table)))
         path = tuner_path()
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(table, indent=0))
-        os.replace(tmp, path)
+        kernels.write_atomically(path, json.dumps(table, indent=0).encode())
     return best
 
 
+def tune_key(dt, b_layout: str, M: int, N: int, K: int) -> str:
+    """The tuner table's key of a shape class on the current device."""
+    return f"{_device_props()[3]}|{dt.name}|{b_layout}|{_shape_class(M, N, K)}"
+
+
+def plan(M: int, N: int, K: int, dtype="bfloat16", b_layout: str = "kn") -> str:
+    """What `gemm(impl="auto")` runs for this shape on the current device, without running
+    anything: "cublas", a Hopper configuration name (SM90_CONFIGS), or "sm80" (the portable
+    core, on GPUs without the Hopper path). The tuner's choice where it has measured this
+    shape class, else the untuned heuristic."""
+    dt = dtype_info(dtype, _IN, _OP)
+    if _device_props()[1] != "sm_90a":
+        return CUBLAS if M < CUBLAS_BELOW_M else "sm80"
+    chosen = None
+    if os.environ.get("CUFLUX_GEMM_TUNE", "1") != "0":
+        chosen = _tuned_config(tune_key(dt, b_layout, M, N, K), None, None, tune=False)
+    return chosen or _heuristic(M, N, K)
+
+
 # ---- public API ------------------------------------------------------------------------------------
+IMPLS = ("auto", "sm90", "sm80", CUBLAS)
+
+
 def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: str = "auto",
          stream=None, config: str | None = None, group_m: int = 8):
     """C = a @ b (+ bias) with fp32 accumulation; returns C (a CuPy array).
@@ -392,41 +487,52 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
       bias: [N] in a's dtype, added to every row, or None.
       out: [M, N] output to write, or None (allocated). out_dtype: bfloat16 / float16 /
         float32 (default: out's dtype, else a's dtype).
-      impl: "auto" (Hopper core on sm_90a, else the portable core), "sm90" or "sm80".
+      impl: "auto" (the faster of our Hopper core and cuBLAS for this shape class, as the tuner
+        measured it, on sm_90a; elsewhere the portable core, or cuBLAS below CUBLAS_BELOW_M
+        rows), "sm90", "sm80" or "cublas". `plan(M, N, K, ...)` says what "auto" runs.
       stream: CuPy stream, raw handle or torch stream (default: CuPy's current stream).
       config: a Hopper configuration name from SM90_CONFIGS (skips the tuner).
       group_m: tile rows per L2 group of the tile order (1: row-major order).
-    K and N must be multiples of 8 (16-byte rows).
+    K and N must be multiples of 8 (16-byte rows). Capturable in a CUDA graph once the shape
+    class has been tuned (under capture an untuned shape takes the heuristic: no timing).
     """
     a, b, bias, out, dt, odt, M, N, K = _check_args(a, b, bias, out, out_dtype, b_layout, impl)
     if M == 0:
         return out
     s = stream_of(stream)
-    _, arch, _ = _device_props()
+    arch = _device_props()[1]
     hopper = arch == "sm_90a"
     if impl == "sm90" and not hopper:
         raise RuntimeError(f"{_OP}: impl='sm90' needs an sm_90a device (Hopper), this one is "
                            f"{arch}")
-    if not isinstance(group_m, int) or group_m < 1:
+    if type(group_m) is not int or group_m < 1:
         raise ValueError(f"{_OP}: group_m must be an int >= 1, got {group_m!r}")
     if config is not None and config not in SM90_CONFIGS:
         raise ValueError(f"{_OP}: config must be one of {sorted(SM90_CONFIGS)}, got {config!r}")
+    if impl == CUBLAS or (impl == "auto" and not hopper and config is None
+                          and M < CUBLAS_BELOW_M):
+        _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s)
+        return out
     if impl == "sm80" or (impl == "auto" and not hopper):
         _launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, s, group_m)
         return out
 
     def run(name):
-        _launch_sm90(SM90_CONFIGS[name], a, b, bias, out, dt, odt, M, N, K, b_layout, s, group_m)
+        if name == CUBLAS:
+            _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s)
+        else:
+            _launch_sm90(SM90_CONFIGS[name], a, b, bias, out, dt, odt, M, N, K, b_layout, s,
+                         group_m)
 
     if config is None:
         if os.environ.get("CUFLUX_GEMM_TUNE", "1") != "0":
-            import cupy
+            from cuflux.launch import capturing
 
-            gpu = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
-            gpu = gpu.decode() if isinstance(gpu, bytes) else gpu
-            key = f"{gpu}|{dt.name}|{b_layout}|{_shape_class(M, N, K)}"
-            config = _tuned_config(key, run, s)
+            config = _tuned_config(tune_key(dt, b_layout, M, N, K), run, s,
+                                   tune=not capturing(s))
         config = config or _heuristic(M, N, K)
+        if impl == "sm90" and config == CUBLAS:  # the caller asked for our core
+            config = core_heuristic(M, N, K)
     run(config)
     return out
 

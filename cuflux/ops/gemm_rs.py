@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from cuflux.resource import Closeable
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
-from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
+from cuflux.errors import CufluxError
+from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_timeout
 from cuflux.ops import gemm as G
 from cuflux.symmetric import Layout
 
@@ -156,7 +156,7 @@ def reference_gemm_rs(a_list, b_list, bias=None, b_layout: str = "kn", rank: int
 
 
 # ---- the op -------------------------------------------------------------------------------------
-class GemmReduceScatter(Closeable):
+class GemmReduceScatter(CommOp):
     """out [M / W, n] = rows [r * M / W, (r + 1) * M / W) of sum over ranks of a @ b (+ bias).
 
     Args:
@@ -180,7 +180,8 @@ class GemmReduceScatter(Closeable):
     """
 
     def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
-                 b_layout: str = "kn", reduce: str = "deterministic", timeout_s: float = 30.0,
+                 b_layout: str = "kn", reduce: str = "deterministic",
+                 timeout_s: float = DEFAULT_TIMEOUT_S,
                  impl: str = "auto", config: str | None = None):
         dt = dtype_info(dtype, _IN, _OP)
         odt = dtype_info(out_dtype if out_dtype is not None else dt.name,
@@ -195,8 +196,7 @@ class GemmReduceScatter(Closeable):
             raise ValueError(f"{_OP}: impl must be 'auto', 'sm90' or 'sm80', got {impl!r}")
         if config is not None and config not in SM90_RS_CONFIGS:
             raise ValueError(f"{_OP}: config must be one of {SM90_RS_CONFIGS}, got {config!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"{_OP}: timeout_s must be > 0, got {timeout_s}")
+        check_timeout(_OP, timeout_s)
         for name, v in (("max_m", max_m), ("n", n), ("k", k)):
             if not isinstance(v, (int, np.integer)) or not 1 <= v <= MAX_DIM:
                 raise ValueError(f"{_OP}: {name} must be an int in [1, {MAX_DIM}], got {v!r}")
@@ -228,19 +228,17 @@ class GemmReduceScatter(Closeable):
         problems = sorted({p for p, _ in everyone if p})
         if problems:
             raise ValueError(f"{_OP}: " + "; ".join(problems))
-        import cupy
-
         self.world, self.dtype, self.out_dtype = world, dt, odt
         self.max_m, self.n, self.k = int(max_m), int(n), int(k)
         self.b_layout, self.reduce, self.atomic = b_layout, reduce, reduce == "atomic"
         self.impl = "sm90" if all(h for _, h in everyone) else "sm80"
         self.config = config or SM90_RS_DEFAULT
         self._config_given = config is not None  # W = 1: else the GEMM's tuner picks
-        rt = cupy.cuda.runtime
-        sms = rt.deviceGetAttribute(rt.cudaDevAttrMultiProcessorCount, world.device)
+        self._closed = True  # until the buffers exist
+        super().__init__(world, _OP, timeout_s)
+        sms, sharing = self.num_sms, self.sharers
         # Waiting CTAs must not keep a peer's CTAs from running: the persistent grids stay
         # co-resident even when the ranks sharing this GPU run side by side (MPS).
-        sharing = 1 + sum(1 for l in links if l.same_gpu and l.peer != world.rank)
         self.max_ctas = {"sm90": max(1, sms // sharing),
                          "sm80": max(1, G._SM80_PER_SM * sms // sharing),
                          "copy": max(1, sms // sharing)}
@@ -251,8 +249,11 @@ class GemmReduceScatter(Closeable):
         rows_max = self.max_m // W
         self._slot_bytes = rows_max * self.n * odt.itemsize  # one source rank's slot
         self._parity_bytes = regions["data"].num_bytes // 2
-        self.err = ErrorRecord(_OP, world.rank, timeout_s)
-        self.buf = world.alloc_layout(self.layout)
+        try:
+            self.buf = world.alloc_layout(self.layout)
+        except BaseException:
+            self.err.close()
+            raise
         # Eager: nothing may load a module while a peer's kernel waits on this rank.
         self.module = kernels.load(_SRC)
         if W == 1:
@@ -326,11 +327,6 @@ class GemmReduceScatter(Closeable):
         bias, out = self._check_common(M, bias, out)
         return partial, bias, out, M
 
-    def _check_open(self):
-        if self._closed:
-            raise CufluxError(f"{_OP}: the op is closed")
-        self.err.check()  # a failed call leaves the buffers inconsistent: refuse to go on
-
     # ---- launches -------------------------------------------------------------------------------
     def _tail(self, out, bias, M: int, bm: int) -> tuple:
         """The kernels' trailing arguments (gemm_rs.cu RsArgs) for the next call."""
@@ -343,9 +339,8 @@ class GemmReduceScatter(Closeable):
                 np.uint64(self._data_off + (e & 1) * self._parity_bytes),
                 np.uint64(self._slot_bytes), np.uint64(self._flags_off),
                 np.int32(self.flag_stride), np.int32(M // W), np.int32(W), np.int32(me),
-                np.int32(own_lo), np.int32(own_hi), np.int32(GROUP_M), np.uint32(e),
-                np.uint64(self.err.ptr), self.err.claim, np.uint64(self.err.timeout_ns),
-                np.uint32(OP_CODES[_OP]))
+                np.int32(own_lo), np.int32(own_hi), np.int32(GROUP_M), np.uint32(e)) \
+            + self.err_args
 
     def _launch_fused(self, a, b, bias, out, M: int, stream) -> None:
         dt, n, k = self.dtype, self.n, self.k
@@ -355,9 +350,9 @@ class GemmReduceScatter(Closeable):
             name = sm90_kernel(dt.cuda_type, self.config, transposed, self.atomic)
             fn = self.module[name]
             G._prepare(fn, cfg.smem_bytes)
-            tma_a = G._tensor_map(a.data.ptr, M, k, 64, cfg.bm, dt)
-            tma_b = (G._tensor_map(b.data.ptr, k, n, 64, 64, dt) if transposed
-                     else G._tensor_map(b.data.ptr, n, k, 64, cfg.bn, dt))
+            tma_a = G.tensor_map(a.data.ptr, M, k, 64, cfg.bm, dt)
+            tma_b = (G.tensor_map(b.data.ptr, k, n, 64, 64, dt) if transposed
+                     else G.tensor_map(b.data.ptr, n, k, 64, cfg.bn, dt))
             tiles = -(-M // cfg.bm) * -(-n // cfg.bn)
             args = (tma_a, tma_b, np.int32(M), np.int32(n), np.int32(k)) + \
                 self._tail(out, bias, M, cfg.bm)
@@ -407,14 +402,3 @@ class GemmReduceScatter(Closeable):
         kernels.launch(self.module[name], (min(tiles, self.max_ctas["copy"]),), (COPY_THREADS,),
                        args, stream_of(stream), op=_OP, name=name)
         return out
-
-    # ---- lifetime ---------------------------------------------------------------------------
-    def synchronize(self, stream=None) -> None:
-        """Wait for this rank's work on `stream`; raise CommTimeoutError if a wait failed."""
-        stream_of(stream).synchronize()
-        self.err.check()
-
-    def _release(self) -> None:
-        """Collective and idempotent: every rank must call it."""
-        self.buf.close()
-        self.err.close()
