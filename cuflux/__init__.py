@@ -4,16 +4,29 @@ CuPy + CUDA kernels compiled at run time, an mpi4py bootstrap and CUDA IPC symme
 """
 import os as _os
 
-# Kernels that spin on flags deadlock under lazy module loading (a module loaded while a stream
-# is blocked): ask for eager loading before CUDA starts in this process.
-_os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-# Host-driven paths keep several streams per process (copy lanes, the watchdog's release
-# stream); with CUDA's default of 8 hardware queues a stream blocked in cuStreamWaitValue32 can
-# hold up an unrelated stream aliased onto its queue (the watchdog's release among them). A user
-# who set this (Megatron sets 1) keeps their value.
-_os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")
-# NVLink multicast is forbidden on the machines this project uses.
+# Process-wide environment. Importing cuflux sets only what cuflux's own correctness needs; the
+# caller's torch, kernels and libraries run as they would without it.
+#
+# NCCL_NVLS_ENABLE=0 (a default: a value the caller set is kept). NVLink multicast must stay off
+# on the machines this project runs on; the project's scripts, tests and benchmarks set it too.
 _os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+#
+# CUDA_MODULE_LOADING: not touched. EAGER would make every CUDA library in the process (torch,
+# cuBLAS, ...) load all of its kernels when CUDA starts: seconds and hundreds of MB per process.
+# cuflux's hazard under lazy loading is a kernel of its own loaded at first launch (which may
+# need the context to synchronise) while one of its waits blocks a stream. Its kernels are
+# loaded when an op is built instead: kernels.load fetches every function of a module
+# (cuModuleGetFunction loads the kernel it returns), driver.load_functions forces it with
+# cuFuncLoad (and warns once where the driver cannot), and ops warm up in their constructors.
+#
+# CUDA_DEVICE_MAX_CONNECTIONS: not touched (Megatron sets 1; CUDA's default is 8). A timed-out
+# stream wait on a host-mapped flag is released by a CPU store (watchdog.py), which needs no
+# hardware queue. With 1, a waiting stream holds back every later-queued stream of the process:
+# watchdog.StreamWaiter warns once and says what that costs.
+#
+# cuflux's own settings: CUFLUX_HOST_TIMEOUT_S (bound of host collectives, world.py),
+# CUFLUX_CACHE_DIR (kernel cache, kernels.py), CUFLUX_NUMA_SIZE (ranks per NUMA domain,
+# world.py).
 
 from cuflux.errors import CommTimeoutError, CudaError, CufluxError  # noqa: E402
 from cuflux.world import World, init, device_count  # noqa: E402

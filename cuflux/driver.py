@@ -6,11 +6,24 @@ memory barrier first, so data copied earlier on the stream is visible before the
 `stream_wait_value32/64` hold the stream until a word reaches a value, using no SM. A stream
 wait is unbounded, so cuflux's own paths use the bounded wait kernel (ops/signal.py) and keep
 these for callers who want them.
+
+Host-mapped memory (`host_register`, `host_device_pointer`, `host_address`): pinned host pages
+that kernels and stream memory operations address like device memory. A stream wait on a word
+there can be released by a plain CPU store (watchdog.py), which needs no GPU queue.
+
+Module loading (`module_loading_mode`, `load_functions`): under CUDA's lazy loading a kernel may
+be loaded at its first launch, which can need the context to synchronise; a kernel loaded while
+another of cuflux's waits blocks a stream can then stall until that wait times out. cuflux
+loads its own kernels when an op is built (`load_functions` forces it with cuFuncLoad).
 """
 from __future__ import annotations
 
+import warnings
+
 __all__ = ["stream_write_value32", "stream_write_value64", "stream_wait_value32",
-           "stream_wait_value64", "stream_handle", "DriverError"]
+           "stream_wait_value64", "stream_handle", "host_register", "host_unregister",
+           "host_device_pointer", "host_address", "module_loading_mode", "load_functions",
+           "DriverError"]
 
 
 class DriverError(RuntimeError):
@@ -83,3 +96,89 @@ def stream_wait_value64(stream, address: int, value: int, cmp: str = "geq") -> N
     _check(drv.cuStreamWaitValue64(drv.CUstream(stream_handle(stream)), drv.CUdeviceptr(address),
                                    value & 0xFFFFFFFFFFFFFFFF, _wait_flag(cmp)),
            f"cuStreamWaitValue64(0x{address:x}, {value})")
+
+
+# ---- host-mapped memory ------------------------------------------------------------------------
+_HOST_REGISTER_PORTABLE_MAPPED = 0x01 | 0x02  # cudaHostRegisterPortable | cudaHostRegisterMapped
+_MEMORY_TYPE_HOST = 1  # cudaMemoryTypeHost
+
+
+def host_register(host_ptr: int, num_bytes: int) -> int:
+    """Pin host pages (page-aligned, e.g. an mmap) for every context and map them into the
+    device address space; returns the device pointer kernels and stream memory ops use."""
+    from cupy.cuda import runtime
+
+    runtime.hostRegister(host_ptr, num_bytes, _HOST_REGISTER_PORTABLE_MAPPED)
+    try:
+        return host_device_pointer(host_ptr)
+    except Exception:
+        runtime.hostUnregister(host_ptr)
+        raise
+
+
+def host_unregister(host_ptr: int) -> None:
+    from cupy.cuda import runtime
+
+    runtime.hostUnregister(host_ptr)
+
+
+def host_device_pointer(host_ptr: int) -> int:
+    """Device address of registered or cudaHostAlloc'ed mapped host memory."""
+    from cuda.bindings import runtime as rt
+
+    err, dev_ptr = rt.cudaHostGetDevicePointer(host_ptr, 0)
+    if err != rt.cudaError_t.cudaSuccess:
+        raise DriverError(f"cudaHostGetDevicePointer(0x{host_ptr:x}) failed: {err}")
+    return int(dev_ptr)
+
+
+def host_address(ptr: int) -> int | None:
+    """The CPU address of `ptr` when it points into pinned host-mapped memory (so the CPU can
+    store into it directly); None for device memory or anything CUDA does not know."""
+    try:
+        from cupy.cuda import runtime
+
+        attrs = runtime.pointerGetAttributes(ptr)
+    except Exception:
+        return None
+    # hostPointer is the CPU address of ptr itself (not of the allocation's base).
+    if int(attrs.type) != _MEMORY_TYPE_HOST or not attrs.hostPointer:
+        return None
+    return int(attrs.hostPointer)
+
+
+# ---- module loading -----------------------------------------------------------------------------
+_warned_cannot_force = False
+
+
+def module_loading_mode() -> str:
+    """"lazy" or "eager": how this process's CUDA driver loads modules (CUDA_MODULE_LOADING,
+    read when CUDA starts; lazy is CUDA's default since 12.2)."""
+    drv = _drv()
+    _, mode = _check(drv.cuModuleGetLoadingMode(), "cuModuleGetLoadingMode")
+    return "lazy" if mode == drv.CUmoduleLoadingMode.CU_LAZY_LOADING else "eager"
+
+
+def load_functions(functions) -> None:
+    """Make sure every kernel (CuPy Functions, or raw CUfunction handles) is loaded now, not at
+    its first launch: under lazy loading, cuFuncLoad on each one that is not loaded yet. Where
+    the driver has no cuFuncLoad (CUDA < 12.4), warns once and relies on cuModuleGetFunction,
+    which loads the kernel it returns."""
+    global _warned_cannot_force
+    if module_loading_mode() == "eager":
+        return
+    drv = _drv()
+    if not hasattr(drv, "cuFuncLoad"):
+        if not _warned_cannot_force:
+            _warned_cannot_force = True
+            warnings.warn("cuflux: CUDA loads modules lazily here and this driver cannot force "
+                          "a kernel to load (cuFuncLoad needs CUDA 12.4); set "
+                          "CUDA_MODULE_LOADING=EAGER before CUDA starts if a first kernel "
+                          "launch stalls behind a cuflux wait", RuntimeWarning, stacklevel=2)
+        return
+    loaded = drv.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED
+    for f in functions:
+        handle = drv.CUfunction(int(getattr(f, "ptr", f)))
+        _, state = _check(drv.cuFuncIsLoaded(handle), "cuFuncIsLoaded")
+        if state != loaded:
+            _check(drv.cuFuncLoad(handle), "cuFuncLoad")

@@ -5,45 +5,116 @@ kernel, which is what the host-driven DMA path wants (no SM taken from a concurr
 when ranks share one GPU a blocked stream does not hold the GPU the way a spinning kernel
 does). It has no timeout of its own, so every wait is registered with a watchdog thread: when
 the wait has not completed by its deadline, the thread records the timeout in the op's
-ErrorRecord (op, rank, peer, observed, expected) and releases the stream by writing the
-awaited value into the flag from a private stream. The flag lives in this rank's own memory,
-so the release never touches a peer. The op is then failed: its next call or synchronize()
-raises CommTimeoutError.
+ErrorRecord (op, rank, peer, observed, expected) and releases the stream by making the flag
+reach the awaited value. The flag lives in this rank's own memory, so the release never
+touches a peer. The op is then failed: its next call or synchronize() raises CommTimeoutError.
+
+How the flag is released depends on where it lives:
+- pinned host-mapped memory (SymmetricBuffer(memory="host"), cudaHostAlloc'ed mapped memory):
+  a plain CPU store. No GPU queue is involved, so the release cannot sit behind the blocked
+  wait, whatever CUDA_DEVICE_MAX_CONNECTIONS is. This is the path ops should use.
+- device memory: cuStreamWriteValue32 from a private stream (and a D2H copy to read the
+  observed value). With few hardware queues (CUDA_DEVICE_MAX_CONNECTIONS=1, or many streams)
+  that stream can share a queue with the blocked wait and never run: the thread waits for it
+  a bounded time, then records a fault instead of hanging.
+
+The thread never dies silently: an exception in it is kept (`fault`, also set on the
+ErrorRecord as `err.fault`), the op's error record is marked aborted (so its next call
+raises), every pending wait on host-mapped memory is released, and `wait()`/`check()` raise
+a CufluxError carrying it.
 """
 from __future__ import annotations
 
 import collections
+import ctypes
+import os
 import threading
 import time
+import warnings
 
 import numpy as np
 
 from cuflux import driver
 from cuflux import errors as E
+from cuflux.errors import CufluxError
 
-__all__ = ["StreamWaiter"]
+__all__ = ["StreamWaiter", "warn_if_one_connection"]
 
 _POLL_S = 0.002
+_RELEASE_BOUND_S = 2.0  # how long the device-memory release may take before it is a fault
+_UNKNOWN = 0xFFFFFFFF   # observed value when the flag could not be read
+
+_warned_one_connection = False
+
+
+def warn_if_one_connection(env=None) -> bool:
+    """Warn once per process when CUDA_DEVICE_MAX_CONNECTIONS=1 (Megatron's setting); True if
+    it warned now. cuflux does not set the variable: it is the caller's choice, and stream
+    waits on host-mapped flags are released by the CPU whatever it is. The cost is overlap."""
+    global _warned_one_connection
+    env = os.environ if env is None else env
+    if _warned_one_connection or env.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
+        return False
+    _warned_one_connection = True
+    warnings.warn(
+        "cuflux: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every stream of this process on one "
+        "hardware queue: while a cuflux stream waits for a peer (cuStreamWaitValue32), work "
+        "queued after it on any stream, your own kernels included, waits too, so communication "
+        "does not overlap computation. Timed-out waits are still released. Ops built with "
+        "wait='kernel' (a waiting kernel does not hold the queue) keep the overlap.",
+        RuntimeWarning, stacklevel=3)
+    return True
 
 
 class StreamWaiter:
+    """The stream waits of one op and the thread that bounds them.
+
+    A pending wait is a list: [reached event, passed event, time the stream reached it (None
+    before), flag address, expected, peer, index, released?, CPU address of the flag (None:
+    device memory)].
+    """
+
+    fault: BaseException | None = None  # what killed the thread (or a release that could not run)
+
     def __init__(self, err: E.ErrorRecord, device: int, op_code: int):
         import cupy
 
         self.err, self.device, self.op_code = err, device, op_code
         self._pending: dict[int, collections.deque] = {}
         self._lock = threading.Lock()
-        self._release = cupy.cuda.Stream(non_blocking=True)
-        self._observed = cupy.cuda.alloc_pinned_memory(4)
+        with cupy.cuda.Device(device):
+            self._release = cupy.cuda.Stream(non_blocking=True)
+            self._observed = cupy.cuda.alloc_pinned_memory(4)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._host_words: dict[int, int | None] = {}
+        warn_if_one_connection()
+
+    def _host_word(self, flag_addr: int) -> int | None:
+        """CPU address of the flag when it is host-mapped (cached per address)."""
+        cache = self.__dict__.setdefault("_host_words", {})
+        if flag_addr not in cache:
+            cache[flag_addr] = driver.host_address(flag_addr)
+        return cache[flag_addr]
+
+    def check(self) -> None:
+        """Raise CufluxError if the watchdog failed (its thread died, or a release could not
+        run); the op's error record says the same through err.check()."""
+        fault = self.fault
+        if fault is not None:
+            op = {v: k for k, v in E.OP_CODES.items()}.get(self.op_code, "op")
+            raise CufluxError(f"{op}: the stream-wait watchdog failed: "
+                              f"{type(fault).__name__}: {fault}") from fault
 
     def wait(self, stream, flag_addr: int, expected: int, peer: int, index: int = 0) -> None:
-        """`stream` waits until the flag at flag_addr reached `expected` (epoch, wrap-aware)."""
+        """`stream` waits until the flag at flag_addr reached `expected` (epoch, wrap-aware).
+        Put the flag in host-mapped memory: then a timed-out wait is released by the CPU."""
         import cupy
 
+        self.check()
         if self.err.failed():
             return  # the op already failed: do not block the stream behind a dead peer
+        host = self._host_word(flag_addr)
         # The budget counts from when the stream reaches the wait (event `reached`), not from
         # when the host queued it: a long queue of back-to-back calls must not time out.
         reached = cupy.cuda.Event(disable_timing=True)
@@ -51,7 +122,8 @@ class StreamWaiter:
         driver.stream_wait_value32(stream, flag_addr, expected, "geq")
         passed = cupy.cuda.Event(disable_timing=True)
         passed.record(stream)
-        item = [reached, passed, None, flag_addr, expected & 0xFFFFFFFF, peer, index, False]
+        item = [reached, passed, None, flag_addr, expected & 0xFFFFFFFF, peer, index, False,
+                host]
         with self._lock:
             # One FIFO per stream: a stream passes its waits in order, so only the head of each
             # queue can be blocked and each poll looks at one wait per stream.
@@ -62,10 +134,16 @@ class StreamWaiter:
                 self._thread.start()
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as e:  # never die silently: the op's next call raises it
+            self._fail(e)
+
+    def _loop(self) -> None:
         import cupy
 
         if self.device is not None:
-            cupy.cuda.Device(self.device).use()
+            cupy.cuda.Device(self.device).use()  # this thread's device, not the caller's
         while not self._stop.is_set():
             time.sleep(_POLL_S)
             w = self.err.words
@@ -95,21 +173,84 @@ class StreamWaiter:
                         item[7] = True  # released: it passes shortly and is popped then
                     break
 
-    def _expire(self, item, status: int) -> None:
-        from cupy.cuda import runtime
-
+    def _record(self, item, status: int, observed: int) -> None:
         flag_addr, expected, peer, index = item[3:7]
-        runtime.memcpyAsync(self._observed.ptr, flag_addr, 4, 2, self._release.ptr)  # D2H
-        self._release.synchronize()
-        observed = int(np.frombuffer(self._observed, dtype=np.uint32, count=1)[0])
         w = self.err.words
         if w is not None and int(w[E.STATUS]) == E.STATUS_OK:
             w[E.OP], w[E.RANK], w[E.PEER] = self.op_code, self.err.rank, peer
             w[E.OBSERVED], w[E.EXPECTED], w[E.INDEX] = observed, expected, index
             w[E.STATUS] = status
+
+    def _expire(self, item, status: int) -> None:
+        host = item[8] if len(item) > 8 else None
+        if host is not None:
+            # The flag is ours and host-mapped: read it and release the wait with CPU accesses
+            # (an aligned 32-bit store; the stream's wait sees it at its next poll).
+            word = ctypes.c_uint32.from_address(host)
+            self._record(item, status, word.value)
+            word.value = item[4]
+            return
+        self._expire_device(item, status)
+
+    def _expire_device(self, item, status: int) -> None:
+        from cupy.cuda import runtime
+
+        flag_addr, expected = item[3], item[4]
+        runtime.memcpyAsync(self._observed.ptr, flag_addr, 4, 2, self._release.ptr)  # D2H
+        read = self._wait_release()
+        observed = (int(np.frombuffer(self._observed, dtype=np.uint32, count=1)[0]) if read
+                    else _UNKNOWN)
+        self._record(item, status, observed)
         # Release the stream: the flag is ours, so writing it touches no peer.
         driver.stream_write_value32(self._release, flag_addr, expected)
-        self._release.synchronize()
+        if not (read and self._wait_release()):
+            self.fault = CufluxError(
+                "the release of a timed-out stream wait on a device-memory flag did not run "
+                f"within {_RELEASE_BOUND_S} s: its GPU queue sits behind the blocked wait "
+                "(CUDA_DEVICE_MAX_CONNECTIONS="
+                f"{os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS', 'unset')}); keep stream-waited "
+                "flags in host-mapped memory (SymmetricBuffer(memory='host'))")
+            self._mark_err_fault(self.fault)
+
+    def _wait_release(self) -> bool:
+        """Bounded wait for the private release stream (it may share a blocked queue)."""
+        deadline = time.monotonic() + _RELEASE_BOUND_S
+        while not self._release.done:
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def _mark_err_fault(self, exc: BaseException) -> None:
+        try:
+            self.err.fault = exc  # for an ErrorRecord.check() that raises it
+        except Exception:
+            pass
+        w = self.err.words
+        if w is not None:
+            if int(w[E.STATUS]) == E.STATUS_OK:
+                w[E.OP], w[E.RANK], w[E.PEER] = self.op_code, self.err.rank, self.err.rank
+                w[E.OBSERVED], w[E.EXPECTED], w[E.INDEX] = _UNKNOWN, _UNKNOWN, _UNKNOWN
+                w[E.STATUS] = E.STATUS_ABORTED
+            w[E.ABORT] = 1  # kernel waits of the op give up too
+
+    def _fail(self, exc: BaseException) -> None:
+        """The thread is dying: keep the exception, fail the op, release what the CPU can."""
+        self.fault = exc
+        try:
+            self._mark_err_fault(exc)
+        except Exception:
+            pass
+        with self._lock:
+            items = [item for q in self._pending.values() for item in q]
+        for item in items:
+            host = item[8] if len(item) > 8 else None
+            if host is not None and not item[7]:
+                try:
+                    ctypes.c_uint32.from_address(host).value = item[4]
+                    item[7] = True
+                except Exception:
+                    pass
 
     def close(self) -> None:
         self._stop.set()

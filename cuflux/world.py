@@ -1,91 +1,522 @@
-"""World: rank, size, device and topology of an mpi4py communicator (a TP group)."""
+"""World: rank, size, device and topology of an mpi4py communicator (a TP group).
+
+Host collectives are bounded. `barrier`, `allgather` and `check_same` are nonblocking exchanges
+(one pickled message to every peer, `isend`, matched with `improbe`) polled against a deadline;
+when it passes they raise `CommTimeoutError` naming the first peer that never arrived. Every
+message carries the collective's sequence number and name, so ranks that call different
+collectives (ops built or closed in different orders) get a clear error rather than pairing
+the wrong ones. After a failed collective the group is out of step and refuses further ones.
+The World runs them on its own duplicate of the caller's communicator, so cuflux's messages
+never meet the caller's.
+
+Each op takes its own duplicate through `World.sub_comm(tag)` (an `OpComm`, checked across
+ranks when it is made and when it is closed): ops built or closed in different orders on
+different ranks raise instead of waiting in each other's barriers.
+
+GPU choice (`choose_device`): `device=` when given; otherwise the process's node-local rank
+(from the launcher's environment, else computed over a communicator that spans COMM_WORLD)
+modulo the device count. A World built on a sub-communicator lands on the GPU a World on
+COMM_WORLD would pick. The World never changes the caller's current device: ops enter
+`world.device_context()` (`with cupy.cuda.Device(world.device)`) where they need it.
+
+`device_count()` is 0 only when the machine has no GPU (no NVIDIA driver, or CUDA sees no
+device); a CUDA set-up that cannot work (CuPy missing, a driver older than the CUDA extra
+installed) raises `CudaSetupError` saying what to install.
+"""
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
+import math
 import os
 import pickle
 import socket
-from typing import Any
+import sys
+import time
+from typing import Any, Mapping
 
-from cuflux.errors import CufluxError
+from cuflux.errors import CommTimeoutError, CufluxError
 from cuflux.topology import PeerLink, Topology
 
-__all__ = ["World", "init", "device_count"]
+__all__ = ["World", "OpComm", "HostGroup", "init", "device_count", "require_device",
+           "choose_device", "local_rank_from_env", "classify_device_error", "CudaSetupError",
+           "NoDeviceError", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "LOCAL_RANK_ENV"]
+
+# Bound of every host collective (set-up, barriers, close), unless World(timeout_s=...) or the
+# call says otherwise. Long enough for a peer that compiles kernels on first use (up to ~40 s a
+# file, several files for some ops) to be late rather than reported dead; finite, so a dead
+# peer costs at most this long.
+DEFAULT_TIMEOUT_S = 120.0
+TIMEOUT_ENV = "CUFLUX_HOST_TIMEOUT_S"  # overrides DEFAULT_TIMEOUT_S for every World
+
+# The launcher's node-local rank, most specific first. MPI launchers before the generic names:
+# mpiexec under Slurm runs its proxies through srun, so SLURM_LOCALID of an MPI rank is the
+# proxy's (0 for every rank of the node).
+LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK",  # Open MPI
+                  "MPI_LOCALRANKID",             # MPICH (Hydra), Intel MPI
+                  "MV2_COMM_WORLD_LOCAL_RANK",   # MVAPICH
+                  "PALS_LOCAL_RANKID",           # HPE PALS
+                  "LOCAL_RANK",                  # torchrun and most launch scripts
+                  "SLURM_LOCALID")               # srun
+
+_TAG = 0x6378  # point-to-point tag of cuflux's host collectives (on communicators it owns)
+_NODE_LOCAL_RANK: int | None = None  # this process's node-local rank in COMM_WORLD, once known
+
+
+class CudaSetupError(CufluxError):
+    """CUDA is installed in a way that cannot work here (CuPy missing, driver too old for the
+    CUDA extra installed, driver not loaded); the message says what to install or fix."""
+
+
+class NoDeviceError(CufluxError):
+    """An op needs a CUDA device and this process has none."""
+
+
+def check_timeout(what: str, timeout_s) -> float:
+    """A finite number of seconds > 0 (nan and inf would make a wait unbounded)."""
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s) or timeout_s <= 0):
+        raise ValueError(f"{what}: timeout_s must be a finite number of seconds > 0, "
+                         f"got {timeout_s!r}")
+    return float(timeout_s)
+
+
+def default_timeout_s() -> float:
+    value = os.environ.get(TIMEOUT_ENV)
+    if value is None:
+        return DEFAULT_TIMEOUT_S
+    try:
+        return check_timeout(TIMEOUT_ENV, float(value))
+    except ValueError:
+        raise ValueError(f"{TIMEOUT_ENV} must be a finite number of seconds > 0, "
+                         f"got {value!r}") from None
+
+
+# ---- how many GPUs, and which one ----------------------------------------------------------
+_CUDA_ERROR_INSUFFICIENT_DRIVER = 35
+_CUDA_ERROR_NO_DEVICE = 100
+_HOW_TO_INSTALL = ('pip install "cuflux[cuda13]" for NVIDIA drivers >= 580 (CUDA 13), '
+                   '"cuflux[cuda12]" for drivers >= 525 (CUDA 12)')
+
+
+def _cuda_version(v: int | None) -> str:
+    return "unknown" if not v else f"{v // 1000}.{v % 1000 // 10}"
+
+
+def classify_device_error(status: int, *, driver_present: bool, driver_version: int | None = None,
+                          runtime_version: int | None = None, message: str = "") -> int:
+    """What a failed cudaGetDeviceCount means: 0 (no GPU here) or a CudaSetupError.
+
+    status: the cudaError_t; driver_present: libcuda can be loaded; driver_version: what
+    cuDriverGetVersion says (CUDA version x 1000, as 12040); runtime_version: the CUDA runtime
+    CuPy uses (same encoding). No GPU means: cudaErrorNoDevice (none visible, or
+    CUDA_VISIBLE_DEVICES hides them all), or no driver library at all (the CUDA runtime then
+    reports cudaErrorInsufficientDriver, the same code as a driver that is too old).
+    """
+    if status == _CUDA_ERROR_NO_DEVICE:
+        return 0
+    if status == _CUDA_ERROR_INSUFFICIENT_DRIVER and not driver_present:
+        return 0
+    if status == _CUDA_ERROR_INSUFFICIENT_DRIVER:
+        drv, rt = _cuda_version(driver_version), _cuda_version(runtime_version)
+        if driver_version and driver_version >= 13000:
+            fix = ("update the NVIDIA driver to one that supports CUDA " + rt)
+        elif driver_version and driver_version >= 12000:
+            fix = ('install the CUDA 12 build instead: pip uninstall cupy-cuda13x && '
+                   'pip install "cuflux[cuda12]" (or update the driver to >= 580)')
+        else:
+            fix = "update the NVIDIA driver (>= 525 for cuflux[cuda12], >= 580 for cuflux[cuda13])"
+        raise CudaSetupError(
+            f"device_count: the NVIDIA driver supports CUDA {drv} but CuPy was built for CUDA "
+            f"{rt} (cudaErrorInsufficientDriver): {fix}")
+    raise CudaSetupError(
+        f"device_count: CUDA could not start (error {status}{': ' + message if message else ''}); "
+        "check that the NVIDIA driver is loaded (nvidia-smi) and matches the CUDA extra: "
+        + _HOW_TO_INSTALL)
+
+
+def _driver_probe() -> tuple[bool, int | None]:
+    """(libcuda can be loaded, the CUDA version it supports), without initialising CUDA."""
+    names = ("nvcuda.dll",) if sys.platform == "win32" else ("libcuda.so.1", "libcuda.so")
+    for name in names:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        version = ctypes.c_int(0)
+        try:
+            if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+                return True, None
+        except AttributeError:
+            return True, None
+        return True, version.value
+    return False, None
+
+
+def _device_count_and_reason() -> tuple[int, str]:
+    try:
+        from cupy.cuda import runtime
+    except ImportError as e:
+        raise CudaSetupError(f"cuflux needs CuPy, which cannot be imported ({e}): "
+                             + _HOW_TO_INSTALL) from e
+    except Exception as e:  # CuPy present but its CUDA libraries are not
+        raise CudaSetupError(f"CuPy cannot start ({type(e).__name__}: {e}): "
+                             + _HOW_TO_INSTALL) from e
+    try:
+        n = runtime.getDeviceCount()
+    except runtime.CUDARuntimeError as e:
+        present, drv = _driver_probe()
+        try:
+            rt = runtime.runtimeGetVersion()
+        except Exception:
+            rt = None
+        n = classify_device_error(int(e.status), driver_present=present, driver_version=drv,
+                                  runtime_version=rt, message=str(e))
+        if not present:
+            return n, "no NVIDIA driver is installed on this machine"
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        return n, ("CUDA sees no device" + (f" (CUDA_VISIBLE_DEVICES={visible!r})"
+                                            if visible is not None else ""))
+    return n, "" if n else "CUDA sees no device"
 
 
 def device_count() -> int:
-    """Number of visible CUDA devices; 0 when there is no GPU or no usable driver."""
+    """Number of visible CUDA devices: 0 only when this machine has none (no NVIDIA driver, or
+    CUDA sees no device). A CUDA installation that cannot work raises CudaSetupError."""
+    return _device_count_and_reason()[0]
+
+
+def require_device(op: str) -> int:
+    """The number of visible devices (>= 1), or NoDeviceError "{op}: needs a CUDA device; ..."
+    (ops call it first, so every op says the same thing on a machine without a GPU)."""
+    n, why = _device_count_and_reason()
+    if n == 0:
+        raise NoDeviceError(f"{op}: needs a CUDA device; {why}")
+    return n
+
+
+def local_rank_from_env(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """(variable, node-local rank) from the first of LOCAL_RANK_ENV that holds an integer."""
+    for name in LOCAL_RANK_ENV:
+        value = env.get(name, "").strip()
+        if value.isdigit():
+            return name, int(value)
+    return None
+
+
+def choose_device(num_devices: int, device: int | None = None, env_local_rank: int | None = None,
+                  node_local_rank: int | None = None, *, what: str = "World") -> int | None:
+    """The GPU a rank uses: `device` when given, else (node-local rank % num_devices), the
+    node-local rank from the launcher (env_local_rank) or from COMM_WORLD (node_local_rank).
+    None when the machine has no GPU. Raises when the rank cannot be known."""
+    if device is not None:
+        if isinstance(device, bool) or not isinstance(device, int):
+            raise TypeError(f"{what}: device must be an int, got {type(device).__name__}")
+        if num_devices == 0:
+            raise NoDeviceError(f"{what}: device={device} was given but this machine has no "
+                                "CUDA device")
+        if not 0 <= device < num_devices:
+            raise ValueError(f"{what}: device={device} is not one of the {num_devices} visible "
+                             "devices")
+        return device
+    if num_devices == 0:
+        return None
+    local = env_local_rank if env_local_rank is not None else node_local_rank
+    if local is None:
+        raise CufluxError(
+            f"{what}: cannot tell which GPU this process should use: the communicator does not "
+            f"span COMM_WORLD and the launcher set none of {', '.join(LOCAL_RANK_ENV)}; pass "
+            "device= (for example torch.cuda.current_device())")
+    return local % num_devices
+
+
+def _current_device() -> int | None:
     try:
         from cupy.cuda import runtime
 
-        return runtime.getDeviceCount()
+        return runtime.getDevice()
     except Exception:
-        return 0
+        return None
 
 
+# ---- bounded host collectives --------------------------------------------------------------
+class HostGroup:
+    """Bounded host collectives over one communicator.
+
+    allgather/barrier/check_same raise CommTimeoutError(op, rank, first missing peer, seconds)
+    when a peer does not arrive within the timeout, and CufluxError when peers are at another
+    collective. Either failure leaves the group out of step: later calls raise at once.
+    """
+
+    def __init__(self, comm, timeout_s: float, label: str):
+        self.comm, self.label = comm, label
+        self.rank: int = comm.Get_rank()
+        self.size: int = comm.Get_size()
+        self.timeout_s = check_timeout(label, timeout_s)
+        self._seq = 0
+        self._sends: list = []  # isend requests still in flight (their buffers must live)
+        self._failure: BaseException | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def _check_usable(self, what: str) -> None:
+        if self._failure is not None:
+            raise CufluxError(f"{self.label}: cannot run {what}: an earlier host collective "
+                              f"failed ({self._failure}); the ranks are out of step, build a "
+                              "new World or op")
+        if self.comm is None:
+            raise CufluxError(f"{self.label}: cannot run {what}: the communicator is freed")
+
+    def allgather(self, obj: Any, timeout_s: float | None = None, what: str = "allgather") -> list:
+        """Every rank's obj, in rank order (objects are pickled)."""
+        self._check_usable(what)
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(what, timeout_s)
+        seq, self._seq = self._seq, self._seq + 1
+        me, W = self.rank, self.size
+        if W == 1:
+            return [obj]
+        self._sends = [r for r in self._sends if not r.Test()]
+        for p in range(W):
+            if p != me:
+                self._sends.append(self.comm.isend((seq, what, obj), dest=p, tag=_TAG))
+        got: dict[int, Any] = {me: obj}
+        pending = [(me + i) % W for i in range(1, W)]  # the next rank first: "first missing"
+        deadline = time.monotonic() + timeout_s
+        polls = 0
+        while True:
+            for p in list(pending):
+                msg = self.comm.improbe(source=p, tag=_TAG)
+                if msg is None:
+                    continue
+                their_seq, their_what, their_obj = msg.recv()
+                if (their_seq, their_what) != (seq, what):
+                    self._failure = CufluxError(
+                        f"{self.label}: rank {me} is at host collective #{seq} ({what!r}) while "
+                        f"rank {p} is at #{their_seq} ({their_what!r}): the ranks called "
+                        "cuflux's collectives in different orders")
+                    raise self._failure
+                got[p] = their_obj
+                pending.remove(p)
+            if not pending:
+                return [got[r] for r in range(W)]
+            if time.monotonic() > deadline:
+                self._failure = CommTimeoutError(
+                    f"{self.label} {what}", me, pending[0], timeout_s,
+                    f"ranks {sorted(pending)} did not arrive")
+                raise self._failure
+            polls += 1
+            # Spin briefly (a barrier of ranks that are all there takes microseconds), then
+            # sleep so a waiting rank does not take a core from the one it waits for.
+            if polls > 200:
+                time.sleep(min(0.002, 1e-5 * (polls - 200)))
+
+    def barrier(self, timeout_s: float | None = None, what: str = "barrier") -> None:
+        self.allgather(None, timeout_s, what)
+
+    def check_same(self, value: Any, what: str, timeout_s: float | None = None) -> None:
+        """Raise ValueError on every rank if `value` differs between ranks (compares a hash)."""
+        digest = hashlib.sha1(pickle.dumps(value)).hexdigest()
+        digests = self.allgather(digest, timeout_s, f"check_same({what})")
+        if len(set(digests)) > 1:
+            values = self.allgather(value, timeout_s, f"check_same({what}) values")
+            raise ValueError(f"{what} differs between ranks: "
+                             + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
+
+    def dup(self, what: str = "dup", timeout_s: float | None = None):
+        """A duplicate of the communicator (MPI_Comm_idup, polled against the deadline)."""
+        self._check_usable(what)
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(what, timeout_s)
+        newcomm, req = self.comm.Idup()
+        deadline = time.monotonic() + timeout_s
+        polls = 0
+        while not req.Test():
+            if time.monotonic() > deadline:
+                self._failure = CommTimeoutError(f"{self.label} {what}", self.rank, -1,
+                                                 timeout_s, "duplicating the communicator")
+                raise self._failure
+            polls += 1
+            if polls > 200:
+                time.sleep(0.001)
+        return newcomm
+
+    def free(self) -> None:
+        """Free the communicator (local: no collective, pending messages are dropped)."""
+        comm, self.comm = self.comm, None
+        if comm is not None:
+            _free_comm(comm)
+
+
+def _free_comm(comm) -> None:
+    try:
+        from mpi4py import MPI
+
+        if MPI.Is_initialized() and not MPI.Is_finalized() and comm != MPI.COMM_NULL:
+            comm.Free()
+    except Exception:
+        pass  # freeing is best effort: a leaked communicator costs one context id
+
+
+class OpComm(HostGroup):
+    """An op's own communicator (World.sub_comm): bounded collectives, an id agreed by every
+    rank, a close that checks every rank closes the same op.
+
+    An op uses it for every host collective of its own (its SymmetricBuffer included:
+    `world.alloc_layout(layout, group=self.comm)`) and, in `_release`:
+      normal close:  self.comm.check_close(); self.buf.close(); self.comm.free()
+      abort:         self.buf.close(abort=True, streams=...); self.comm.free()
+    """
+
+    def __init__(self, comm, timeout_s: float, op_id: str, parent: HostGroup):
+        super().__init__(comm, timeout_s, op_id)
+        self.op_id, self._parent = op_id, parent
+
+    def check_close(self, timeout_s: float | None = None) -> None:
+        """Collective over the World (bounded): every rank is closing this op now. Raises
+        CufluxError naming what each rank closes when they disagree."""
+        ids = self._parent.allgather(self.op_id, timeout_s, "close op")
+        if len(set(ids)) > 1:
+            raise CufluxError(f"{self.op_id}: ops closed in different orders: "
+                              + ", ".join(f"rank {r} closes {i}" for r, i in enumerate(ids)))
+
+    def close(self, timeout_s: float | None = None) -> None:
+        try:
+            self.check_close(timeout_s)
+        finally:
+            self.free()
+
+
+# ---- the world ---------------------------------------------------------------------------------
 class World:
     """The ranks of one communicator and the GPU each uses.
 
-    rank -> device is `local_rank % device_count`, so several ranks may share one GPU (how every
-    multi-rank path is tested on a one-GPU machine). On a machine without a GPU `device` is
-    None: the world still bootstraps (topology checks, argument checks), but allocating
-    symmetric memory raises.
+    World(comm=None, device=None, timeout_s=None): comm is any mpi4py intracommunicator
+    (COMM_WORLD by default); device the GPU to use (default: choose_device, the node-local rank
+    modulo the device count, so several ranks may share one GPU: how every multi-rank path is
+    tested on a one-GPU machine); timeout_s bounds every host collective (default
+    DEFAULT_TIMEOUT_S, or CUFLUX_HOST_TIMEOUT_S). On a machine without a GPU `device` is None:
+    the world still bootstraps (topology checks, argument checks), but ops raise NoDeviceError.
+    The caller's current CUDA device is the same after __init__ as before.
     """
 
-    def __init__(self, comm=None):
+    def __init__(self, comm=None, device: int | None = None, timeout_s: float | None = None):
+        global _NODE_LOCAL_RANK
         from mpi4py import MPI
 
         self.comm = comm if comm is not None else MPI.COMM_WORLD
+        self.timeout_s = (default_timeout_s() if timeout_s is None
+                          else check_timeout("World", timeout_s))
         self.rank: int = self.comm.Get_rank()
         self.size: int = self.comm.Get_size()
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
-        self.local_rank: int = node.Get_rank()
-        self.local_size: int = node.Get_size()
-        node.Free()
         self.hostname = socket.gethostname()
+        self._host: HostGroup | None = None
+        self._num_ops = 0
+        world_rank, world_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+        # First contact on the caller's communicator (cuflux's tag), bounded and naming a rank
+        # that never called init; then a duplicate for everything else.
+        hello = HostGroup(self.comm, self.timeout_s, "cuflux.init")
+        everyone = hello.allgather((self.hostname, world_rank), what="hello")
+        self._host = HostGroup(hello.dup("duplicating the communicator"), self.timeout_s,
+                               "World")
+        self._hello = hello  # its isend requests (and their buffers) live until they complete
+        same_host = [r for r, (h, _) in enumerate(everyone) if h == self.hostname]
+        self.local_rank: int = same_host.index(self.rank)  # within this communicator
+        self.local_size: int = len(same_host)
+        if self.size == world_size:  # every process of COMM_WORLD is here
+            _NODE_LOCAL_RANK = sorted(wr for h, wr in everyone if h == self.hostname).index(
+                world_rank)
         self.num_devices = device_count()
-        self.device: int | None = self.local_rank % self.num_devices if self.num_devices else None
+        env = local_rank_from_env(os.environ)
+        self.device: int | None = choose_device(self.num_devices, device,
+                                                env[1] if env else None, _NODE_LOCAL_RANK)
         self._closed_hooks: list = []
-        if self.device is not None:
-            import cupy
+        previous = _current_device() if self.device is not None else None
+        try:
+            self.topology = self._discover()
+            bad = self.allgather(self.topology.unreachable() if self.device is not None else [],
+                                 what="reachability")
+        finally:
+            if previous is not None and _current_device() != previous:
+                from cupy.cuda import runtime
 
-            cupy.cuda.Device(self.device).use()
-        self.topology = self._discover()
-        bad = self.allgather(self.topology.unreachable() if self.device is not None else [])
+                runtime.setDevice(previous)
         pairs = sorted({tuple(sorted((r, p))) for r, peers in enumerate(bad) for p in peers})
         if pairs:
             raise CufluxError(
                 "cuflux.init: these rank pairs cannot reach each other's GPU memory (no P2P "
                 f"access; multi-node transport is not implemented yet): {pairs}")
 
-    # ---- collectives on the host ------------------------------------------------------------
-    def barrier(self) -> None:
-        self.comm.Barrier()
+    # ---- collectives on the host (bounded: CommTimeoutError after timeout_s) ----------------
+    def barrier(self, timeout_s: float | None = None, what: str = "World.barrier") -> None:
+        self._host.barrier(timeout_s, what)
 
-    def allgather(self, obj: Any) -> list:
-        return self.comm.allgather(obj)
+    def allgather(self, obj: Any, timeout_s: float | None = None,
+                  what: str = "World.allgather") -> list:
+        return self._host.allgather(obj, timeout_s, what)
 
-    def check_same(self, value: Any, what: str) -> None:
-        """Raise on every rank if `value` differs between ranks (cheap: compares a hash)."""
-        digest = hashlib.sha1(pickle.dumps(value)).hexdigest()
-        digests = self.allgather(digest)
-        if len(set(digests)) > 1:
-            values = self.allgather(value)
-            raise ValueError(f"{what} differs between ranks: "
-                             + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
+    def check_same(self, value: Any, what: str, timeout_s: float | None = None) -> None:
+        """Raise ValueError on every rank if `value` differs between ranks (cheap: a hash)."""
+        self._host.check_same(value, what, timeout_s)
+
+    def sub_comm(self, tag: str, timeout_s: float | None = None) -> OpComm:
+        """A communicator of an op's own (a duplicate), with an id every rank agrees on.
+
+        Collective: the ranks must build their ops in the same order. The n-th call on every
+        rank must pass the same tag (the op's name), or every rank raises CufluxError naming
+        what each one builds. The id is "{tag}#{n}". See OpComm for how an op uses it.
+        """
+        n, self._num_ops = self._num_ops, self._num_ops + 1
+        everyone = self.allgather((n, str(tag)), timeout_s, "sub_comm")
+        if len(set(everyone)) > 1:
+            raise CufluxError(
+                f"World.sub_comm: ops built in different orders on different ranks: "
+                + ", ".join(f"rank {r} builds op #{i} {t!r}" for r, (i, t) in enumerate(everyone)))
+        op_id = f"{tag}#{n}"
+        comm = self._host.dup(f"sub_comm({op_id})", timeout_s)
+        return OpComm(comm, self.timeout_s if timeout_s is None else timeout_s, op_id,
+                      self._host)
+
+    # ---- the device ----------------------------------------------------------------------------
+    def device_context(self):
+        """`with world.device_context():` makes this rank's GPU current inside the block and
+        restores the caller's afterwards (a no-op without a GPU)."""
+        if self.device is None:
+            return contextlib.nullcontext()
+        import cupy
+
+        return cupy.cuda.Device(self.device)
 
     # ---- symmetric memory (collective calls) ------------------------------------------------
-    def alloc_symmetric(self, shape, dtype):
+    def alloc_symmetric(self, shape, dtype, group: HostGroup | None = None):
         """Same-size buffer on every rank, mapped into every peer: a SymmetricBuffer."""
         from cuflux.symmetric import alloc_symmetric
 
-        return alloc_symmetric(self, shape, dtype)
+        return alloc_symmetric(self, shape, dtype, group=group)
 
-    def alloc_layout(self, layout):
-        """Symmetric buffer carved into named regions by a cuflux.symmetric.Layout."""
+    def alloc_layout(self, layout, group: HostGroup | None = None, memory: str = "device"):
+        """Symmetric buffer carved into named regions by a cuflux.symmetric.Layout; group: the
+        op's OpComm (default: the World's own collectives); memory: "device" or "host"."""
         from cuflux.symmetric import SymmetricBuffer
 
-        return SymmetricBuffer(self, layout)
+        return SymmetricBuffer(self, layout, group=group, memory=memory)
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the World's communicator (local; idempotent)."""
+        if self._host is not None:
+            self._host.free()
+
+    def __del__(self):
+        try:
+            from mpi4py import MPI
+
+            # From the garbage collector, any thread may run this: only with full thread support.
+            if self._host is not None and MPI.Query_thread() == MPI.THREAD_MULTIPLE:
+                self._host.free()
+        except Exception:
+            pass
 
     # ---- topology --------------------------------------------------------------------------
     def _pci_bus_id(self) -> str | None:
@@ -97,7 +528,7 @@ class World:
 
     def _discover(self) -> Topology:
         me = (self.hostname, self._pci_bus_id())
-        everyone = self.allgather(me)
+        everyone = self.allgather(me, what="topology")
         links = []
         for peer, (host, bus) in enumerate(everyone):
             same_host = host == self.hostname
@@ -140,7 +571,6 @@ def _native_atomics(dev: int, peer_dev: int) -> bool:
         return False
 
 
-def init(comm=None) -> World:
+def init(comm=None, device: int | None = None, timeout_s: float | None = None) -> World:
     """Bootstrap cuflux on an mpi4py communicator (MPI.COMM_WORLD by default)."""
-    return World(comm)
-
+    return World(comm, device=device, timeout_s=timeout_s)
