@@ -1,30 +1,235 @@
-"""python -m cuflux.bench <op> [--quick] [--iters N] [--outdir DIR]   (under mpiexec -n W)."""
+"""python -m cuflux.bench <op>|all [--quick] [--iters N] [--outdir DIR] [--plot]
+(under mpiexec -n W for W ranks).
+
+The JSON results go to --outdir, by default ./cuflux-results/ under the working directory
+(never inside the installed package). The project's own runs keep their record in the
+repository with an explicit `--outdir scripts/results`. `--plot` then draws
+<outdir>/<op>-speedup.png from the files this run wrote (cuflux.bench.plot; needs matplotlib).
+
+This module also holds the pieces every benchmark shares beyond cuflux.bench.common: the
+three user regimes of an op and its baselines (measure_regimes), the shared-GPU rule (no speed
+is measured while ranks time-slice one GPU), and the knobs record written into each JSON.
+"""
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
+import os
+import pathlib
 import sys
 
 OPS = {"allgather": "cuflux.bench.allgather", "allreduce": "cuflux.bench.allreduce",
        "all2all": "cuflux.bench.all2all", "gemm": "cuflux.bench.gemm",
        "ag_gemm": "cuflux.bench.ag_gemm", "gemm_rs": "cuflux.bench.gemm_rs"}
+DEFAULT_OUTDIR = "cuflux-results"  # under the working directory
+
+# ---- regimes ----------------------------------------------------------------------------------
+REGIMES = ("user_loop_ms", "host_us", "graph_ms")
+# Printed under "time-slicing, not speed" when ranks share a GPU.
+REGIME_COLS = ["user_loop_ms", "baseline_user_loop_ms", "user_loop_speedup", "host_us",
+               "baseline_host_us", "graph_ms", "baseline_graph_ms", "graph_speedup"]
+REGIMES_DOC = """Regimes (columns):
+  cuflux_ms / baseline_ms / speedup   GPU-queued: calls queued behind a hold (or interleaved
+                                      rounds), GPU time per call (CUDA events)
+  user_loop_ms, baseline_user_loop_ms back-to-back calls from Python, nothing held, wall time
+                                      per call (what a decode step sees); user_loop_speedup =
+                                      baseline_user_loop_ms / user_loop_ms
+  host_us, baseline_host_us           host time per call alone (issued while the GPU is held)
+  graph_ms, baseline_graph_ms         one CUDA graph of N calls replayed, GPU time per call
+                                      (None where the op refuses capture); graph_speedup
+With W > 1 every figure is the slowest rank's."""
+
+
+def regime_calls(ms, quick: bool = False, speed: bool = True) -> int:
+    """Calls per timed loop of a regime, from the GPU-queued time of one call (ms, the slowest
+    rank's, so every rank picks the same number): 10 above 1 ms, else 50 (--quick, or above
+    0.1 ms) or 100. With ranks sharing a GPU (speed=False) only a few calls: correctness."""
+    if not speed:
+        return 4
+    if ms is None or ms > 1.0:
+        return 10
+    return 50 if quick or ms > 0.1 else 100
+
+
+def slowest(values):
+    """The max over ranks of one figure, None where any rank has None."""
+    values = list(values)
+    return None if any(v is None for v in values) else max(values)
+
+
+def measure_regimes(fn, stream, *, calls: int, world=None, graph: bool = True,
+                    prefix: str = "", notes: list | None = None, what: str = "") -> dict:
+    """common.regimes for one callable on every rank of `world` (None: this rank alone), as
+    {prefix + "user_loop_ms", prefix + "host_us", prefix + "graph_ms"}, slowest rank.
+
+    `fn` enqueues one call on `stream` (wrap it in `with stream:` where the op uses the
+    current stream; the legacy default stream cannot be captured). A capture refused by the op
+    (CaptureError) gives graph_ms None; any other failure of the capture is caught, noted in
+    `notes` with its reason, and the two other regimes are measured again without a graph
+    (the failure is assumed to be the same on every rank: it comes from the same code)."""
+    from cuflux.bench.common import regimes
+
+    barrier = world.barrier if world is not None and world.size > 1 else None
+    label = what or prefix.rstrip("_") or "cuflux"
+    try:
+        r = regimes(fn, stream, calls=calls, graph=graph, barrier=barrier)
+        if graph and r["graph_ms"] is None and notes is not None:
+            notes.append(f"{label}: capture refused (CaptureError), no graph_ms")
+    except Exception as e:  # noqa: BLE001 (the reason is recorded)
+        if not graph:
+            raise
+        if notes is not None:
+            notes.append(f"{label}: graph capture failed: {type(e).__name__}: {e}")
+        stream.synchronize()
+        r = regimes(fn, stream, calls=calls, graph=False, barrier=barrier)
+    if world is not None and world.size > 1:
+        every = world.allgather(tuple(r[k] for k in REGIMES))
+        r = {k: slowest(v[i] for v in every) for i, k in enumerate(REGIMES)}
+    return {prefix + k: r[k] for k in REGIMES}
+
+
+def on_stream(fn, stream):
+    """fn() with `stream` as CuPy's current stream (ops that take no stream argument)."""
+    def call():
+        with stream:
+            fn()
+    return call
+
+
+def add_speedups(row: dict) -> dict:
+    """user_loop_speedup and graph_speedup (baseline / cuflux) where both figures exist."""
+    for regime, key in (("user_loop_ms", "user_loop_speedup"), ("graph_ms", "graph_speedup")):
+        ours, base = row.get(regime), row.get("baseline_" + regime)
+        row[key] = base / ours if ours and base else None
+    return row
+
+
+def no_baseline_regimes(row: dict, reason: str) -> dict:
+    """Baseline regime columns None, with the reason in the row's notes."""
+    for k in REGIMES:
+        row.setdefault("baseline_" + k, None)
+    add_note(row, reason)
+    return row
+
+
+def add_note(row: dict, *notes: str) -> dict:
+    notes = [n for n in notes if n]
+    if notes:
+        row.setdefault("notes", []).extend(notes)
+    return row
+
+
+# ---- shared GPU: no speed measured ------------------------------------------------------------
+def speed_measured(world_size: int, shared_gpu: bool, one_rank_times: bool = False) -> bool:
+    """False when ranks time-slice one GPU: their times measure the slicing, not the op
+    (issue 22.10). A bench where one rank times its work alone (`one_rank_times`) still
+    measures speed."""
+    return one_rank_times or not (world_size > 1 and shared_gpu)
+
+
+def speed_header(op: str, world_size: int, shared_gpu: bool, one_rank_times: bool = False) -> str:
+    """The line printed before a bench's table saying whether its times are speeds."""
+    where = ("ranks share one GPU" if world_size > 1 and shared_gpu
+             else "one rank per GPU" if world_size > 1 else "one rank")
+    if speed_measured(world_size, shared_gpu, one_rank_times):
+        extra = " (rank 0 times alone; the others wait)" if one_rank_times and world_size > 1 \
+            else ""
+        return f"{op}: W={world_size}, {where}: speed measured{extra}"
+    return (f"{op}: W={world_size}, {where}: NO SPEED MEASURED. The ops ran for correctness; "
+            f"any time below measures {world_size} processes time-slicing one GPU, not "
+            f"cuflux. Run one rank per GPU to measure speed.")
+
+
+def table_parts(cols: list[str], speed_cols, measured: bool) -> list[tuple[str | None, list]]:
+    """[(heading, columns)]: the table as one part when speed is measured; else the columns
+    that are not speeds, then the speed columns under "time-slicing, not speed"."""
+    speed_cols = set(speed_cols)
+    if measured:
+        return [(None, cols)]
+    first = [c for c in cols if c not in speed_cols]
+    rest = ["case"] + [c for c in cols if c in speed_cols]
+    return [(None, first), ("time-slicing, not speed (ranks share one GPU):", rest)]
+
+
+def print_bench_table(rows: list[dict], cols: list[str], speed_cols, measured: bool) -> None:
+    from cuflux.bench.common import print_table
+
+    for heading, part in table_parts(cols, speed_cols, measured):
+        if heading:
+            print(heading)
+        print_table(rows, part)
+
+
+# ---- knobs ------------------------------------------------------------------------------------
+def knobs(args, environ=None) -> dict:
+    """What a run was asked for: its command-line arguments and every CUFLUX_* variable set."""
+    environ = os.environ if environ is None else environ
+    cli = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()}
+    return {"args": cli,
+            "env": {k: environ[k] for k in sorted(environ) if k.startswith("CUFLUX_")}}
+
+
+def bench_extra(args, measured: bool, **more) -> dict:
+    """The JSON's run-wide keys: knobs, speed_measured, and a bench's own."""
+    return {"knobs": knobs(args), "speed_measured": measured, **more}
+
+
+# ---- command line -----------------------------------------------------------------------------
+def positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m cuflux.bench",
+                                epilog=REGIMES_DOC, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("op", choices=sorted(OPS) + ["all"])
+    p.add_argument("--quick", action="store_true", help="fewer cases")
+    p.add_argument("--iters", type=positive_int, default=50,
+                   help="timed calls per GPU-queued measurement (> 0)")
+    p.add_argument("--outdir", default=None,
+                   help=f"where the JSON goes (default: ./{DEFAULT_OUTDIR}/; the project's own "
+                        f"runs: scripts/results)")
+    p.add_argument("--plot", action="store_true",
+                   help="draw <outdir>/<op>-speedup.png from the JSON written (needs matplotlib)")
+    return p
+
+
+def parse_args(argv=None, cwd=None) -> argparse.Namespace:
+    args = parser().parse_args(argv)
+    if args.outdir is None:
+        args.outdir = str(pathlib.Path(cwd or os.getcwd()) / DEFAULT_OUTDIR)
+    return args
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cuflux.bench")
-    p.add_argument("op", choices=sorted(OPS) + ["all"])
-    p.add_argument("--quick", action="store_true", help="fewer cases")
-    p.add_argument("--iters", type=int, default=50)
-    p.add_argument("--outdir", default=None, help="where the JSON goes (scripts/results/)")
-    args = p.parse_args(argv)
+    args = parse_args(argv)
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        print("cuflux.bench: --plot draws with matplotlib, which is not installed: "
+              "pip install \"cuflux[plot]\" (or pip install matplotlib)", file=sys.stderr)
+        return 2
     import cuflux
 
     if cuflux.device_count() == 0:
         print("cuflux.bench: no CUDA device on this machine; nothing to measure.")
         return 0
     world = cuflux.init()
+    written = []
     for op in (sorted(OPS) if args.op == "all" else [args.op]):
-        importlib.import_module(OPS[op]).run(world, args)
+        path = importlib.import_module(OPS[op]).run(world, args)
+        if path is not None:
+            written.append(path)
+    if args.plot and world.rank == 0 and written:
+        from cuflux.bench.plot import plot_results
+
+        for png in plot_results(written, args.outdir):
+            print("drew", png)
     return 0
 
 
