@@ -13,12 +13,23 @@ Device times: the calls are captured in a CUDA graph (as a serving engine runs t
 is replayed and timed with CUDA events (median), divided by the calls in it; eager_ms is the
 fused op called from Python (host-bound for small T). The row takes the slowest rank. Inputs
 rotate over enough sets to exceed twice the L2 cache, so small cases are not served from L2.
-With ranks sharing one GPU (tests) the times of W > 1 measure time-slicing, not a link.
+With ranks sharing one GPU the ops run for correctness only: the JSON says
+"speed_measured": false and the table prints the times under "time-slicing, not speed".
+
+Regimes (cuflux.bench.__main__.REGIMES_DOC): cuflux_ms / baseline_ms / speedup above are the
+GPU-queued figures (graph-replayed here, GPU time per call). Beside them, for the fused op and
+for the unfused baseline (and NCCL + rmsnorm_residual, prefix nccl_, on distinct GPUs):
+  user_loop_ms / baseline_user_loop_ms   back-to-back calls from Python, nothing held, wall
+                                         time per call; user_loop_speedup = baseline / cuflux
+  host_us / baseline_host_us             host time per call alone
+  graph_ms / baseline_graph_ms           a graph of N calls replayed, GPU time per call
 """
 from __future__ import annotations
 
-from cuflux.bench.common import (copy_bandwidth_gbps, print_table, ranks_share_gpu, time_ms,
-                                 write_results)
+from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
+                                   measure_regimes, on_stream, print_bench_table, regime_calls,
+                                   speed_header, speed_measured)
+from cuflux.bench.common import copy_bandwidth_gbps, ranks_share_gpu, time_ms, write_results
 
 L2_BYTES = 60 << 20
 
@@ -53,7 +64,7 @@ def graph_ms(fn, calls: int, iters: int, stream) -> float:
     return ms / calls
 
 
-def run(world, args) -> None:
+def run(world, args):
     import cupy
 
     from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, choose_algo,
@@ -61,6 +72,7 @@ def run(world, args) -> None:
 
     W, me = world.size, world.rank
     shared_gpu = ranks_share_gpu(world)
+    measured = speed_measured(W, shared_gpu)
     ceiling = copy_bandwidth_gbps() if me == 0 else None
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
     world.barrier()
@@ -124,20 +136,42 @@ def run(world, args) -> None:
                 norm.synchronize(stream)
                 row["eager_ms"] = max(world.allgather(ms))
                 row["speedup"] = row["baseline_ms"] / row["cuflux_ms"]
+                notes = []
+                rcalls = regime_calls(max(row["cuflux_ms"], row["baseline_ms"]), args.quick,
+                                      measured)
+                for prefix, fn, what in (("", fused, "AllReduceRMSNorm"),
+                                         ("baseline_", unfused, "AllReduce + rmsnorm_residual"),
+                                         ("nccl_", with_nccl if nccl is not None else None,
+                                          "NCCL + rmsnorm_residual")):
+                    if fn is None:
+                        continue
+                    world.barrier()
+                    row.update(measure_regimes(on_stream(fn, stream), stream, calls=rcalls,
+                                               world=world, prefix=prefix, notes=notes,
+                                               what=what))
+                    norm.synchronize(stream)
+                    arop.synchronize(stream)
+                add_note(add_speedups(row), *notes)
                 if W == 1 and me == 0:
                     moved = (4 * T * H + H) * st.itemsize
                     row["gbps"] = moved / (row["cuflux_ms"] * 1e-3) / 1e9
                     row["fraction_of_hbm"] = row["gbps"] / ceiling
                 rows.append(row)
-                del sets
-    if me == 0:
-        print(f"AllReduce+RMSNorm, W={W}, ranks {'share one GPU' if shared_gpu else 'on own GPUs'}"
-              f", copy ceiling {ceiling:.0f} GB/s (read+write)")
-        cols = ["case", "auto_algo", "cuflux_ms", "baseline_ms", "speedup", "eager_ms"]
-        cols += ["one_shot_ms", "two_shot_ms"] if W > 1 else ["gbps", "fraction_of_hbm"]
-        cols += ["nccl_ms"] if nccl is not None else []
-        print_table(rows, cols)
-        path = write_results("allreduce", W, rows, {"copy_ceiling_gbps": ceiling,
-                                                    "ranks_share_gpu": shared_gpu},
-                             outdir=args.outdir)
-        print("wrote", path)
+                sets = None  # freed before the next T
+    if me != 0:
+        return None
+    print(speed_header("allreduce", W, shared_gpu))
+    print(f"AllReduce+RMSNorm, W={W}, ranks {'share one GPU' if shared_gpu else 'on own GPUs'}"
+          f", copy ceiling {ceiling:.0f} GB/s (read+write)")
+    cols = ["case", "auto_algo", "cuflux_ms", "baseline_ms", "speedup", "eager_ms"]
+    cols += ["one_shot_ms", "two_shot_ms"] if W > 1 else ["gbps", "fraction_of_hbm"]
+    cols += ["nccl_ms"] if nccl is not None else []
+    cols += REGIME_COLS
+    cols += ["nccl_user_loop_ms", "nccl_host_us", "nccl_graph_ms"] if nccl is not None else []
+    speed_cols = set(cols) - {"case", "auto_algo"}
+    print_bench_table(rows, cols, speed_cols, measured)
+    path = write_results("allreduce", W, rows, bench_extra(
+        args, measured, copy_ceiling_gbps=ceiling, ranks_share_gpu=shared_gpu),
+        outdir=args.outdir)
+    print("wrote", path)
+    return path
