@@ -10,17 +10,29 @@ Two timings per case:
              GPU-side cost when the host keeps ahead (how the op runs inside a model step);
   single_ms  one call between events after an idle GPU (common.time_ms): includes the host's
              launch overhead (validation, 1-3 kernel launches).
-host_us is the host's time per call in the back-to-back loop: near cuflux_ms the host, not
+queued_host_us is the host's time per call in that back-to-back loop: near cuflux_ms the host, not
 the GPU, sets the pace. At W = 1 with out=, copy_ms is a bare cudaMemcpyAsync of the same bytes
 through the same buffers, timed in alternation with the op (ratio_to_copy = copy_ms / cuflux_ms).
 Inputs rotate over buffers larger than the L2 cache, filled with random data.
+
+Regimes (cuflux.bench.__main__.REGIMES_DOC): cuflux_ms / baseline_ms / speedup are GPU-queued
+(calls queued behind a hold, GPU time per call; queued_host_us is that loop's host time).
+Beside them, for the op (and for the NCCL baseline on distinct GPUs, baseline_*):
+  user_loop_ms   back-to-back calls from Python, nothing held, wall time per call
+  host_us        host time per call alone (the regime's own measurement, same name)
+  graph_ms       a graph of N calls replayed, GPU time per call
+Rows whose baseline is the copy ceiling (computed, not a call) have no baseline regimes.
+With ranks sharing one GPU the ops run for correctness only ("speed_measured": false).
 """
 from __future__ import annotations
 
 import numpy as np
 
-from cuflux.bench.common import (copy_bandwidth_gbps, hold_stream, print_table, ranks_share_gpu,
-                                 time_ms, write_results)
+from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
+                                   measure_regimes, no_baseline_regimes, print_bench_table,
+                                   regime_calls, speed_header, speed_measured)
+from cuflux.bench.common import (copy_bandwidth_gbps, hold_stream, ranks_share_gpu, time_ms,
+                                 write_results)
 
 L2_BYTES = 60 << 20
 
@@ -79,7 +91,7 @@ def _inputs(shape, dtype_name, count, storage):
 
 
 def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, scales=False,
-          kernel=False, pdl=True):
+          kernel=False, pdl=True, measured=True):
     """Time one configuration on every rank; return rank 0's row (None elsewhere)."""
     import cupy
 
@@ -123,7 +135,18 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
         world.barrier()
         single = time_ms(lambda: call(0), warmup=3, iters=max(10, args.iters // 2), stream=s)
         op.synchronize()
-    all_ms, all_single = world.allgather(ms), world.allgather(single)
+        all_ms, all_single = world.allgather(ms), world.allgather(single)
+        notes, count_calls = [], [0]
+
+        def next_call():
+            count_calls[0] += 1
+            call(count_calls[0])
+
+        # host_us of the regime replaces the GPU-queued loop's own (the same measure, alone)
+        reg = measure_regimes(next_call, s, calls=regime_calls(max(all_ms), args.quick,
+                                                               measured),
+                              world=world, notes=notes, what="All2AllHeads")
+        op.synchronize()
     if me != 0:
         return None
     moved = 2 * in_bytes  # read + written per rank (input and output have the same size)
@@ -135,7 +158,8 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
             "host_bound": host_us > 1e3 * max(all_ms),
             "copy_ms": copy_ms, "ratio_to_copy": None if copy_ms is None else copy_ms / max(all_ms),
             "gbps_per_rank": moved / (max(all_ms) * 1e-3) / 1e9,
-            "gbps_all_ranks": W * moved / (max(all_ms) * 1e-3) / 1e9}
+            "gbps_all_ranks": W * moved / (max(all_ms) * 1e-3) / 1e9,
+            "queued_host_us": host_us, **reg, "notes": notes}
 
 
 def _copy_row(args, B, T, H, D):
@@ -148,11 +172,22 @@ def _copy_row(args, B, T, H, D):
         count = max(2, -(-4 * L2_BYTES // nbytes))
         xs = [cupy.random.randint(0, 1 << 15, shape, dtype=cupy.uint16) for _ in range(count)]
         outs = [cupy.empty_like(xs[0]) for _ in range(count)]
-    ms, host_us, _ = _back_to_back_ms(lambda i: cupy.cuda.runtime.memcpyAsync(
-        outs[i % count].data.ptr, xs[i % count].data.ptr, nbytes, 4, s.ptr), s,
-        calls=max(10, args.iters // 2))
+    def copy(i):
+        cupy.cuda.runtime.memcpyAsync(outs[i % count].data.ptr, xs[i % count].data.ptr, nbytes,
+                                      4, s.ptr)
+
+    ms, host_us, _ = _back_to_back_ms(copy, s, calls=max(10, args.iters // 2))
+    notes, n = [], [0]
+
+    def next_copy():
+        n[0] += 1
+        copy(n[0])
+
+    reg = measure_regimes(next_copy, s, calls=regime_calls(ms, args.quick), notes=notes,
+                          what="cudaMemcpyAsync")
     return {"case": f"cudaMemcpyAsync of the same bytes B={B} T={T} H={H} D={D} bf16",
-            "cuflux_ms": ms, "host_us": host_us, "host_bound": host_us > 1e3 * ms,
+            "cuflux_ms": ms, "queued_host_us": host_us, **reg, "notes": notes,
+            "host_bound": host_us > 1e3 * ms,
             "gbps_per_rank": 2 * nbytes / (ms * 1e-3) / 1e9,
             "gbps_all_ranks": 2 * nbytes / (ms * 1e-3) / 1e9}
 
@@ -209,14 +244,20 @@ def _nccl_row(world, args, B, T_total, H, D):
 
     world.barrier()
     ms, _, _ = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
+    notes = []
+    reg = measure_regimes(call, s, calls=regime_calls(max(world.allgather(ms)), args.quick),
+                          world=world, prefix="baseline_", notes=notes,
+                          what="NCCL all-to-all + permutes")
     ok = bool(cupy.all(y.reshape(B, W, T, hpr, D)[:, me] == x[:, :, me * hpr:(me + 1) * hpr]))
     comm.destroy()
-    return max(world.allgather(ms)), all(world.allgather(ok))
+    return max(world.allgather(ms)), all(world.allgather(ok)), reg, notes
 
 
-def run(world, args) -> None:
+def run(world, args):
     W, me = world.size, world.rank
-    distinct = W > 1 and not ranks_share_gpu(world)
+    shared_gpu = ranks_share_gpu(world)
+    distinct = W > 1 and not shared_gpu
+    measured = speed_measured(W, shared_gpu)
     ceiling = copy_bandwidth_gbps() if me == 0 else None
     world.barrier()
     rows = []
@@ -226,12 +267,14 @@ def run(world, args) -> None:
     for B, T, H, D, dt in cases:
         for direction in ("scatter", "gather"):
             for mode in ("owned", "out", "view"):
-                rows.append(_case(world, args, B, T, H, D, dt, mode, direction))
+                rows.append(_case(world, args, B, T, H, D, dt, mode, direction,
+                                  measured=measured))
     rows.append(_case(world, args, 1, 8192, 32, 128, "float8_e4m3fn", "owned", "scatter",
-                      scales=True))
+                      scales=True, measured=measured))
     # The default num_sms (every SM) comes from this sweep (at W = 1: of the kernel).
     for sms in ((33, 66, 132, 264) if W == 1 else (33, 132)):
-        rows.append(_case(world, args, *bar, "owned", "scatter", num_sms=sms, kernel=True))
+        rows.append(_case(world, args, *bar, "owned", "scatter", num_sms=sms, kernel=True,
+                          measured=measured))
     if W == 1:
         rows.append(_copy_row(args, *bar[:4]))
         for direction in ("scatter", "gather"):  # the op's copy through cudaMemcpyAsync
@@ -245,7 +288,7 @@ def run(world, args) -> None:
         extra["link_gbps_one_way"] = max(world.allgather(link))
         if nccl.available:
             for B, T, H, D, _ in cases:
-                nccl_ms, ok = _nccl_row(world, args, B, T, H, D)
+                nccl_ms, ok, nccl_reg, nccl_notes = _nccl_row(world, args, B, T, H, D)
                 ours = _case(world, args, B, T, H, D, "bfloat16", "owned", "scatter")
                 if me == 0:
                     sent = B * (T // W) * H * D * 2 * (W - 1) / W  # bytes leaving each GPU
@@ -253,10 +296,11 @@ def run(world, args) -> None:
                                  "speedup": nccl_ms / ours["cuflux_ms"], "nccl_correct": ok,
                                  "link_gbps_per_gpu": sent / (ours["cuflux_ms"] * 1e-3) / 1e9,
                                  "fraction_of_link": sent / (ours["cuflux_ms"] * 1e-3) / 1e9
-                                 / extra["link_gbps_one_way"]})
+                                 / extra["link_gbps_one_way"], **nccl_reg})
+                    add_note(ours, *nccl_notes)
                     rows.append(ours)
     if me != 0:
-        return
+        return None
     for r in rows:
         r.setdefault("baseline", "d2d copy ceiling")
         if r["baseline"] == "d2d copy ceiling":
@@ -266,10 +310,20 @@ def run(world, args) -> None:
             r["baseline_ms"] = moved / (ceiling * 1e9) * 1e3
             r["speedup"] = r["baseline_ms"] / r["cuflux_ms"]
             r["fraction_of_copy"] = r["gbps_all_ranks"] / ceiling
+            no_baseline_regimes(r, "baseline is the copy ceiling (computed, not a call): no "
+                                   "baseline regimes")
+        add_speedups(r)
+        if not r.get("notes"):
+            r.pop("notes", None)
+    print(speed_header("all2all", W, shared_gpu))
     print(f"All2AllHeads, W={W}, device-to-device copy ceiling {ceiling:.0f} GB/s (read+write)"
           + (", ranks share one GPU" if W > 1 and not distinct else ""))
-    print_table(rows, ["case", "cuflux_ms", "single_ms", "host_us", "host_bound", "copy_ms",
-                       "ratio_to_copy", "gbps_per_rank", "gbps_all_ranks", "fraction_of_copy",
-                       "baseline_ms", "speedup"])
-    path = write_results("all2all", W, rows, extra, outdir=args.outdir)
+    cols = ["case", "cuflux_ms", "single_ms", "queued_host_us", "host_bound", "copy_ms",
+            "ratio_to_copy", "gbps_per_rank", "gbps_all_ranks", "fraction_of_copy",
+            "baseline_ms", "speedup"] + REGIME_COLS
+    print_bench_table(rows, cols, set(cols) - {"case"}, measured)
+    path = write_results("all2all", W, rows, bench_extra(args, measured, **extra,
+                                                         ranks_share_gpu=shared_gpu),
+                         outdir=args.outdir)
     print("wrote", path)
+    return path
