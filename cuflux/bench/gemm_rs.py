@@ -21,12 +21,25 @@ Shapes: Flux's 4096 x 12288 x 49152 (K split over the ranks), Llama-70B row-para
 larger than three times the L2. With ranks sharing one GPU, times measure time-slicing, not
 links (the table says so). Every time is a median over interleaved rounds
 (common.time_interleaved), so clock drift does not read as a difference between two timings.
+
+Regimes (cuflux.bench.__main__.REGIMES_DOC): every *_ms above is GPU-queued (interleaved rounds
+of calls queued back to back, GPU time per call). Beside them, for the fused op and for the
+baseline (cuBLAS + cuflux reduce_scatter; NCCL's, prefix nccl_, on distinct GPUs):
+  user_loop_ms / baseline_user_loop_ms   back-to-back calls from Python, nothing held, wall
+                                         time per call; user_loop_speedup = baseline / cuflux
+  host_us / baseline_host_us             host time per call alone
+  graph_ms / baseline_graph_ms           a graph of N calls replayed; graph_speedup
+With ranks sharing one GPU the ops run for correctness only ("speed_measured": false) and the
+table prints the times under "time-slicing, not speed".
 """
 from __future__ import annotations
 
 import math
 
-from cuflux.bench.common import print_table, ranks_share_gpu, time_interleaved, write_results
+from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
+                                   measure_regimes, print_bench_table, regime_calls,
+                                   speed_header, speed_measured)
+from cuflux.bench.common import ranks_share_gpu, time_interleaved, write_results
 
 L2_BYTES = 60 << 20
 SHAPES = [  # (name, M, n, K over all ranks)
@@ -54,7 +67,8 @@ def _nccl(world):
     return make(world)
 
 
-def _case(world, name, M, n, K, layout, nccl, iters, stream, configs):
+def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=False,
+          measured=True):
     import cupy
 
     import cuflux.ops.gemm as G
@@ -144,10 +158,21 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs):
         raise_pending()
         for key in timed:
             row[key] = max(world.allgather(per_key[key]))
+        notes = []
+        calls = regime_calls(max(row["cuflux_ms"], row["baseline_ms"]), quick, measured)
+        for prefix, key, what in (("", "cuflux_ms", "GemmReduceScatter"),
+                                  ("baseline_", "baseline_ms", "cuBLAS + reduce_scatter"),
+                                  ("nccl_", "nccl_ms", "cuBLAS + NCCL reduce-scatter")):
+            if key in timed:
+                row.update(measure_regimes(timed[key], stream, calls=calls, world=world,
+                                           prefix=prefix, notes=notes, what=what))
+                raise_pending()
+        add_note(row, *notes)
     finally:
         for op in list(ops.values()) + list(extra.values()):
             op.close()
     row["speedup"] = row["baseline_ms"] / row["cuflux_ms"]
+    add_speedups(row)
     row["exposed_comm_ms"] = row["cuflux_ms"] - row["gemm_ms"]
     fused = row.get("fused_kernel_ms", row["cuflux_ms"])  # W = 1: judge the fused kernel
     row["ratio_to_gemm"] = fused / row["gemm_ms"]
@@ -157,7 +182,7 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs):
     return row
 
 
-def run(world, args) -> None:
+def run(world, args):
     import os
 
     import cupy
@@ -168,6 +193,7 @@ def run(world, args) -> None:
     W, me = world.size, world.rank
     # Decided together: a rank that alone set up NCCL (or skipped it) would hang the others.
     shared_gpu = ranks_share_gpu(world)
+    measured = speed_measured(W, shared_gpu)
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
     iters = min(args.iters, 5) if W > 1 and shared_gpu else args.iters
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -178,23 +204,28 @@ def run(world, args) -> None:
     with stream:
         for name, M, n, K in shapes:
             for layout in layouts:
-                rows.append(_case(world, name, M, n, K, layout, nccl, iters, stream, configs))
+                rows.append(_case(world, name, M, n, K, layout, nccl, iters, stream, configs,
+                                  quick=args.quick, measured=measured))
                 cupy.get_default_memory_pool().free_all_blocks()  # the case's inputs are gone
-    if me == 0:
-        print(f"GEMM + ReduceScatter, W={W}, bf16, ranks "
-              f"{'share one GPU (times measure time-slicing)' if shared_gpu else 'on own GPUs'}")
-        cols = ["case", "config", "cuflux_ms", "gemm_ms", "exposed_comm_ms", "ratio_to_gemm",
-                "atomic_ms", "baseline_ms", "speedup", "cublas_ms", "rs_ms", "tflops"]
-        cols += ["nccl_ms"] if nccl is not None else []
-        cols += ["fused_kernel_ms"] if W == 1 else []
-        cols += [f"cuflux_{c}_ms" for c in configs]
-        print_table(rows, cols)
-        if W == 1:
-            worst = max(r["ratio_to_gemm"] for r in rows)
-            print(f"W = 1 bar (fused kernel <= {BAR} x GEMM-only): worst {worst:.4f} -> "
-                  + ("met" if worst <= BAR else "missed"))
-        path = write_results("gemm_rs", W, rows, {"ranks_share_gpu": shared_gpu, "bar": BAR,
-                                                  "timing": "interleaved rounds",
-                                                  "gemm_tune": os.environ["CUFLUX_GEMM_TUNE"]},
-                             outdir=args.outdir)
-        print("wrote", path)
+    if me != 0:
+        return None
+    print(speed_header("gemm_rs", W, shared_gpu))
+    print(f"GEMM + ReduceScatter, W={W}, bf16, ranks "
+          f"{'share one GPU (times measure time-slicing)' if shared_gpu else 'on own GPUs'}")
+    cols = ["case", "config", "cuflux_ms", "gemm_ms", "exposed_comm_ms", "ratio_to_gemm",
+            "atomic_ms", "baseline_ms", "speedup", "cublas_ms", "rs_ms", "tflops"]
+    cols += ["nccl_ms"] if nccl is not None else []
+    cols += ["fused_kernel_ms"] if W == 1 else []
+    cols += [f"cuflux_{c}_ms" for c in configs]
+    cols += REGIME_COLS
+    cols += ["nccl_user_loop_ms", "nccl_host_us", "nccl_graph_ms"] if nccl is not None else []
+    print_bench_table(rows, cols, set(cols) - {"case", "config"}, measured)
+    if W == 1:
+        worst = max(r["ratio_to_gemm"] for r in rows)
+        print(f"W = 1 bar (fused kernel <= {BAR} x GEMM-only): worst {worst:.4f} -> "
+              + ("met" if worst <= BAR else "missed"))
+    path = write_results("gemm_rs", W, rows, bench_extra(
+        args, measured, ranks_share_gpu=shared_gpu, bar=BAR, timing="interleaved rounds",
+        gemm_tune=os.environ["CUFLUX_GEMM_TUNE"]), outdir=args.outdir)
+    print("wrote", path)
+    return path
