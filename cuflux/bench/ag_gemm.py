@@ -18,12 +18,25 @@ are medians over interleaved rounds (common.time_interleaved).
 
 With ranks sharing one GPU the times say nothing about links (every copy crosses the same HBM
 and the ranks' GEMMs time-share the SMs): the figures that count are W = 1 (the bar) and runs
-with one GPU per rank.
+with one GPU per rank. Then the JSON says "speed_measured": false and the table prints the
+times under "time-slicing, not speed".
+
+Regimes (cuflux.bench.__main__.REGIMES_DOC): every *_ms above is GPU-queued (interleaved rounds
+of calls queued back to back, GPU time per call). Beside them, for the fused op and for the
+row's baseline (NCCL all-gather + cuBLAS on distinct GPUs, else cuflux.AllGather + cuBLAS; in
+the chunk_rows sweep, cuflux.gemm on the gathered A):
+  user_loop_ms / baseline_user_loop_ms   back-to-back calls from Python, nothing held, wall
+                                         time per call; user_loop_speedup = baseline / cuflux
+  host_us / baseline_host_us             host time per call alone
+  graph_ms / baseline_graph_ms           a graph of N calls replayed (None at W > 1 where
+                                         AllGather / AllGatherGemm refuse capture)
 """
 from __future__ import annotations
 
-from cuflux.bench.common import (print_table, ranks_share_gpu, time_interleaved, time_ms,
-                                 write_results)
+from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
+                                   measure_regimes, on_stream, print_bench_table, regime_calls,
+                                   speed_header, speed_measured)
+from cuflux.bench.common import ranks_share_gpu, time_interleaved, time_ms, write_results
 
 # (name, M, N, K, N is split over the ranks)
 SHAPES = [("flux", 4096, 49152, 12288, True), ("llama70b-qkv", 8192, 10240, 8192, True),
@@ -66,7 +79,7 @@ def _slowest(world, ms: float) -> float:
     return max(world.allgather(ms))
 
 
-def run(world, args) -> None:
+def run(world, args):
     import cupy
 
     import cuflux
@@ -76,7 +89,10 @@ def run(world, args) -> None:
 
     W, me = world.size, world.rank
     iters = args.iters
-    distinct = not ranks_share_gpu(world)
+    shared_gpu = ranks_share_gpu(world)
+    distinct = not shared_gpu
+    measured = speed_measured(W, shared_gpu)
+    rstream = cupy.cuda.Stream(non_blocking=True)  # the regimes' stream (capturable)
     comm = _nccl(world, distinct)
     if not all(world.allgather(comm is not None)):  # decided together: the timings are collective
         comm = None
@@ -90,6 +106,17 @@ def run(world, args) -> None:
         ms = time_ms(fn, warmup=5, iters=iters)
         stream.synchronize()
         return _slowest(world, ms)
+
+    def regimes_of(row, ours, base, ms, *ops):
+        """The three user regimes of the fused op (ours) and the row's baseline (base)."""
+        notes = []
+        calls = regime_calls(ms, args.quick, measured)
+        for prefix, fn, what in (("", ours, "fused"), ("baseline_", base, row["baseline"])):
+            row.update(measure_regimes(on_stream(fn, rstream), rstream, calls=calls,
+                                       world=world, prefix=prefix, notes=notes, what=what))
+            for o in ops:
+                o.synchronize()
+        return add_note(add_speedups(row), *notes)
 
     def timed_all(fns, *ops):
         """Slowest rank's median of each fn, timed in interleaved rounds (clock drift between
@@ -143,8 +170,10 @@ def run(world, args) -> None:
                            "alone": lambda: ag(a, out=full), "unfused": unfused}
                     if comm is not None:
                         def nccl_unfused():
+                            # 1: ncclUint8, the bytes of the shard; on the current stream
+                            # (the regimes run on their own, capturable, stream)
                             comm.allGather(a.data.ptr, full.data.ptr, rows * k * 2, 1,
-                                           stream.ptr)  # 1: ncclUint8, the bytes of the shard
+                                           cupy.cuda.get_current_stream().ptr)
                             cupy.matmul(full, bmat, out=out)
 
                         fns["nccl"] = nccl_unfused
@@ -165,6 +194,9 @@ def run(world, args) -> None:
                         "unfused_nccl_ms": nccl_ms, "tflops": flop / fused / 1e9,
                         "impl": plan.impl, "config": plan.config, "chunk_rows": op.chunk_rows,
                         "mode": mode, "layout": layout})
+                    regimes_of(rows_out[-1], fns["fused"],
+                               fns["nccl"] if nccl_ms is not None else unfused,
+                               max(fused, base), op, ag)
                     gathered = None  # freed before the next mode
             a = b = bmat = out = full = None  # freed before the next shape
             cupy.get_default_memory_pool().free_all_blocks()
@@ -190,9 +222,11 @@ def run(world, args) -> None:
                 plan = op.plan_for(rows)
                 fused = timed(lambda: op(a, b, out=out))
                 op.synchronize()
-                gemm_only = timed(lambda: G.gemm(
-                    gathered, b, out=out, b_layout="nk", impl=plan.impl,
-                    config=plan.config if plan.impl == "sm90" else None))
+                def gemm_alone():
+                    G.gemm(gathered, b, out=out, b_layout="nk", impl=plan.impl,
+                           config=plan.config if plan.impl == "sm90" else None)
+
+                gemm_only = timed(gemm_alone)
                 rows_out.append({
                     "case": f"{name} {M}x{n}x{k} nk {mode} chunk_rows={op.chunk_rows}"
                             + (" (default)" if chunk is None else ""),
@@ -202,19 +236,26 @@ def run(world, args) -> None:
                     "exposed_comm_ms": fused - gemm_only, "tflops": 2.0 * M * n * k / fused / 1e9,
                     "impl": plan.impl, "config": plan.config, "chunk_rows": op.chunk_rows,
                     "mode": mode, "layout": "nk"})
+                regimes_of(rows_out[-1], lambda: op(a, b, out=out), gemm_alone,
+                           max(fused, gemm_only), op)
                 gathered = None
 
-    if me == 0:
-        where = "distinct GPUs" if distinct else "one shared GPU (link figures meaningless)"
-        print(f"AllGather + GEMM, W={W}, bf16, ranks on {where}; speedup = baseline_ms / "
-              f"cuflux_ms")
-        print_table(rows_out, ["case", "config", "chunk_rows", "cuflux_ms", "gemm_only_ms",
-                               "fused_over_gemm_only", "exposed_comm_ms", "allgather_ms",
-                               "overlap", "cublas_ms", "baseline_ms", "speedup", "tflops"])
-        if W == 1:
-            worst = max(r["fused_over_gemm_only"] for r in rows_out)
-            print(f"W = 1 bar (fused <= {BAR} x GEMM-only): worst {worst:.4f} -> "
-                  f"{'met' if worst <= BAR else 'MISSED'}")
-        path = write_results("ag_gemm", W, rows_out, {"distinct_gpus": distinct, "bar": BAR},
-                             outdir=args.outdir)
-        print("wrote", path)
+    if me != 0:
+        return None
+    print(speed_header("ag_gemm", W, shared_gpu))
+    where = "distinct GPUs" if distinct else "one shared GPU (link figures meaningless)"
+    print(f"AllGather + GEMM, W={W}, bf16, ranks on {where}; speedup = baseline_ms / "
+          f"cuflux_ms")
+    cols = ["case", "config", "chunk_rows", "cuflux_ms", "gemm_only_ms",
+            "fused_over_gemm_only", "exposed_comm_ms", "allgather_ms", "overlap", "cublas_ms",
+            "baseline_ms", "speedup", "tflops"] + REGIME_COLS
+    print_bench_table(rows_out, cols, set(cols) - {"case", "config", "chunk_rows"}, measured)
+    if W == 1:
+        worst = max(r["fused_over_gemm_only"] for r in rows_out)
+        print(f"W = 1 bar (fused <= {BAR} x GEMM-only): worst {worst:.4f} -> "
+              f"{'met' if worst <= BAR else 'MISSED'}")
+    path = write_results("ag_gemm", W, rows_out, bench_extra(
+        args, measured, distinct_gpus=distinct, ranks_share_gpu=shared_gpu, bar=BAR),
+        outdir=args.outdir)
+    print("wrote", path)
+    return path
