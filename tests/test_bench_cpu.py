@@ -1,7 +1,12 @@
 """CPU tests of the benchmark helpers (a fake CuPy stands in for the device)."""
+import json
+import pathlib
 import sys
 import types
 
+import pytest
+
+import cuflux.bench.__main__ as cli
 from cuflux.bench.common import time_interleaved
 
 
@@ -97,3 +102,190 @@ def test_ranks_share_gpu_ignores_the_self_link_and_agrees_across_ranks():
     # one rank seeing a shared GPU decides for all (NCCL set up everywhere or nowhere)
     assert ranks_share_gpu(world(0, 3, (), others_say=(False, True))) is True
     assert ranks_share_gpu(world(0, 1, ())) is False
+
+
+# ---- command line, knobs, regimes, shared-GPU rule (cuflux.bench.__main__) -------------------
+@pytest.mark.parametrize("bad", ["-5", "0", "x", "2.5"])
+def test_iters_must_be_a_positive_int(bad, capsys):
+    with pytest.raises(SystemExit):
+        cli.parse_args(["gemm", "--iters", bad])
+    assert "positive integer" in capsys.readouterr().err
+    assert cli.parse_args(["gemm", "--iters", "3"]).iters == 3
+
+
+def test_default_outdir_is_under_the_working_directory(tmp_path, monkeypatch):
+    args = cli.parse_args(["allreduce"], cwd=str(tmp_path))
+    assert pathlib.Path(args.outdir) == tmp_path / "cuflux-results"
+    monkeypatch.chdir(tmp_path)
+    assert pathlib.Path(cli.parse_args(["gemm"]).outdir) == tmp_path / "cuflux-results"
+    # the project's own runs name their folder
+    assert cli.parse_args(["gemm", "--outdir", "scripts/results"]).outdir == "scripts/results"
+    assert "site-packages" not in args.outdir
+
+
+def test_knobs_record_the_cli_and_every_cuflux_variable(tmp_path):
+    args = cli.parse_args(["all2all", "--quick", "--iters", "7"], cwd=str(tmp_path))
+    env = {"CUFLUX_GEMM_TUNE": "0", "CUFLUX_CACHE_DIR": "/x", "HOME": "/h", "CUDA_X": "1"}
+    k = cli.knobs(args, env)
+    assert k["args"] == {"op": "all2all", "quick": True, "iters": 7, "plot": False,
+                         "outdir": str(tmp_path / "cuflux-results")}
+    assert k["env"] == {"CUFLUX_CACHE_DIR": "/x", "CUFLUX_GEMM_TUNE": "0"}
+    json.dumps(k)  # JSON-able
+    extra = cli.bench_extra(args, False, bar=1.02)
+    assert extra["speed_measured"] is False and extra["bar"] == 1.02 and "knobs" in extra
+
+
+def test_write_results_keeps_the_knobs(tmp_path):
+    from cuflux.bench.common import write_results
+
+    args = cli.parse_args(["gemm", "--outdir", str(tmp_path)])
+    path = write_results("gemm", 1, [{"case": "1x8192x8192 kn auto"}],
+                         extra=cli.bench_extra(args, True), outdir=args.outdir)
+    doc = json.loads(pathlib.Path(path).read_text())
+    assert pathlib.Path(path).parent == tmp_path
+    assert doc["knobs"]["args"]["op"] == "gemm" and doc["speed_measured"] is True
+
+
+def test_gemm_decode_and_table_cases():
+    from cuflux.bench import gemm
+
+    full = gemm.auto_cases(quick=False)
+    keys = [(c["M"], c["N"], c["K"], c["layout"]) for c in full]
+    assert len(keys) == len(set(keys))
+    for M in (1, 16, 128, 512, 2048):
+        for N, K in ((8192, 8192), (28672, 8192), (8192, 28672)):
+            for layout in ("kn", "nk"):
+                assert (M, N, K, layout) in keys
+    table = {(c["M"], c["N"], c["K"], c["layout"]) for c in full if c["table"]}
+    for shape in ((128, 8192, 8192), (512, 8192, 8192), (2048, 8192, 8192), (4096, 8192, 3584),
+                  (16384, 8192, 1024), (4096, 12288, 6144)):
+        assert shape + ("nk",) in table
+    assert len(full) == 30 + 6  # decode, then the table shapes beyond them in both layouts
+
+    quick = gemm.auto_cases(quick=True)
+    qkeys = {(c["M"], c["N"], c["K"], c["layout"]) for c in quick}
+    assert qkeys < set(keys)
+    assert {(M, 8192, 8192, lay) for M in (1, 128, 2048) for lay in ("kn", "nk")} <= qkeys
+    assert all((c["N"], c["K"]) == (8192, 8192) for c in quick if c["decode"])
+    assert {c["M"] for c in quick if c["decode"]} == {1, 128, 2048}
+    assert sum(c["table"] for c in quick) == 6 and len(quick) <= 12
+
+
+def test_shared_gpu_measures_no_speed():
+    assert cli.speed_measured(1, False) and cli.speed_measured(1, True)  # W = 1: one rank
+    assert cli.speed_measured(2, False)
+    assert not cli.speed_measured(2, True)
+    assert cli.speed_measured(2, True, one_rank_times=True)  # gemm: rank 0 alone
+    h = cli.speed_header("allgather", 2, True)
+    assert "NO SPEED MEASURED" in h and "share one GPU" in h and "time-slicing" in h
+    assert "speed measured" in cli.speed_header("allgather", 2, False)
+    assert "NO SPEED" not in cli.speed_header("gemm", 2, True, one_rank_times=True)
+
+    cols = ["case", "config", "cuflux_ms", "speedup", "user_loop_ms"]
+    assert cli.table_parts(cols, {"cuflux_ms", "speedup", "user_loop_ms"}, True) == [(None, cols)]
+    parts = cli.table_parts(cols, {"cuflux_ms", "speedup", "user_loop_ms"}, False)
+    assert parts[0] == (None, ["case", "config"])
+    assert parts[1][0].startswith("time-slicing, not speed")
+    assert parts[1][1] == ["case", "cuflux_ms", "speedup", "user_loop_ms"]
+
+
+def test_regime_calls_are_modest_and_agree_on_the_slow_cases():
+    assert cli.regime_calls(0.01) == 100 and cli.regime_calls(0.01, quick=True) == 50
+    assert cli.regime_calls(0.5) == 50 and cli.regime_calls(3.0) == 10
+    assert cli.regime_calls(None) == 10 and cli.regime_calls(0.01, speed=False) < 10
+
+
+class _World:
+    def __init__(self, others):
+        self.size, self.rank, self.others, self.barriers = 1 + len(others), 0, others, 0
+
+    def barrier(self):
+        self.barriers += 1
+
+    def allgather(self, mine):
+        return [mine, *self.others]
+
+
+def test_measure_regimes_takes_the_slowest_rank_and_notes_capture(monkeypatch):
+    got = []
+
+    def fake(fn, stream, *, calls, graph, barrier):
+        got.append((calls, graph, barrier is not None))
+        return {"user_loop_ms": 1.0, "host_us": 5.0, "graph_ms": 0.5 if graph else None}
+
+    monkeypatch.setattr("cuflux.bench.common.regimes", fake)
+    world = _World([(2.0, 4.0, 0.7)])
+    notes = []
+    r = cli.measure_regimes(lambda: None, _Stream(), calls=7, world=world, prefix="baseline_",
+                            notes=notes)
+    assert r == {"baseline_user_loop_ms": 2.0, "baseline_host_us": 5.0, "baseline_graph_ms": 0.7}
+    assert got == [(7, True, True)] and notes == []
+    # one rank without a graph: no graph figure for the row
+    r = cli.measure_regimes(lambda: None, _Stream(), calls=7, world=_World([(2.0, 4.0, None)]))
+    assert r["graph_ms"] is None
+    # W = 1 (world None): no barrier, no allgather
+    got.clear()
+    r = cli.measure_regimes(lambda: None, _Stream(), calls=3)
+    assert got == [(3, True, False)] and r["user_loop_ms"] == 1.0
+
+
+def test_measure_regimes_records_a_failed_capture_and_keeps_the_other_regimes(monkeypatch):
+    def fake(fn, stream, *, calls, graph, barrier):
+        if graph:
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported")
+        return {"user_loop_ms": 1.0, "host_us": 5.0, "graph_ms": None}
+
+    monkeypatch.setattr("cuflux.bench.common.regimes", fake)
+    notes = []
+    r = cli.measure_regimes(lambda: None, _Stream(), calls=3, prefix="nccl_", notes=notes,
+                            what="NCCL")
+    assert r == {"nccl_user_loop_ms": 1.0, "nccl_host_us": 5.0, "nccl_graph_ms": None}
+    assert len(notes) == 1 and "NCCL" in notes[0] and "CaptureUnsupported" in notes[0]
+
+    monkeypatch.setattr("cuflux.bench.common.regimes",
+                        lambda fn, s, **kw: {"user_loop_ms": 1.0, "host_us": 2.0,
+                                             "graph_ms": None})
+    notes.clear()
+    cli.measure_regimes(lambda: None, _Stream(), calls=3, notes=notes)
+    assert notes and "CaptureError" in notes[0]
+
+
+def test_speedups_and_baseline_notes():
+    row = cli.add_speedups({"user_loop_ms": 2.0, "baseline_user_loop_ms": 1.0,
+                            "graph_ms": None, "baseline_graph_ms": 0.5})
+    assert row["user_loop_speedup"] == 0.5 and row["graph_speedup"] is None
+    row = cli.no_baseline_regimes({"case": "x"}, "ceiling")
+    assert row["baseline_host_us"] is None and row["notes"] == ["ceiling"]
+    assert "notes" not in cli.add_note({}, "")
+
+
+def test_main_plots_the_json_it_wrote(tmp_path, monkeypatch):
+    import types
+
+    import cuflux
+    from cuflux.bench.common import write_results
+
+    def run(world, args):
+        return write_results("gemm", 1, [{"case": "8x8x8 kn", "speedup": 1.0}],
+                             extra=cli.bench_extra(args, True), outdir=args.outdir)
+
+    monkeypatch.setitem(sys.modules, "fake_bench_op", types.SimpleNamespace(run=run))
+    monkeypatch.setitem(cli.OPS, "gemm", "fake_bench_op")
+    monkeypatch.setattr(cuflux, "device_count", lambda: 1, raising=False)
+    monkeypatch.setattr(cuflux, "init", lambda: types.SimpleNamespace(rank=0, size=1),
+                        raising=False)
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())
+    drawn = []
+    monkeypatch.setattr("cuflux.bench.plot.plot_results",
+                        lambda paths, outdir: drawn.append((list(paths), outdir)) or [])
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["gemm", "--plot"]) == 0
+    (paths, outdir), = drawn
+    assert pathlib.Path(outdir) == tmp_path / "cuflux-results"
+    assert [pathlib.Path(p).parent for p in paths] == [tmp_path / "cuflux-results"]
+
+
+def test_plot_without_matplotlib_fails_before_any_bench(monkeypatch, capsys):
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: None)
+    assert cli.main(["gemm", "--plot"]) == 2
+    assert "matplotlib" in capsys.readouterr().err
