@@ -154,7 +154,7 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
                     + (" +scales" if scales else "") + f" {mode}"
                     + (f" sms={num_sms}" if num_sms else "") + (" kernel" if kernel else "")
                     + ("" if pdl or W > 1 else " memcpy"),
-            "cuflux_ms": max(all_ms), "single_ms": max(all_single), "host_us": host_us,
+            "cuflux_ms": max(all_ms), "single_ms": max(all_single),
             "host_bound": host_us > 1e3 * max(all_ms),
             "copy_ms": copy_ms, "ratio_to_copy": None if copy_ms is None else copy_ms / max(all_ms),
             "gbps_per_rank": moved / (max(all_ms) * 1e-3) / 1e9,
