@@ -31,6 +31,7 @@ import hashlib
 import math
 import os
 import pickle
+import secrets
 import socket
 import sys
 import time
@@ -247,10 +248,14 @@ class HostGroup:
     allgather/barrier/check_same raise CommTimeoutError(op, rank, first missing peer, seconds)
     when a peer does not arrive within the timeout, and CufluxError when peers are at another
     collective. Either failure leaves the group out of step: later calls raise at once.
+
+    Every message carries group_id, an id the ranks agreed on: a message left over from a
+    freed group (a peer that gave up, a rank that never came) can sit in MPI's queue and match
+    a later communicator that reuses the freed one's context id; it is recognised and dropped.
     """
 
-    def __init__(self, comm, timeout_s: float, label: str):
-        self.comm, self.label = comm, label
+    def __init__(self, comm, timeout_s: float, label: str, group_id: str = ""):
+        self.comm, self.label, self.group_id = comm, label, group_id
         self.rank: int = comm.Get_rank()
         self.size: int = comm.Get_size()
         self.timeout_s = check_timeout(label, timeout_s)
@@ -281,25 +286,30 @@ class HostGroup:
         self._sends = [r for r in self._sends if not r.Test()]
         for p in range(W):
             if p != me:
-                self._sends.append(self.comm.isend((seq, what, obj), dest=p, tag=_TAG))
+                self._sends.append(self.comm.isend((self.group_id, seq, what, obj), dest=p,
+                                                   tag=_TAG))
         got: dict[int, Any] = {me: obj}
         pending = [(me + i) % W for i in range(1, W)]  # the next rank first: "first missing"
         deadline = time.monotonic() + timeout_s
         polls = 0
         while True:
             for p in list(pending):
-                msg = self.comm.improbe(source=p, tag=_TAG)
-                if msg is None:
-                    continue
-                their_seq, their_what, their_obj = msg.recv()
-                if (their_seq, their_what) != (seq, what):
-                    self._failure = CufluxError(
-                        f"{self.label}: rank {me} is at host collective #{seq} ({what!r}) while "
-                        f"rank {p} is at #{their_seq} ({their_what!r}): the ranks called "
-                        "cuflux's collectives in different orders")
-                    raise self._failure
-                got[p] = their_obj
-                pending.remove(p)
+                while True:
+                    msg = self.comm.improbe(source=p, tag=_TAG)
+                    if msg is None:
+                        break
+                    gid, their_seq, their_what, their_obj = msg.recv()
+                    if gid != self.group_id:
+                        continue  # left over from a freed group: not ours
+                    if (their_seq, their_what) != (seq, what):
+                        self._failure = CufluxError(
+                            f"{self.label}: rank {me} is at host collective #{seq} ({what!r}) "
+                            f"while rank {p} is at #{their_seq} ({their_what!r}): the ranks "
+                            "called cuflux's collectives in different orders")
+                        raise self._failure
+                    got[p] = their_obj
+                    pending.remove(p)
+                    break
             if not pending:
                 return [got[r] for r in range(W)]
             if time.monotonic() > deadline:
@@ -318,12 +328,7 @@ class HostGroup:
 
     def check_same(self, value: Any, what: str, timeout_s: float | None = None) -> None:
         """Raise ValueError on every rank if `value` differs between ranks (compares a hash)."""
-        digest = hashlib.sha1(pickle.dumps(value)).hexdigest()
-        digests = self.allgather(digest, timeout_s, f"check_same({what})")
-        if len(set(digests)) > 1:
-            values = self.allgather(value, timeout_s, f"check_same({what}) values")
-            raise ValueError(f"{what} differs between ranks: "
-                             + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
+        _check_same(lambda o, label: self.allgather(o, timeout_s, label), value, what)
 
     def dup(self, what: str = "dup", timeout_s: float | None = None):
         """A duplicate of the communicator (MPI_Comm_idup, polled against the deadline)."""
@@ -343,10 +348,25 @@ class HostGroup:
         return newcomm
 
     def free(self) -> None:
-        """Free the communicator (local: no collective, pending messages are dropped)."""
+        """Free the communicator (local: no collective). Messages that arrived for it and were
+        never received are drained first (the group ids of later groups guard the rest)."""
         comm, self.comm = self.comm, None
         if comm is not None:
+            try:
+                while (msg := comm.improbe(tag=_TAG)) is not None:
+                    msg.recv()
+            except Exception:
+                pass
             _free_comm(comm)
+
+
+def _check_same(allgather, value: Any, what: str) -> None:
+    digest = hashlib.sha1(pickle.dumps(value)).hexdigest()
+    digests = allgather(digest, f"check_same({what})")
+    if len(set(digests)) > 1:
+        values = allgather(value, f"check_same({what}) values")
+        raise ValueError(f"{what} differs between ranks: "
+                         + ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values)))
 
 
 def _free_comm(comm) -> None:
@@ -370,7 +390,7 @@ class OpComm(HostGroup):
     """
 
     def __init__(self, comm, timeout_s: float, op_id: str, parent: HostGroup):
-        super().__init__(comm, timeout_s, op_id)
+        super().__init__(comm, timeout_s, op_id, f"{parent.group_id}/{op_id}")
         self.op_id, self._parent = op_id, parent
 
     def check_close(self, timeout_s: float | None = None) -> None:
@@ -417,15 +437,17 @@ class World:
         # First contact on the caller's communicator (cuflux's tag), bounded and naming a rank
         # that never called init; then a duplicate for everything else.
         hello = HostGroup(self.comm, self.timeout_s, "cuflux.init")
-        everyone = hello.allgather((self.hostname, world_rank), what="hello")
+        everyone = hello.allgather((self.hostname, world_rank, secrets.token_hex(8)),
+                                   what="hello")
+        group_id = hashlib.sha1("".join(t for _, _, t in everyone).encode()).hexdigest()[:16]
         self._host = HostGroup(hello.dup("duplicating the communicator"), self.timeout_s,
-                               "World")
+                               "World", group_id)
         self._hello = hello  # its isend requests (and their buffers) live until they complete
-        same_host = [r for r, (h, _) in enumerate(everyone) if h == self.hostname]
+        same_host = [r for r, (h, _, _) in enumerate(everyone) if h == self.hostname]
         self.local_rank: int = same_host.index(self.rank)  # within this communicator
         self.local_size: int = len(same_host)
         if self.size == world_size:  # every process of COMM_WORLD is here
-            _NODE_LOCAL_RANK = sorted(wr for h, wr in everyone if h == self.hostname).index(
+            _NODE_LOCAL_RANK = sorted(wr for h, wr, _ in everyone if h == self.hostname).index(
                 world_rank)
         self.num_devices = device_count()
         env = local_rank_from_env(os.environ)
@@ -458,7 +480,9 @@ class World:
 
     def check_same(self, value: Any, what: str, timeout_s: float | None = None) -> None:
         """Raise ValueError on every rank if `value` differs between ranks (cheap: a hash)."""
-        self._host.check_same(value, what, timeout_s)
+        # Through self.allgather, so a stand-in world with only allgather(obj) works too.
+        _check_same(lambda o, label: (self.allgather(o) if timeout_s is None
+                                      else self.allgather(o, timeout_s)), value, what)
 
     def sub_comm(self, tag: str, timeout_s: float | None = None) -> OpComm:
         """A communicator of an op's own (a duplicate), with an id every rank agrees on.
