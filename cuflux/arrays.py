@@ -42,8 +42,25 @@ def _table() -> dict[str, DType]:
     return _DTYPES
 
 
+_RESOLVED: dict = {}  # (dtype, allowed names) -> DType: resolved once (runs on every call)
+
+
 def dtype_info(dtype, allowed=None, op: str = "cuflux") -> DType:
     """Resolve a dtype given as a name, numpy/cupy dtype or torch dtype."""
+    try:
+        key = (dtype, None if allowed is None else tuple(allowed))
+        hit = _RESOLVED.get(key)
+    except TypeError:  # an unhashable dtype-like: resolve it the long way
+        key = hit = None
+    if hit is not None:
+        return hit
+    hit = _resolve(dtype, allowed, op)
+    if key is not None and len(_RESOLVED) < 1024:
+        _RESOLVED[key] = hit
+    return hit
+
+
+def _resolve(dtype, allowed, op: str) -> DType:
     table = _table()
     if isinstance(dtype, str):
         name = dtype

@@ -492,75 +492,13 @@ def load(source: str, device_id: int | None = None) -> LoadedModule:
     return mod
 
 
+from cuflux import launch as _launch  # noqa: E402  (no import of kernels there: no circle)
+
+
 def launch(kernel, grid, block, args, stream, *, op: str, name: str, shared_mem: int = 0,
-           pdl: bool = False, arg_types=None) -> None:
-    """Launch a loaded kernel; a CUDA error raises CudaError naming the op and kernel.
-
-    pdl=True (compute capability >= 9.0; a plain launch below): programmatic stream
-    serialisation, so the kernel's CTAs may become resident before the kernel ahead of it on the
-    stream has ended. The kernel must execute griddepcontrol.wait before it touches memory
-    earlier work writes or reads. A PDL launch takes its arguments as plain Python ints with
-    arg_types (ctypes types, one per argument): the short host path for ops that launch tens of
-    thousands of times a second."""
-    from cuflux.errors import CudaError
-
-    if pdl and arg_types is None:
-        raise TypeError(f"{op}: a PDL launch of {name} needs arg_types")
-    try:
-        if pdl and _pdl_capable():
-            _launch_pdl(kernel, grid, block, args, stream, shared_mem, arg_types)
-        else:
-            if arg_types is not None:  # plain ints as the kernel's integer / pointer types
-                import ctypes
-
-                import numpy as np
-
-                args = tuple(np.dtype(ctypes.c_uint64 if t is ctypes.c_void_p else t).type(v)
-                             for v, t in zip(args, arg_types))
-            kernel(grid, block, args, stream=stream, shared_mem=shared_mem)
-    except Exception as e:  # CuPy raises CUDADriverError / CUDARuntimeError
-        raise CudaError(f"{op}: launching kernel {name} failed: {e}") from e
-
-
-_PDL_DEVICES: dict = {}  # device id -> compute capability >= 9.0
-
-
-def _pdl_capable() -> bool:
-    import cupy
-
-    dev = cupy.cuda.runtime.getDevice()
-    ok = _PDL_DEVICES.get(dev)
-    if ok is None:
-        ok = _PDL_DEVICES[dev] = int(cupy.cuda.Device(dev).compute_capability) >= 90
-    return ok
-
-
-_PDL_CONFIGS: dict = {}  # (function, grid, block, smem, stream) -> (CUlaunchConfig, CUfunction)
-
-
-def _launch_pdl(kernel, grid, block, args, stream, shared_mem: int, arg_types) -> None:
-    """cuLaunchKernelEx with programmatic stream serialisation. The host path is kept short
-    (configurations cached, arguments typed by the caller): at W = 1 All2AllHeads moves 128 MiB
-    in ~33 us and the host must stay ahead of that."""
-    from cuda.bindings import driver as cu
-
-    key = (kernel.kernel.ptr, tuple(grid), tuple(block), shared_mem, stream.ptr)
-    entry = _PDL_CONFIGS.get(key)
-    if entry is None:
-        attr = cu.CUlaunchAttribute()
-        attr.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        attr.value.programmaticStreamSerializationAllowed = 1
-        g, b = tuple(grid) + (1,) * (3 - len(grid)), tuple(block) + (1,) * (3 - len(block))
-        lc = cu.CUlaunchConfig()
-        lc.gridDimX, lc.gridDimY, lc.gridDimZ = g
-        lc.blockDimX, lc.blockDimY, lc.blockDimZ = b
-        lc.sharedMemBytes = shared_mem
-        lc.hStream = cu.CUstream(stream.ptr)
-        lc.attrs = [attr]
-        lc.numAttrs = 1
-        if len(_PDL_CONFIGS) >= 256:  # grids follow token counts: bounded
-            _PDL_CONFIGS.clear()
-        entry = _PDL_CONFIGS[key] = (lc, cu.CUfunction(kernel.kernel.ptr))
-    err, = cu.cuLaunchKernelEx(entry[0], entry[1], (tuple(args), tuple(arg_types)), 0)
-    if err != cu.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"cuLaunchKernelEx: {err}")
+           pdl: bool = False) -> None:
+    """Launch a loaded kernel: cuflux.launch.kernel (the short host path; its docstring says
+    which argument types map to which C parameters). A CUDA error raises CudaError naming the
+    op and the kernel."""
+    _launch.kernel(kernel, grid, block, args, stream, op=op, name=name, shared_mem=shared_mem,
+                   pdl=pdl)

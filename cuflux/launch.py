@@ -201,9 +201,14 @@ def _pdl_config(grid: int, block: int, shared_mem: int, stream: int):
     return ctypes.byref(cfg)
 
 
+_IS_CAPTURING: list = []
+
+
 def capturing(stream) -> bool:
     """True while `stream` is being captured into a CUDA graph (0.3 us)."""
-    from cupy.cuda import runtime
+    if not _IS_CAPTURING:
+        from cupy.cuda import runtime
 
+        _IS_CAPTURING.append(runtime.streamIsCapturing)
     s = stream if isinstance(stream, int) else stream.ptr
-    return runtime.streamIsCapturing(s) != 0
+    return _IS_CAPTURING[0](s) != 0

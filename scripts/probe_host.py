@@ -28,6 +28,11 @@ def per_call_us(fn, calls=2000, hold=None):
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def _on(stream, fn):
+    with stream:
+        return fn()
+
+
 def main():
     import cupy
 
@@ -106,7 +111,6 @@ def main():
             fmt.pack_into(buf, 0, *args24)
             launch(fptr, 1, 1, 1, 32, 1, 1, 0, s.ptr, params, None)
         row("ctypes cuLaunchKernel, numpy scalars, 24 args", per_call_us(ct_np))
-        types = tuple(type(a) for a in args24)
         row("tuple(type(a) for a in args) 24", per_call_us(lambda: tuple(map(type, args24))))
         s.synchronize()
 
@@ -171,8 +175,31 @@ def main():
     outa = cupy.empty_like(xa)
     ops["All2AllHeads T=1024 out="] = lambda: a2a.scatter_heads(xa, (1024,), out=outa)
     ops["All2AllHeads T=1024"] = lambda: a2a.scatter_heads(xa, (1024,))
+    ops["AllReduceRMSNorm T=1 out= stream=s"] = lambda: arn(xs, res, wt, out=outn, stream=s)
+    from cuflux.ops.allreduce import check_norm_call
+    ops["check_norm_call only"] = lambda: check_norm_call(arn, xs, res, wt, outn, None)
+    plan = arn._plan(xs.size, H, "auto", True)
+    ops["AllReduceRMSNorm _launch only, stream=s"] = lambda: arn._launch(
+        plan, xs, outn, res, wt, arn._eps, s)
+    ops["AllReduceRMSNorm _launch only, default stream"] = lambda: arn._launch(
+        plan, xs, outn, res, wt, arn._eps, cupy.cuda.get_current_stream())
+    ops["gemm 128x8192x8192 nk out= stream=s"] = lambda: cuflux.gemm(
+        a, w, b_layout="nk", out=gout, stream=s)
+    gout = cupy.empty((128, 8192), dtype=cupy.float16)
+    ops["cupy.matmul 128x8192x8192 nk, stream s"] = lambda: _on(s, lambda: cupy.matmul(a, w.T))
     for label, fn in ops.items():
         row(f"user loop: {label}", user_loop(fn))
+    for label, fn in ops.items():
+        if "only" in label or "gemm" in label:
+            continue
+        s.synchronize()
+        hold = lambda: None  # noqa: E731
+        from cuflux.bench.common import hold_stream
+
+        hold_stream(cupy.cuda.get_current_stream(), 20000)
+        hold_stream(s, 20000)
+        row(f"host only (GPU held): {label}", per_call_us(fn, 200, hold=hold))
+        cupy.cuda.runtime.deviceSynchronize()
     for label, fn in ops.items():
         pr = cProfile.Profile()
         pr.enable()

@@ -79,6 +79,72 @@ def time_interleaved(fns: dict, *, rounds: int = 5, iters: int = 10, warmup: int
             for name, ev in events.items()}
 
 
+def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5,
+            barrier=None) -> dict:
+    """The three ways users run an op, for one callable (no arguments, enqueues one call on
+    `stream`):
+
+      user_loop_ms  calls back to back from Python with nothing held on the GPU, wall time per
+                    call (the host's launch path included): what a decode step or a small layer
+                    gets when it calls the op the obvious way;
+      host_us       the host's time per call alone: the same loop issued while the GPU is held
+                    busy (hold_stream), so no call waits for the GPU;
+      graph_ms      one CUDA graph of `calls` calls, replayed; GPU time per call (None when the
+                    op refuses capture: CaptureError).
+
+    `barrier` (multi-rank): called before each timed loop so ranks start together. The GPU-
+    queued regime (calls queued behind a hold, GPU time per call) is each benchmark's own
+    cuflux_ms / baseline_ms column."""
+    import time
+
+    import cupy
+
+    from cuflux.errors import CaptureError
+
+    for _ in range(warmup):
+        fn()
+    stream.synchronize()
+    if barrier is not None:
+        barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    stream.synchronize()
+    user_loop_ms = (time.perf_counter() - t0) * 1e3 / calls
+    if barrier is not None:
+        barrier()
+    hold_stream(stream, min(_HOLD_MAX_US, 2 * user_loop_ms * 1e3 * calls + 200))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_us = (time.perf_counter() - t0) * 1e6 / calls
+    stream.synchronize()
+    graph_ms = None
+    if graph:
+        try:
+            if barrier is not None:
+                barrier()
+            stream.begin_capture()
+            try:
+                for _ in range(calls):
+                    fn()
+            finally:
+                g = stream.end_capture()
+            g.launch(stream)  # warm-up replay
+            stream.synchronize()
+            if barrier is not None:
+                barrier()
+            a, b = cupy.cuda.Event(), cupy.cuda.Event()
+            a.record(stream)
+            g.launch(stream)
+            b.record(stream)
+            b.synchronize()
+            graph_ms = cupy.cuda.get_elapsed_time(a, b) / calls
+        except CaptureError:
+            graph_ms = None
+    return {"user_loop_ms": user_loop_ms, "host_us": host_us, "graph_ms": graph_ms}
+
+
 _HOLD_SRC = r"""
 extern "C" __global__ void cuflux_bench_hold(unsigned long long ns) {
   unsigned long long t0, t;

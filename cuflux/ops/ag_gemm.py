@@ -36,7 +36,7 @@ from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import OP_CODES, CufluxError
 from cuflux.ops import gemm as G
-from cuflux.ops.allgather import _NO_CAPTURE, AllGather, arrival_order
+from cuflux.ops.allgather import AllGather, arrival_order
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, ranks_on_my_gpu, refuse_capture, \
     sm_count
 
@@ -63,6 +63,12 @@ _SM80_TILE = (128, 128)  # kernels_cu/ag_gemm.cu AgSm80Cfg == gemm.cu Sm80Cfg
 DEFAULT_CHUNKS_PER_SHARD = 4
 DEFAULT_MIN_CHUNK_BYTES = 2 << 20
 _CHUNK_ALIGN_ROWS = 128  # whole tile rows of every core
+
+
+# The chunk flags the GEMM waits on carry a host-counted epoch, and the gather's peer waits are
+# bounded by a host watchdog per call: neither survives a graph replay.
+_NO_CAPTURE_AG = ("the GEMM waits on chunk flags of a host-counted epoch and the gather's waits "
+                  "are watched per call from the host; call it outside the capture")
 
 
 def _sm90_kernel(cfg, cuda_type: str, transposed: bool) -> str:
@@ -369,8 +375,7 @@ class AllGatherGemm(Closeable):
         a, b, bias, out, rows = self._check_call(a_shard, b, bias, out)
         s = stream_of(stream)
         W, M = self.world.size, self.world.size * rows
-        if W > 1:
-            refuse_capture(_OP, s, _NO_CAPTURE)
+        refuse_capture(_OP, s, _NO_CAPTURE_AG)
         pull = self.mode == "pull" or W == 1
         # Allocations come from s's pool arena: their blocks were last used by work queued on s,
         # which runs before everything below (the lanes fork from s).

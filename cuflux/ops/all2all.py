@@ -433,6 +433,9 @@ class All2AllHeads(CommOp):
             raise ValueError(f"{_OP}: out_scale given without scale")
         h = self._agree((gather, tokens, B, mode))
         s = stream_of(stream)
+        if spec.world_size > 1:
+            self._no_capture(s, "its call epoch is a launch argument counted on the host, so "
+                                "a replayed graph would reuse spent epochs (W = 1 is capturable)")
         if self._last_stream is not None and self._last_stream.ptr != s.ptr:
             # Keep every call of the op in one stream order (double buffering relies on it).
             ev = cupy.cuda.Event(disable_timing=True)

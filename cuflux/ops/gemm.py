@@ -28,6 +28,8 @@ import numpy as np
 
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+from cuflux.errors import CaptureError
+from cuflux.launch import capturing
 
 __all__ = ["gemm", "plan", "tensor_map", "Sm90Config", "SM90_CONFIGS", "SM80_CONFIG", "CUBLAS",
            "tuner_path"]
@@ -137,8 +139,7 @@ def check_bias(op: str, bias, n: int, dtype, device):
 
 
 def _check_args(a, b, bias, out, out_dtype, b_layout, impl):
-    import cupy
-
+    cupy = _cupy()
     if b_layout not in _LAYOUTS:
         raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [K, N]) or 'nk' (b is [N, K]), "
                          f"got {b_layout!r}")
@@ -327,15 +328,29 @@ _COMPUTE_32F, _ALGO_DEFAULT, _OP_N, _OP_T = 68, -1, 0, 1
 _ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
 
 
+_CUPY: list = []
+
+
+def _cupy():
+    """The cupy module and its cuBLAS pieces, imported once (an import statement per call
+    costs ~0.5 us; gemm's whole host path is ~10 us)."""
+    if not _CUPY:
+        import cupy
+        from cupy.cuda import cublas
+        from cupy.cuda import device as cdev
+
+        _CUPY.extend((cupy, cublas, cdev))
+    return _CUPY[0]
+
+
 def _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream) -> None:
     """C = a @ b (+ bias) by cublasGemmEx, fp32 accumulation, any of our output dtypes.
 
     Row-major C [M, N] is column-major C^T [N, M] = op(b) op(a): b "kn" is column-major [N, K]
     (no transpose, ld N), "nk" column-major [K, N] (transposed, ld K); a is column-major
     [K, M] (ld K). A bias is broadcast into C first and kept with beta = 1."""
-    from cupy.cuda import cublas
-    from cupy.cuda import device as cdev
-
+    _cupy()
+    cublas, cdev = _CUPY[1], _CUPY[2]
     handle = cdev.get_cublas_handle()
     cublas.setStream(handle, stream.ptr)
     beta = _ZERO
@@ -500,6 +515,10 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     if M == 0:
         return out
     s = stream_of(stream)
+    under_capture = capturing(s)
+    if impl == CUBLAS and under_capture:
+        raise CaptureError(f"{_OP}: impl='cublas' cannot be captured in a CUDA graph (CuPy "
+                           f"refuses cuBLAS calls under capture); use impl='auto' or 'sm90'")
     arch = _device_props()[1]
     hopper = arch == "sm_90a"
     if impl == "sm90" and not hopper:
@@ -510,7 +529,7 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     if config is not None and config not in SM90_CONFIGS:
         raise ValueError(f"{_OP}: config must be one of {sorted(SM90_CONFIGS)}, got {config!r}")
     if impl == CUBLAS or (impl == "auto" and not hopper and config is None
-                          and M < CUBLAS_BELOW_M):
+                          and M < CUBLAS_BELOW_M and not under_capture):
         _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s)
         return out
     if impl == "sm80" or (impl == "auto" and not hopper):
@@ -525,16 +544,34 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
                          group_m)
 
     if config is None:
-        if os.environ.get("CUFLUX_GEMM_TUNE", "1") != "0":
-            from cuflux.launch import capturing
-
-            config = _tuned_config(tune_key(dt, b_layout, M, N, K), run, s,
-                                   tune=not capturing(s))
-        config = config or _heuristic(M, N, K)
-        if impl == "sm90" and config == CUBLAS:  # the caller asked for our core
+        config = _choice(dt, b_layout, M, N, K, run, s, under_capture)
+        if config == CUBLAS and (impl == "sm90" or under_capture):
+            # The caller asked for our core, or a graph is being captured: CuPy refuses cuBLAS
+            # calls under capture (its workspace is allocated per call).
             config = core_heuristic(M, N, K)
     run(config)
     return out
+
+
+_CHOICES: dict = {}  # (dtype, layout, M, N, K) -> (tuner table it came from, choice)
+
+
+def _choice(dt, b_layout, M, N, K, run, s, under_capture) -> str:
+    """What auto runs for this exact shape: remembered per shape while the tuner table it came
+    from is the current one (tests and other processes may replace the table)."""
+    key = (dt.name, b_layout, M, N, K)
+    hit = _CHOICES.get(key)
+    tuning = os.environ.get("CUFLUX_GEMM_TUNE", "1") != "0"
+    if hit is not None and hit[0] is (_TUNER_TABLE if tuning else None):
+        return hit[1]
+    config = None
+    if tuning:
+        config = _tuned_config(tune_key(dt, b_layout, M, N, K), run, s, tune=not under_capture)
+    decided = config is not None or not tuning
+    config = config or _heuristic(M, N, K)
+    if decided and len(_CHOICES) < 4096:
+        _CHOICES[key] = (_TUNER_TABLE if tuning else None, config)
+    return config
 
 
 def hooks_kernel(impl: str) -> str:

@@ -156,6 +156,10 @@ def reference_gemm_rs(a_list, b_list, bias=None, b_layout: str = "kn", rank: int
 
 
 # ---- the op -------------------------------------------------------------------------------------
+_NO_CAPTURE = ("its call epoch is a launch argument counted on the host, so a replayed graph "
+               "would reuse spent epochs (W = 1 runs the plain GEMM and is capturable)")
+
+
 class GemmReduceScatter(CommOp):
     """out [M / W, n] = rows [r * M / W, (r + 1) * M / W) of sum over ranks of a @ b (+ bias).
 
@@ -384,6 +388,7 @@ class GemmReduceScatter(CommOp):
             G.gemm(a, b, bias=bias, out=out, b_layout=self.b_layout, impl=self.impl, stream=s,
                    config=self.config if self.impl == "sm90" and self._config_given else None)
             return out
+        self._no_capture(s, _NO_CAPTURE)
         self._launch_fused(a, b, bias, out, M, s)
         return out
 
@@ -398,6 +403,7 @@ class GemmReduceScatter(CommOp):
         odt = self.out_dtype
         name = copy_kernel(self.dtype.cuda_type, odt.cuda_type, self.atomic)
         tiles = -(-M // COPY_TILE[0]) * -(-self.n // COPY_TILE[1])
+        self._no_capture(stream_of(stream), _NO_CAPTURE)
         args = (partial, np.int32(M), np.int32(self.n)) + self._tail(out, bias, M, COPY_TILE[0])
         kernels.launch(self.module[name], (min(tiles, self.max_ctas["copy"]),), (COPY_THREADS,),
                        args, stream_of(stream), op=_OP, name=name)
