@@ -169,7 +169,7 @@ class SharedHostMemory:
                 with cupy.cuda.Device(self.device):
                     dev = driver.host_register(host, num_bytes)
         except BaseException:
-            del anchor
+            anchor = None  # release the buffer export, so the mapping can close
             mm.close()
             raise
         self._maps[dev] = (mm, anchor, host, path)
@@ -376,12 +376,18 @@ class SymmetricBuffer(Closeable):
         else:
             self._mem = DeviceIpcMemory(world.device)
 
+        # The n-th buffer of the group on every rank: named in every collective of its set-up
+        # and close, so buffers made or closed in different orders raise instead of pairing.
+        self.serial = getattr(self.group, "_symmetric_buffers", 0)
+        self.group._symmetric_buffers = self.serial + 1
+        self.name = f"SymmetricBuffer #{self.serial} ({memory}, {self.num_bytes} bytes)"
+
         def finish(ptrs):
             self.ptrs_dev = cupy.asarray(np.array(ptrs, dtype=np.uint64))
 
         with cupy.cuda.Device(world.device):
             self._base, self.base_ptrs, self._opened = establish(
-                self.group, self._mem, self.num_bytes, f"SymmetricBuffer({memory})", finish)
+                self.group, self._mem, self.num_bytes, self.name, finish)
 
     # ---- views and addresses ---------------------------------------------------------------
     def _region(self, name: str | None) -> Region:
@@ -476,7 +482,7 @@ class SymmetricBuffer(Closeable):
     def _release(self) -> None:
         self._synchronize_device()
         try:
-            self.group.barrier(what="SymmetricBuffer.close: every rank done with it")
+            self.group.barrier(what=f"{self.name} close: every rank done with it")
         except BaseException:
             self._abort(streams=())  # our own work is done: our mappings are idle
             raise
@@ -484,7 +490,7 @@ class SymmetricBuffer(Closeable):
             self._mem.close(p)
         self._opened = []
         try:
-            self.group.barrier(what="SymmetricBuffer.close: every rank unmapped it")
+            self.group.barrier(what=f"{self.name} close: every rank unmapped it")
         finally:
             # Every peer finished with it before the first barrier: safe even if this one
             # timed out.

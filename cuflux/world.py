@@ -495,7 +495,7 @@ class World:
         everyone = self.allgather((n, str(tag)), timeout_s, "sub_comm")
         if len(set(everyone)) > 1:
             raise CufluxError(
-                f"World.sub_comm: ops built in different orders on different ranks: "
+                "World.sub_comm: ops built in different orders on different ranks: "
                 + ", ".join(f"rank {r} builds op #{i} {t!r}" for r, (i, t) in enumerate(everyone)))
         op_id = f"{tag}#{n}"
         comm = self._host.dup(f"sub_comm({op_id})", timeout_s)

@@ -11,7 +11,6 @@ import numpy as np
 
 import cuflux
 from cuflux import symmetric
-from cuflux.errors import CommTimeoutError, CufluxError
 
 
 def _short(world, timeout_s):
@@ -198,6 +197,7 @@ def gpu_subcomm_device(world):
     from mpi4py import MPI
 
     n = cupy.cuda.runtime.getDeviceCount()
+    before = cupy.cuda.runtime.getDevice()
     other = (world.device + 1) % n  # the caller's choice, different from ours where possible
     cupy.cuda.runtime.setDevice(other)
     full = cuflux.World(MPI.COMM_WORLD)
@@ -212,7 +212,7 @@ def gpu_subcomm_device(world):
     assert buf.local().device.id == full.device
     buf.close()
     assert cupy.cuda.runtime.getDevice() == other
-    cupy.cuda.runtime.setDevice(world.device)
+    cupy.cuda.runtime.setDevice(before)
     return {"device": full.device, "devices": n}
 
 

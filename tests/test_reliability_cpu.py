@@ -5,7 +5,6 @@ symmetric set-up, op communicators built or closed in different orders, the GPU 
 device_count's failures mean, the environment on import, the watchdog's CPU release and its
 failure path, and SymmetricBuffer.close(abort=True) on test doubles.
 """
-import ctypes
 import os
 import subprocess
 import sys
@@ -172,7 +171,7 @@ def test_world_timeout_is_validated(monkeypatch):
     assert world_mod.default_timeout_s() == 7.5
 
 
-# ---- what device_count's failures mean ------------------------------------------------------------
+# ---- what device_count's failures mean ----------------------------------------------------------
 def test_no_gpu_reads_as_zero():
     classify = world_mod.classify_device_error
     assert classify(100, driver_present=True) == 0  # cudaErrorNoDevice
@@ -355,6 +354,7 @@ def _buffer(size, memory="device", fail=None):
 
     buf = symmetric.SymmetricBuffer.__new__(symmetric.SymmetricBuffer)
     buf.memory, buf.num_bytes, buf._closed = memory, 4096, False
+    buf.name = "SymmetricBuffer #0"
     buf.group = FakeGroup(size, fail)
     buf._mem = FakeMemory(0)
     buf._base = buf._mem.alloc(4096)
@@ -396,8 +396,8 @@ def test_close_with_a_dead_peer_raises_and_leaks_rather_than_frees():
 
     buf = _buffer(2)
     buf.close()
-    assert buf.group.calls == ["SymmetricBuffer.close: every rank done with it",
-                               "SymmetricBuffer.close: every rank unmapped it"]
+    assert buf.group.calls == ["SymmetricBuffer #0 close: every rank done with it",
+                               "SymmetricBuffer #0 close: every rank unmapped it"]
     assert buf._mem.freed == buf._mem.allocated
 
 
