@@ -343,30 +343,104 @@ def _cupy():
     return _CUPY[0]
 
 
-def _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream) -> None:
-    """C = a @ b (+ bias) by cublasGemmEx, fp32 accumulation, any of our output dtypes.
+WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace per stream (split-K and the like need one)
+
+
+class _Cublas:
+    """cublasGemmEx through ctypes, on a handle of cuflux's own per device with a workspace per
+    stream. Why not CuPy's wrapper: it refuses every call while a stream is captured (cuBLAS
+    would allocate its workspace inside the graph); with a workspace set beforehand cuBLAS
+    captures cleanly, and the direct call is shorter on the host."""
+
+    def __init__(self):
+        import ctypes
+
+        _cupy()  # CuPy's cublas module loads libcublas (from the CUDA extra's wheel or the system)
+        lib = None
+        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+            try:
+                lib = ctypes.CDLL(name)  # the copy already loaded in this process, by its soname
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise RuntimeError(f"{_OP}: libcublas could not be loaded (install the cuda12 or "
+                               f"cuda13 extra)")
+        vp, i32 = ctypes.c_void_p, ctypes.c_int
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        lib.cublasGemmEx.argtypes = [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, vp, i32, i32,
+                                     vp, vp, i32, i32, i32, i32]
+        for f in (lib.cublasCreate_v2, lib.cublasSetStream_v2, lib.cublasSetWorkspace_v2,
+                  lib.cublasGemmEx):
+            f.restype = i32
+        self.lib, self.ctypes = lib, ctypes
+        self.handles: dict[int, int] = {}
+        self.workspaces: dict[tuple, object] = {}  # (device, stream) -> cupy array
+        self.current: dict[int, int] = {}          # device -> stream its handle is set to
+
+    def handle(self, dev: int, stream_ptr: int, under_capture: bool) -> int:
+        h = self.handles.get(dev)
+        if h is None:
+            hv = self.ctypes.c_void_p()
+            err = self.lib.cublasCreate_v2(self.ctypes.byref(hv))
+            if err:
+                raise RuntimeError(f"{_OP}: cublasCreate failed ({err})")
+            h = self.handles[dev] = hv.value
+        if self.current.get(dev) != stream_ptr:
+            ws = self.workspaces.get((dev, stream_ptr))
+            if ws is None:
+                if under_capture:  # no allocation inside a capture: the caller takes our core
+                    return 0
+                ws = self.workspaces[(dev, stream_ptr)] = _CUPY[0].empty(WORKSPACE_BYTES,
+                                                                         _CUPY[0].uint8)
+            self.lib.cublasSetStream_v2(h, stream_ptr)
+            self.lib.cublasSetWorkspace_v2(h, ws.data.ptr, WORKSPACE_BYTES)
+            self.current[dev] = stream_ptr
+        return h
+
+
+_CUBLAS: list = []
+
+
+def _cublas() -> _Cublas:
+    if not _CUBLAS:
+        _CUBLAS.append(_Cublas())
+    return _CUBLAS[0]
+
+
+def _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
+                   under_capture: bool = False) -> bool:
+    """C = a @ b (+ bias) by cublasGemmEx, fp32 accumulation, any of our output dtypes; False
+    (nothing enqueued) when under capture on a stream that has no cuBLAS workspace yet.
 
     Row-major C [M, N] is column-major C^T [N, M] = op(b) op(a): b "kn" is column-major [N, K]
     (no transpose, ld N), "nk" column-major [K, N] (transposed, ld K); a is column-major
     [K, M] (ld K). A bias is broadcast into C first and kept with beta = 1."""
-    _cupy()
-    cublas, cdev = _CUPY[1], _CUPY[2]
-    handle = cdev.get_cublas_handle()
-    cublas.setStream(handle, stream.ptr)
+    cb = _cublas()
+    handle = cb.handle(a.data.device_id, stream.ptr, under_capture)
+    if not handle:
+        return False
     beta = _ZERO
     if bias is not None:
-        out[...] = bias
+        with stream:
+            out[...] = bias
         beta = _ONE
     kn = b_layout == "kn"
-    try:
-        cublas.gemmEx(handle, _OP_N if kn else _OP_T, _OP_N, N, M, K, _ONE.ctypes.data,
-                      b.data.ptr, _CUDA_R[dt.name], N if kn else K, a.data.ptr, _CUDA_R[dt.name],
-                      K, beta.ctypes.data, out.data.ptr, _CUDA_R[odt.name], N, _COMPUTE_32F,
-                      _ALGO_DEFAULT)
-    except Exception as e:
+    err = cb.lib.cublasGemmEx(
+        handle, _OP_N if kn else _OP_T, _OP_N, N, M, K, _ONE_PTR, b.data.ptr, _CUDA_R[dt.name],
+        N if kn else K, a.data.ptr, _CUDA_R[dt.name], K, _ONE_PTR if beta is _ONE else _ZERO_PTR,
+        out.data.ptr, _CUDA_R[odt.name], N, _COMPUTE_32F, _ALGO_DEFAULT)
+    if err:
         from cuflux.errors import CudaError
 
-        raise CudaError(f"{_OP}: cublasGemmEx failed for {M}x{N}x{K} ({b_layout}): {e}") from e
+        raise CudaError(f"{_OP}: cublasGemmEx failed for {M}x{N}x{K} ({b_layout}): "
+                        f"cublasStatus {err}")
+    return True
+
+
+_ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data
 
 
 # ---- tuner -----------------------------------------------------------------------------------------
@@ -516,9 +590,6 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
         return out
     s = stream_of(stream)
     under_capture = capturing(s)
-    if impl == CUBLAS and under_capture:
-        raise CaptureError(f"{_OP}: impl='cublas' cannot be captured in a CUDA graph (CuPy "
-                           f"refuses cuBLAS calls under capture); use impl='auto' or 'sm90'")
     arch = _device_props()[1]
     hopper = arch == "sm_90a"
     if impl == "sm90" and not hopper:
@@ -529,25 +600,28 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     if config is not None and config not in SM90_CONFIGS:
         raise ValueError(f"{_OP}: config must be one of {sorted(SM90_CONFIGS)}, got {config!r}")
     if impl == CUBLAS or (impl == "auto" and not hopper and config is None
-                          and M < CUBLAS_BELOW_M and not under_capture):
-        _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s)
-        return out
+                          and M < CUBLAS_BELOW_M):
+        if _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s, under_capture):
+            return out
+        if impl == CUBLAS:
+            raise CaptureError(f"{_OP}: impl='cublas' under capture needs one call on this "
+                               f"stream outside the capture first (it sets up cuBLAS's "
+                               f"workspace for the stream)")
     if impl == "sm80" or (impl == "auto" and not hopper):
         _launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, s, group_m)
         return out
 
     def run(name):
         if name == CUBLAS:
-            _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s)
+            if not _launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s, under_capture):
+                run(core_heuristic(M, N, K))  # first cuBLAS use of this stream is a capture
         else:
             _launch_sm90(SM90_CONFIGS[name], a, b, bias, out, dt, odt, M, N, K, b_layout, s,
                          group_m)
 
     if config is None:
         config = _choice(dt, b_layout, M, N, K, run, s, under_capture)
-        if config == CUBLAS and (impl == "sm90" or under_capture):
-            # The caller asked for our core, or a graph is being captured: CuPy refuses cuBLAS
-            # calls under capture (its workspace is allocated per call).
+        if config == CUBLAS and impl == "sm90":  # the caller asked for our core
             config = core_heuristic(M, N, K)
     run(config)
     return out
