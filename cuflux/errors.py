@@ -6,6 +6,7 @@ import ctypes
 import numpy as np
 
 __all__ = ["CufluxError", "CommTimeoutError", "CudaError", "CompileError", "CaptureError",
+           "NoDeviceError", "CudaSetupError",
            "ErrorRecord", "OP_CODES"]
 
 # Op codes written by kernels into the error record (kernels receive them as an argument).
@@ -33,6 +34,15 @@ class CompileError(CufluxError):
     """NVRTC could not compile a kernel file; the message holds its log."""
 
 
+class NoDeviceError(CufluxError):
+    """An op needs a CUDA device and this process has none."""
+
+
+class CudaSetupError(CufluxError):
+    """CUDA is installed in a way that cannot work here (CuPy missing, driver too old for the
+    CUDA extra installed, driver not loaded); the message says what to install or fix."""
+
+
 class CaptureError(CufluxError):
     """An op (or one path of it) that cannot be captured in a CUDA graph was called while its
     stream was being captured."""
@@ -53,6 +63,9 @@ class CommTimeoutError(CufluxError):
 
 
 class ErrorRecord:
+    fault: BaseException | None = None  # set by a watchdog whose thread failed
+    host_detail: str = ""               # set when a host exchange of the op failed it
+
     """NUM_WORDS uint32 in pinned, mapped host memory plus a device claim word.
 
     Kernels write it on timeout (see sync.cuh); the host reads it at any moment without
@@ -82,6 +95,13 @@ class ErrorRecord:
     def timeout_ns(self) -> int:
         return int(self.timeout_s * 1e9)
 
+    def record_host_failure(self, op_code: int, peer: int, detail: str) -> None:
+        """Fail the op from the host (a bounded host exchange of the op timed out), as a
+        device wait would: every later call and synchronize() raise CommTimeoutError."""
+        self.host_detail = detail
+        self.words[OP], self.words[RANK], self.words[PEER] = op_code, self.rank, max(peer, 0)
+        self.words[STATUS] = STATUS_TIMEOUT
+
     def failed(self) -> bool:
         return int(self.words[STATUS]) != STATUS_OK
 
@@ -89,11 +109,15 @@ class ErrorRecord:
         """Raise CommTimeoutError if a device wait of this op has failed."""
         if self._status.value == STATUS_OK:
             return
+        if self.fault is not None:  # the stream-wait watchdog thread died
+            raise CufluxError(f"{self.op}: the stream-wait watchdog failed: {self.fault!r}") \
+                from self.fault
         w = [int(x) for x in self.words]
         if w[STATUS] == STATUS_OK:
             return
         name = _OP_NAMES.get(w[OP], self.op)
-        detail = f"flag {w[INDEX]}: observed epoch {w[OBSERVED]}, expected {w[EXPECTED]}"
+        detail = self.host_detail or (f"flag {w[INDEX]}: observed epoch {w[OBSERVED]}, "
+                                      f"expected {w[EXPECTED]}")
         raise CommTimeoutError(name, w[RANK], w[PEER], self.timeout_s, detail)
 
     def reset(self) -> None:

@@ -29,5 +29,12 @@ class Closeable:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
-        self.close()
+    def __exit__(self, exc_type, exc, tb):
+        """Leaving a `with` block on a CommTimeoutError aborts (local, returns at once) where
+        the object can: a dead peer would never come to close()'s barrier."""
+        from cuflux.errors import CommTimeoutError
+
+        if isinstance(exc, CommTimeoutError) and hasattr(self, "abort"):
+            self.abort()
+        else:
+            self.close()

@@ -65,13 +65,8 @@ _TAG = 0x6378  # point-to-point tag of cuflux's host collectives (on communicato
 _NODE_LOCAL_RANK: int | None = None  # this process's node-local rank in COMM_WORLD, once known
 
 
-class CudaSetupError(CufluxError):
-    """CUDA is installed in a way that cannot work here (CuPy missing, driver too old for the
-    CUDA extra installed, driver not loaded); the message says what to install or fix."""
-
-
-class NoDeviceError(CufluxError):
-    """An op needs a CUDA device and this process has none."""
+# Defined in cuflux.errors with every other error; named here too, where they are raised.
+from cuflux.errors import CudaSetupError, NoDeviceError  # noqa: E402
 
 
 def check_timeout(what: str, timeout_s) -> float:
@@ -595,6 +590,47 @@ def _native_atomics(dev: int, peer_dev: int) -> bool:
         return False
 
 
+# What init accepts, said in every refusal. torch.distributed process groups are next: they
+# get their own branch in _check_comm (and their own host collectives), not a silent fallback.
+_COMM_ACCEPTED = ("an mpi4py intracommunicator (MPI.COMM_WORLD, or one made from it with "
+                  "Split / Create) or None (MPI.COMM_WORLD)")
+
+
+def _check_comm(comm):
+    """The mpi4py intracommunicator init bootstraps on (None: MPI.COMM_WORLD), or TypeError
+    saying what init accepts; ValueError for MPI.COMM_NULL (a rank left out of a Split)."""
+    from mpi4py import MPI
+
+    if comm is None:
+        return MPI.COMM_WORLD
+    if isinstance(comm, MPI.Intracomm):
+        return comm
+    kind = type(comm)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if isinstance(comm, MPI.Comm):
+        if comm == MPI.COMM_NULL:
+            raise ValueError("cuflux.init: comm is MPI.COMM_NULL (this process is not in the "
+                             "group; a Split with color MPI.UNDEFINED gives it): call init only "
+                             "on the ranks of the group")
+        raise TypeError(f"cuflux.init: comm must be {_COMM_ACCEPTED}; got an intercommunicator "
+                        f"or another kind of communicator ({name})")
+    if kind.__module__.split(".")[0] == "torch":
+        raise TypeError(f"cuflux.init: torch.distributed process groups ({name}) are not "
+                        f"supported yet; comm must be {_COMM_ACCEPTED}")
+    hint = ""
+    if isinstance(comm, str):
+        hint = f" (pass the communicator itself: from mpi4py import MPI; MPI.{comm})" \
+            if comm.isidentifier() and hasattr(MPI, comm) else ""
+    raise TypeError(f"cuflux.init: comm must be {_COMM_ACCEPTED}, got {comm!r} "
+                    f"({kind.__name__}){hint}")
+
+
 def init(comm=None, device: int | None = None, timeout_s: float | None = None) -> World:
-    """Bootstrap cuflux on an mpi4py communicator (MPI.COMM_WORLD by default)."""
-    return World(comm, device=device, timeout_s=timeout_s)
+    """Bootstrap cuflux on an mpi4py communicator: a World (collective over comm's ranks).
+
+    comm: an mpi4py intracommunicator (MPI.COMM_WORLD, or one made from it with Split /
+      Create), or None for MPI.COMM_WORLD. Anything else raises TypeError saying what is
+      accepted (a torch.distributed ProcessGroup too, for now); MPI.COMM_NULL raises
+      ValueError. device, timeout_s: see World.
+    """
+    return World(_check_comm(comm), device=device, timeout_s=timeout_s)

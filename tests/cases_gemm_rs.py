@@ -369,11 +369,13 @@ def timeout(world, timeout_s=2.0):
     for reduce in REDUCE_MODES:
         op = GemmReduceScatter(world, 256 * W, 512, 64, "bfloat16", reduce=reduce,
                                timeout_s=timeout_s)
+        (a, _), (b, _) = _inputs(1, me, 256 * W, 512, 64, "bfloat16", "kn")
+        op(a, b)  # every rank: this M is now agreed, so the next call launches at once
+        op.synchronize()
         if me != late:
-            (a, _), (b, _) = _inputs(1, me, 256 * W, 512, 64, "bfloat16", "kn")
             t0 = time.perf_counter()
-            op(a, b)  # launches; the kernel's waits for the late rank's tiles start now
             try:
+                op(a, b)  # launches; the kernel's waits for the late rank's tiles start now
                 op.synchronize()
                 raise AssertionError(f"{reduce}: no CommTimeoutError although a rank never "
                                      f"computed")

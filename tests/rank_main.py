@@ -29,7 +29,8 @@ def run_case(target: str, kwargs: dict) -> dict:
         module, func = target.split(":")
         fn = getattr(importlib.import_module(module), func)
         world = cuflux.init()
-        return {"ok": True, "result": fn(world, **kwargs)}
+        with world.device_context():  # the World never moves the current device itself
+            return {"ok": True, "result": fn(world, **kwargs)}
     except BaseException:
         return {"ok": False, "traceback": traceback.format_exc()}
 

@@ -26,7 +26,7 @@ from cuflux import kernels
 from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, CommTimeoutError,
                            CufluxError)
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_timeout
+from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout
 from cuflux.symmetric import Layout
 
 __all__ = ["All2AllHeads", "reference_scatter_heads", "reference_gather_heads"]
@@ -274,12 +274,8 @@ class All2AllHeads(CommOp):
                          f"batch, blocks)")
         self.blocks_per_target = -(-self.num_blocks // W)
         self.layout = layout = build_layout(self.spec, self.blocks_per_target)
-        try:
-            self.buf = world.alloc_layout(layout)
-        except BaseException:
-            self.err.close()
-            raise
-        mod = kernels.load("all2all.cu")  # eager: nothing may load a module while we spin
+        self._alloc(layout)
+        mod = kernels.load("all2all.cu", world.device)  # eager: nothing may load while we spin
         self._push = {(v, g): mod[_name_push(v, g)] for v in _VEC_BYTES for g in (False, True)}
         self._copy_out = {v: mod[_name_copy_out(v)] for v in _VEC_BYTES}
         self._wait = mod["a2a_wait"]
@@ -300,9 +296,9 @@ class All2AllHeads(CommOp):
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._agreed: dict = {}
         self._host_failure: Exception | None = None
-        # Own communicator for the argument checks: a check abandoned on timeout leaves its
-        # messages here, not in the caller's communicator.
-        self._comm = world.comm.Dup() if W > 1 else None
+        # The op's own communicator for the argument checks: a check abandoned on timeout
+        # leaves its messages there, not in the caller's communicator.
+        self._comm = self.comm.comm if W > 1 else None
         self._last_stream = None
         # W = 1: the op is one copy; False runs the general kernel (tests, bench)
         self._w1_direct = True
@@ -414,6 +410,9 @@ class All2AllHeads(CommOp):
     def _run(self, gather, a, tokens_per_rank, scale, out, out_scale, view, stream):
         import cupy
 
+        if self._off_device():
+            with self.world.device_context():
+                return self._run(gather, a, tokens_per_rank, scale, out, out_scale, view, stream)
         if self._closed:
             raise CufluxError(f"{_OP}: the op is closed")
         self._raise_if_failed()
@@ -447,9 +446,14 @@ class All2AllHeads(CommOp):
             out = self._slot_view(f"data{parity}", out_shape, spec.dtype.storage)
             out_scale = self._slot_view(f"scale{parity}", sc_shape, np.float32) if mode else None
         else:
+            given = out is not None, out_scale is not None
             out = self._output(out, "out", out_shape, spec.dtype, s)
             if mode:
                 out_scale = self._output(out_scale, "out_scale", sc_shape, dtype_info("float32"), s)
+            if given[0]:
+                check_no_alias(_OP, out, input=a, scale=scale)
+            if given[1] and mode:
+                check_no_alias(_OP, out_scale, input=a, scale=scale)
         result = (out, out_scale) if mode else out
         S = plan.total
         if B * S == 0:  # nothing moves anywhere (every rank knows: the list is the same)
@@ -558,12 +562,14 @@ class All2AllHeads(CommOp):
             self._last_stream.synchronize()
         self._raise_if_failed()
 
+    def _streams(self) -> tuple:
+        return () if self._last_stream is None else (self._last_stream,)
+
     def _free(self) -> None:
         """Views of the slots die with the buffer (the base closes it after this)."""
         self._plans.clear()
         self._agreed.clear()
-        if self._comm is not None:
-            self._comm.Free()
+        self._comm = None  # freed with the op's communicator
 
 
 class _Plan:

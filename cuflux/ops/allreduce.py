@@ -21,7 +21,7 @@ import numpy as np
 
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_timeout, sm_count
+from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, sm_count
 from cuflux.symmetric import Layout
 
 __all__ = ["AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "choose_algo", "token_slice",
@@ -190,6 +190,7 @@ class _P2PReduce(CommOp):
             need = -(-hidden * 4 // 16) * 16 + 8 * W + 1024
             if need > self.smem_optin:
                 self.err.close()
+                self.comm.free()
                 raise ValueError(f"{op}: hidden={hidden} needs {need} bytes of shared memory "
                                  f"per block, the device allows {self.smem_optin}")
         # Ranks sharing this GPU all spin at once (under MPS side by side): split the SMs.
@@ -210,13 +211,11 @@ class _P2PReduce(CommOp):
         self.layout = layout
         self._offsets = {n: r.offset for n, r in layout.regions.items()}
         self._stage_parity_bytes = padded * self.dtype.itemsize
-        try:
-            self.buf = world.alloc_layout(layout)
-        except BaseException:
-            self.err.close()
-            raise
-        self.state = cupy.zeros(2, dtype=cupy.uint32)  # [epoch, blocks finished this call]
-        self.module = kernels.load(_SRC)  # eager: nothing may load a module while peers spin
+        self._alloc(layout)
+        with world.device_context():
+            self.state = cupy.zeros(2, dtype=cupy.uint32)  # [epoch, blocks finished this call]
+        # eager: nothing may load a module while peers spin
+        self.module = kernels.load(_SRC, world.device)
         self._static_args()
         self._plans: dict[tuple, tuple] = {}
         self._closed = False
@@ -307,6 +306,9 @@ class AllReduce(_P2PReduce):
     def __call__(self, x, out=None, stream=None, algo: str | None = None):
         """x: any shape, C-contiguous, x.size <= max_elems, the same on every rank ->
         out (same shape) = sum over ranks. `algo` overrides the op's choice for this call."""
+        if self._off_device():
+            with self.world.device_context():
+                return self(x, out, stream, algo)
         self._check_open()
         x = as_cupy(x, "x", self.op)
         check_array(x, name="x", op=self.op, dtype=self.dtype, device=self.world.device)
@@ -322,6 +324,8 @@ class AllReduce(_P2PReduce):
             out = as_cupy(out, "out", self.op)
             check_array(out, name="out", op=self.op, shape=x.shape, dtype=self.dtype,
                         device=self.world.device)
+        if self.world.size > 1 and (x.size, algo) not in self._agreed:
+            self._agree((x.size, algo), "x.size and algo of the call")
         if x.size == 0:
             return out
         plan = self._plan(x.size, None, algo or self.algo, not (x.data.ptr | out.data.ptr) & 15)
@@ -376,11 +380,18 @@ class AllReduceRMSNorm(_P2PReduce):
         return num_tokens
 
     def __call__(self, x, residual, weight, out=None, stream=None, algo: str | None = None):
+        if self._off_device():
+            with self.world.device_context():
+                return self(x, residual, weight, out, stream, algo)
         self._check_open()
         x, residual, weight, out = check_norm_call(self, x, residual, weight, out, algo)
         s = stream_of(stream)
         if out is None:
             out = _empty((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage)
+        else:
+            check_no_alias(self.op, out, x=x, residual=residual, weight=weight)
+        if self.world.size > 1 and (x.shape[0], algo) not in self._agreed:
+            self._agree((x.shape[0], algo), "token count and algo of the call")
         if x.shape[0] == 0:
             return out
         aligned = not (x.data.ptr | out.data.ptr | residual.data.ptr | weight.data.ptr) & 15

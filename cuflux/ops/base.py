@@ -16,10 +16,12 @@ claim word, timeout in ns, op code); they never change, so they are built once h
 from __future__ import annotations
 
 import math
+import warnings
 
 import numpy as np
 
-from cuflux.errors import OP_CODES, CaptureError, CufluxError, ErrorRecord
+from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError, ErrorRecord,
+                           NoDeviceError)
 from cuflux.resource import Closeable
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
@@ -31,6 +33,15 @@ __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ra
 DEFAULT_TIMEOUT_S = 30.0
 
 _SM_COUNTS: dict[int, int] = {}
+_GET_DEVICE: list = []
+
+
+def _get_device() -> int:
+    if not _GET_DEVICE:
+        from cupy.cuda import runtime
+
+        _GET_DEVICE.append(runtime.getDevice)
+    return _GET_DEVICE[0]()
 
 
 def sm_count(device: int) -> int:
@@ -70,29 +81,84 @@ def refuse_capture(op: str, stream, why: str) -> None:
         raise CaptureError(f"{op}: cannot be captured in a CUDA graph: {why}")
 
 
+def check_no_alias(op: str, out, **inputs) -> None:
+    """Refuse an output whose memory overlaps an input's (GemmReduceScatter's out over a,
+    All2AllHeads' out over y, AllReduceRMSNorm's out over residual, ...): the kernels read an
+    input after other blocks wrote their output, so an overlap is a silent race."""
+    lo = out.data.ptr
+    hi = lo + out.nbytes
+    for name, x in inputs.items():
+        if x is not None and x.data.ptr < hi and lo < x.data.ptr + x.nbytes:
+            raise ValueError(f"{op}: out overlaps {name} in memory; pass a separate output")
+
+
 class CommOp(Closeable):
     """Base of the collective ops. Subclasses set `self.buf` (a SymmetricBuffer, or None) and
     free whatever else they own in `_free()`; `close()` is collective (every rank calls it)."""
 
     def __init__(self, world, op: str, timeout_s: float):
+        """Collective: every rank builds its ops in the same order (World.sub_comm checks it).
+        Subclasses call it before their own collectives and allocate inside
+        `with world.device_context():` (the caller's current device is never moved)."""
         self.op = op
         timeout_s = check_timeout(op, timeout_s)
         if world.device is None:
-            raise CufluxError(f"{op}: needs a CUDA device; rank {world.rank} has none")
+            from cuflux.world import require_device
+
+            require_device(op)  # no GPU on this machine: the one message every op gives
+            raise NoDeviceError(f"{op}: needs a CUDA device; rank {world.rank} has none")
         self.world = world
         self.timeout_s = timeout_s
         self.buf = None
-        self.err = ErrorRecord(op, world.rank, timeout_s)
+        self.comm = world.sub_comm(op, timeout_s)  # the op's own communicator, agreed id
+        with world.device_context():
+            self.err = ErrorRecord(op, world.rank, timeout_s)
         self.err_args = (np.uint64(self.err.ptr), self.err.claim, np.uint64(self.err.timeout_ns),
                          np.uint32(OP_CODES[op]))
         self.num_sms = sm_count(world.device)
         self.sharers = ranks_on_my_gpu(world)
+        self._agreed: set = set()
+
+    def _alloc(self, layout):
+        """The op's symmetric buffer, agreed over its own communicator (bounded); on failure
+        the error record is freed and the communicator released before the error goes up."""
+        try:
+            with self.world.device_context():
+                self.buf = self.world.alloc_layout(layout, group=self.comm)
+        except BaseException:
+            self.err.close()
+            self.comm.free()
+            raise
+        return self.buf
 
     # ---- the call path -----------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise CufluxError(f"{self.op}: the op is closed")
         self.err.check()  # host memory read: no synchronisation, capture-safe
+
+    def _agree(self, key, what: str) -> None:
+        """The first time this rank sees `key` (a call's collective arguments: token counts,
+        M, ...), check every rank passes the same (bounded, over the op's communicator); known
+        keys cost a set lookup. Ranks making the same calls see new keys at the same calls. A
+        rank whose key is new while a peer's is not times out (CommTimeoutError) rather than
+        hang."""
+        if key in self._agreed:
+            return
+        try:
+            self.comm.check_same(key, f"{self.op}: {what}")
+        except CommTimeoutError as e:  # the op is failed, as if a kernel's wait had expired
+            detail = f"comparing the call's {what} with every rank: no answer from rank {e.peer}"
+            self.err.record_host_failure(OP_CODES[self.op], e.peer, detail)
+            raise CommTimeoutError(self.op, self.world.rank, e.peer, self.timeout_s,
+                                   detail) from e
+        if len(self._agreed) < 4096:
+            self._agreed.add(key)
+
+    def _off_device(self) -> bool:
+        """True when the caller's current device is not this op's: the call must then run
+        inside `with self.world.device_context():` (0.1 us to ask)."""
+        return _get_device() != self.world.device
 
     def _no_capture(self, stream, why: str) -> None:
         refuse_capture(self.op, stream, why)
@@ -110,11 +176,44 @@ class CommOp(Closeable):
         """Subclasses: free what they own beyond the buffer and the error record."""
 
     def _release(self) -> None:
-        """Collective and idempotent. After a CommTimeoutError the op cannot run again (its
-        epochs disagree across ranks): close it and build a new one."""
+        """Collective (bounded) and idempotent. After a CommTimeoutError the op cannot run again
+        (its epochs disagree across ranks): close it (or `abort()` it) and build a new one. A
+        failed op tries the same collective close, bounded by its own timeout, and aborts where a
+        peer does not come (leaving a `with` block on CommTimeoutError aborts at once)."""
+        try:
+            self.comm.check_close(self.timeout_s)
+            self._free()
+            if self.buf is not None:
+                with self.world.device_context():
+                    self.buf.close()
+        except CufluxError as e:  # a peer is dead or late, or the op's communicator failed
+            warnings.warn(f"{self.op}: close() could not meet every rank ({e}); closed this "
+                          f"rank's side locally (abort)", RuntimeWarning, stacklevel=3)
+            self._abort()
+            return
+        self.comm.free()
+        self.err.close()
+
+    def abort(self) -> None:
+        """Local, returns at once (no collective): for a peer that is dead or late. Every wait
+        of this op gives up, its peers' mappings are closed where this rank's streams are idle,
+        and memory a late peer might still write is kept (leaked) rather than freed."""
+        if self._closed:
+            return
+        self._closed = True
+        self._abort()
+
+    def _abort(self) -> None:
+        self.err.abort()
         try:
             self._free()
         finally:
             if self.buf is not None:
-                self.buf.close()
-            self.err.close()
+                self.buf.close(abort=True, streams=self._streams())
+            self.comm.free()
+            # The error record stays allocated: a kernel still queued may write it.
+
+    def _streams(self) -> tuple:
+        """Streams this op's work may still be queued on (abort closes peer mappings only when
+        they are idle)."""
+        return ()

@@ -26,7 +26,7 @@ import numpy as np
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import CufluxError
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_timeout
+from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout
 from cuflux.ops import gemm as G
 from cuflux.symmetric import Layout
 
@@ -253,15 +253,11 @@ class GemmReduceScatter(CommOp):
         rows_max = self.max_m // W
         self._slot_bytes = rows_max * self.n * odt.itemsize  # one source rank's slot
         self._parity_bytes = regions["data"].num_bytes // 2
-        try:
-            self.buf = world.alloc_layout(self.layout)
-        except BaseException:
-            self.err.close()
-            raise
+        self._alloc(self.layout)
         # Eager: nothing may load a module while a peer's kernel waits on this rank.
-        self.module = kernels.load(_SRC)
+        self.module = kernels.load(_SRC, world.device)
         if W == 1:
-            kernels.load("gemm.cu")
+            kernels.load("gemm.cu", world.device)
         self.epoch = 0
         self._plain_w1 = True  # W = 1: the plain GEMM (tests switch it off to run the kernel)
         self._closed = False
@@ -379,8 +375,16 @@ class GemmReduceScatter(CommOp):
         out: optional output array (else allocated). stream: CuPy stream, raw handle or torch
         stream (default: CuPy's current stream). Returns out (a CuPy array).
         """
+        if self._off_device():
+            with self.world.device_context():
+                return self(a, b, bias, out, stream)
         self._check_open()
+        given = out is not None
         a, b, bias, out, M = self.check_call(a, b, bias, out)
+        if given:
+            check_no_alias(_OP, out, a=a, b=b, bias=bias)
+        if self.world.size > 1 and M not in self._agreed:
+            self._agree(M, "M of the call")
         if M == 0:  # every rank has M = 0 (M must agree): nothing to do, no epoch
             return out
         s = stream_of(stream)
@@ -396,8 +400,16 @@ class GemmReduceScatter(CommOp):
         """The comm-only reduce-scatter: partial [M, n] (this rank's C, in out_dtype, e.g. from
         cuBLAS) -> out [M / W, n] = sum over ranks of their partials' rows of this rank
         (+ bias), with this op's reduce mode, buffers and flags. The unfused baseline."""
+        if self._off_device():
+            with self.world.device_context():
+                return self.reduce_scatter(partial, bias, out, stream)
         self._check_open()
+        given = out is not None
         partial, bias, out, M = self.check_partial(partial, bias, out)
+        if given:
+            check_no_alias(_OP, out, partial=partial, bias=bias)
+        if self.world.size > 1 and M not in self._agreed:
+            self._agree(M, "M of the call")
         if M == 0:
             return out
         odt = self.out_dtype
