@@ -17,6 +17,8 @@ import re
 import sys
 import time
 
+from cuflux import knobs
+
 DEFAULT_ARCHS = ("sm_80", "sm_90a")
 _ARCH = re.compile(r"sm_\d{2,3}[af]?")
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         if not _ARCH.fullmatch(arch):
             p.error(f"--arch {arch!r}: expected an NVRTC target such as sm_80 or sm_90a")
     if args.cache_dir:
-        os.environ["CUFLUX_CACHE_DIR"] = os.path.abspath(args.cache_dir)
+        os.environ[knobs.CACHE_DIR.name] = os.path.abspath(args.cache_dir)  # for this process
 
     from cuflux import kernels
 

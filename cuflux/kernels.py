@@ -41,6 +41,8 @@ import time
 import warnings
 from typing import Iterable, Sequence
 
+from cuflux import knobs
+
 __all__ = ["KERNEL_DIR", "KernelFamily", "register", "families", "compile_source", "compile_ptx",
            "compile_all", "compile_family", "cache_dir", "cache_entry", "CacheEntry", "Compiled",
            "load", "device_arch", "CompileError", "CacheDirError",
@@ -171,9 +173,7 @@ def _check(nvrtc, result, what: str):
 
 def cache_dir() -> pathlib.Path:
     """The kernel cache directory, created 0700; refused unless it is private (CacheDirError)."""
-    root = os.environ.get("CUFLUX_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "cuflux")
-    p = pathlib.Path(root)
+    p = pathlib.Path(knobs.cache_dir())
     try:
         p.mkdir(mode=0o700, parents=True, exist_ok=True)
         st = os.stat(p)

@@ -163,11 +163,16 @@ def print_bench_table(rows: list[dict], cols: list[str], speed_cols, measured: b
 
 # ---- knobs ------------------------------------------------------------------------------------
 def knobs(args, environ=None) -> dict:
-    """What a run was asked for: its command-line arguments and every CUFLUX_* variable set."""
+    """What a run was asked for: its command-line arguments, every CUFLUX_* variable set (the
+    tests' and scripts' included), and the value of every cuflux knob, defaults included
+    (cuflux.knobs.describe)."""
+    from cuflux import knobs as K
+
     environ = os.environ if environ is None else environ
     cli = {k: (str(v) if isinstance(v, pathlib.Path) else v) for k, v in vars(args).items()}
     return {"args": cli,
-            "env": {k: environ[k] for k in sorted(environ) if k.startswith("CUFLUX_")}}
+            "env": {k: environ[k] for k in sorted(environ) if k.startswith("CUFLUX_")},
+            "values": K.describe(environ)}
 
 
 def bench_extra(args, measured: bool, **more) -> dict:
@@ -210,6 +215,9 @@ def parse_args(argv=None, cwd=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from cuflux import knobs as K
+
+    K.describe()  # a knob that fails its check stops the run now, not when its JSON is written
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         print("cuflux.bench: --plot draws with matplotlib, which is not installed: "
               "pip install \"cuflux[plot]\" (or pip install matplotlib)", file=sys.stderr)

@@ -23,8 +23,8 @@ user_loop_speedup >= 0.95 (`meets_bar`).
 from __future__ import annotations
 
 import math
-import os
 
+from cuflux import knobs
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, no_baseline_regimes, print_bench_table,
                                    regime_calls, speed_header)
@@ -67,6 +67,19 @@ def auto_cases(quick: bool) -> list[dict]:
                                                       "decode": False, "table": False})
             case["table"] = True
     return list(out.values())
+
+
+def bench_configs(known, environ=None) -> list[str]:
+    """The Hopper configurations to time, in the order of `known`: those named in
+    CUFLUX_GEMM_BENCH_CONFIGS (cuflux.knobs), else every one. An unknown name raises."""
+    only = knobs.gemm_bench_configs(environ)
+    if only is None:
+        return list(known)
+    unknown = [n for n in only if n not in known]
+    if unknown:
+        raise ValueError(f"{knobs.GEMM_BENCH_CONFIGS.name}: unknown GEMM configuration "
+                         f"{', '.join(unknown)}; known: {', '.join(known)}")
+    return [c for c in known if c in only]
 
 
 def _inputs(M, N, K, layout, l2_bytes, dtype):
@@ -143,6 +156,7 @@ def run(world, args):
     from cuflux import kernels
     from cuflux.arrays import dtype_info
 
+    wanted = bench_configs(G.SM90_CONFIGS)  # every rank: a bad name fails them all at once
     me = world.rank
     shared_gpu = ranks_share_gpu(world)  # collective: every rank calls it
     rows, auto_rows = [], []
@@ -154,8 +168,7 @@ def run(world, args):
         bf16 = dtype_info("bfloat16").storage
         kernels.load("gemm.cu")
         shapes = BAR_SHAPES + ([] if args.quick else EXTRA_SHAPES)
-        only = os.environ.get("CUFLUX_GEMM_BENCH_CONFIGS")  # e.g. "128x256s4c1,256x128s4c1"
-        configs = [c for c in G.SM90_CONFIGS if not only or c in only.split(",")] if hopper else []
+        configs = wanted if hopper else []
         iters = args.iters
         for (M, N, K) in shapes:
             flop = 2.0 * M * N * K

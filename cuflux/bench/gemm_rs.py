@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import math
 
+from cuflux import knobs
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, print_bench_table, regime_calls,
                                    speed_header, speed_measured)
@@ -189,7 +190,8 @@ def run(world, args):
 
     from cuflux.ops.gemm_rs import SM90_RS_CONFIGS
 
-    os.environ.setdefault("CUFLUX_GEMM_TUNE", "0")  # the same fixed configuration on both sides
+    # the same fixed configuration on both sides, unless the caller set CUFLUX_GEMM_TUNE
+    os.environ.setdefault(knobs.GEMM_TUNE.name, "0")
     W, me = world.size, world.rank
     # Decided together: a rank that alone set up NCCL (or skipped it) would hang the others.
     shared_gpu = ranks_share_gpu(world)
@@ -226,6 +228,6 @@ def run(world, args):
               + ("met" if worst <= BAR else "missed"))
     path = write_results("gemm_rs", W, rows, bench_extra(
         args, measured, ranks_share_gpu=shared_gpu, bar=BAR, timing="interleaved rounds",
-        gemm_tune=os.environ["CUFLUX_GEMM_TUNE"]), outdir=args.outdir)
+        gemm_tune=knobs.gemm_tune()), outdir=args.outdir)
     print("wrote", path)
     return path
