@@ -39,6 +39,8 @@ from cuflux.ops import gemm as G
 from cuflux.ops.allgather import AllGather, arrival_order
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, ranks_on_my_gpu, refuse_capture, \
     sm_count
+from cuflux.sizes import count, optional_count
+from cuflux.world import NoDeviceError, require_device
 
 __all__ = ["AllGatherGemm", "reference_ag_gemm", "visit_order", "chunks_for_rows",
            "default_chunk_rows", "block_tiles_for", "check_build_args", "AG_SM90_CONFIGS"]
@@ -149,9 +151,15 @@ def visit_order(world_size: int, rank: int, stages, rows_per_rank: int, chunk_ro
     return sorted(range(num_blocks), key=lambda b: (keys[b], b))
 
 
-def check_build_args(world_size: int, max_m: int, n: int, k: int, dtype, out_dtype, b_layout,
-                     mode, chunk_rows, timeout_s, impl, config, group_m):
-    """Constructor checks that need no GPU; returns (dtype, out dtype, max rows per rank)."""
+_MAX_DIM = 2**31 - 1  # M, n and k travel to the kernel as int32
+
+
+def check_build_args(world_size: int, max_m, n, k, dtype, out_dtype, b_layout, mode, chunk_rows,
+                     timeout_s, impl, config, group_m, *, max_rows_per_rank=None):
+    """Constructor checks that need no GPU; returns (dtype, out dtype, max rows per rank).
+
+    The row bound comes as exactly one of max_m (the largest gathered M, the GEMM's M: rows
+    per rank = max_m // world_size) or max_rows_per_rank (AllGather's max_rows)."""
     dt = dtype_info(dtype, _IN, _OP)
     odt = dtype_info(out_dtype if out_dtype is not None else dt.name, G._OUT_KIND, _OP)
     if b_layout not in _LAYOUTS:
@@ -159,16 +167,23 @@ def check_build_args(world_size: int, max_m: int, n: int, k: int, dtype, out_dty
                          f"got {b_layout!r}")
     if mode not in ("pull", "push"):
         raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
-    for name, v in (("n", n), ("k", k)):
-        if not isinstance(v, (int, np.integer)) or v <= 0 or v % 8 or v >= 2**31:
-            raise ValueError(f"{_OP}: {name} must be a positive multiple of 8 below 2**31 (rows "
-                             f"move in 16-byte pieces), got {name}={v!r}")
-    if not isinstance(max_m, (int, np.integer)) or max_m < world_size or max_m >= 2**31:
-        raise ValueError(f"{_OP}: max_m (the largest gathered M) must be an int in "
-                         f"[world size {world_size}, 2**31), got {max_m!r}")
-    if chunk_rows is not None and (not isinstance(chunk_rows, (int, np.integer))
-                                   or chunk_rows < 1):
-        raise ValueError(f"{_OP}: chunk_rows must be an int >= 1 or None, got {chunk_rows!r}")
+    why8 = "rows move in 16-byte pieces"
+    count(_OP, "n", n, 8, _MAX_DIM // 8 * 8, f"this rank's output columns; {why8}", 8)
+    count(_OP, "k", k, 8, _MAX_DIM // 8 * 8, f"the inner dimension; {why8}", 8)
+    if (max_m is None) == (max_rows_per_rank is None):
+        raise TypeError(f"{_OP}: give exactly one of max_m (the largest gathered M = world size "
+                        "* rows per rank) and max_rows_per_rank (the largest a_shard rows), got "
+                        + ("both" if max_m is not None else "neither"))
+    if max_m is not None:
+        max_rows = count(_OP, "max_m", max_m, world_size, _MAX_DIM,
+                         f"the largest gathered M = world size {world_size} * rows per rank")
+        max_rows //= world_size
+    else:
+        max_rows = count(_OP, "max_rows_per_rank", max_rows_per_rank, 1, _MAX_DIM // world_size,
+                         f"the largest a_shard rows; world size {world_size} * it is the "
+                         "gathered M, below 2**31")
+    optional_count(_OP, "chunk_rows", chunk_rows, what="rows per flagged chunk; None: "
+                   "default_chunk_rows")
     check_timeout(_OP, timeout_s)
     if impl not in ("auto", "sm90", "sm80"):
         raise ValueError(f"{_OP}: impl must be 'auto', 'sm90' or 'sm80', got {impl!r}")
@@ -179,9 +194,8 @@ def check_build_args(world_size: int, max_m: int, n: int, k: int, dtype, out_dty
         if impl == "sm80":
             raise ValueError(f"{_OP}: config names a Hopper configuration; impl='sm80' has one "
                              f"fixed tile ({G.SM80_CONFIG})")
-    if not isinstance(group_m, int) or group_m < 1:
-        raise ValueError(f"{_OP}: group_m must be an int >= 1, got {group_m!r}")
-    return dt, odt, int(max_m) // world_size
+    count(_OP, "group_m", group_m, what="tile rows per L2 group")
+    return dt, odt, max_rows
 
 
 def reference_ag_gemm(a_shards, bs, biases=None, b_layout: str = "kn") -> list[np.ndarray]:
@@ -223,8 +237,12 @@ class AllGatherGemm(Closeable):
     """out [M, n] = gather_ranks(a_shard) @ b (+ bias), the gather hidden behind the GEMM.
 
     Args:
-      world: cuflux.World.
-      max_m: largest gathered M = W * rows any call uses (rows per rank <= max_m // W).
+      world: cuflux.World (with a CUDA device: without one the constructor raises
+        NoDeviceError "AllGatherGemm: needs a CUDA device; ..." before anything else).
+      max_m: largest gathered M = W * rows any call uses: the GEMM's M, the bound of out's
+        rows, as GemmReduceScatter's max_m (rows per rank <= max_m // W). Or, instead:
+      max_rows_per_rank (keyword): largest a_shard rows any call uses, as AllGather's
+        max_rows (max_m = W * max_rows_per_rank). Give exactly one of the two.
       n: this rank's output columns; k: the inner dimension (both multiples of 8).
       dtype: bfloat16 or float16 (a_shard, b, bias); out_dtype: bfloat16 / float16 / float32
         (default: dtype). fp32 accumulation.
@@ -237,27 +255,40 @@ class AllGatherGemm(Closeable):
       config: Hopper configuration (AG_SM90_CONFIGS); None: the plain GEMM tuner's cached
         choice for the shape, else its heuristic.
       group_m: tile rows per L2 group inside a scheduling block.
+    Sizes (max_m / max_rows_per_rank, n, k, chunk_rows, group_m) are ints (Python or NumPy
+    integers; no bools, floats or strings), checked by cuflux.sizes.count with one message:
+    "AllGatherGemm: max_m must be an integer in [2, 2147483647] (...), got 4096.0 (float)".
     """
 
-    def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
-                 b_layout: str = "kn", mode: str = "pull", chunk_rows: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto", config: str | None = None,
-                 group_m: int = 8):
+    def __init__(self, world, max_m: int | None = None, n: int | None = None,
+                 k: int | None = None, dtype=None, out_dtype=None, b_layout: str = "kn",
+                 mode: str = "pull", chunk_rows: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto",
+                 config: str | None = None, group_m: int = 8, *,
+                 max_rows_per_rank: int | None = None):
+        if world.device is None:  # first: without a GPU, this is the one error to see
+            require_device(_OP)  # raises NoDeviceError: this machine has none, and why
+            raise NoDeviceError(f"{_OP}: needs a CUDA device; rank {world.rank}'s World has "
+                                "none (it was built when CUDA saw no device)")
+        missing = [name for name, v in (("n", n), ("k", k), ("dtype", dtype)) if v is None]
+        if missing:  # None defaults only so that max_m may be left out for max_rows_per_rank
+            raise TypeError(f"{_OP}: missing required argument(s): {', '.join(missing)}")
         dt, odt, max_rows = check_build_args(world.size, max_m, n, k, dtype, out_dtype, b_layout,
-                                             mode, chunk_rows, timeout_s, impl, config, group_m)
-        if world.device is None:
-            raise CufluxError(f"{_OP}: needs a CUDA device; rank {world.rank} has none")
+                                             mode, chunk_rows, timeout_s, impl, config, group_m,
+                                             max_rows_per_rank=max_rows_per_rank)
         import cupy
 
         self.world, self.n, self.k, self.mode = world, int(n), int(k), mode
         self.dtype, self.out_dtype, self.b_layout = dt, odt, b_layout
-        self.max_rows, self.group_m, self.config = max_rows, group_m, config
-        self.chunk_rows = int(chunk_rows) if chunk_rows else \
+        self.max_rows, self.group_m, self.config = max_rows, int(group_m), config
+        self.max_m = world.size * max_rows  # the largest M a call can have
+        self.chunk_rows = int(chunk_rows) if chunk_rows is not None else \
             default_chunk_rows(max_rows, self.k * dt.itemsize, world.size)
-        world.check_same((int(max_m), self.n, self.k, dt.name, odt.name, b_layout, mode,
-                          self.chunk_rows, float(timeout_s), impl, config, group_m),
-                         f"{_OP} arguments (max_m, n, k, dtype, out_dtype, b_layout, mode, "
-                         f"chunk_rows, timeout_s, impl, config, group_m)")
+        # Per rank: max_m = 515 on one rank and max_rows_per_rank = 128 on another agree (W = 4).
+        world.check_same((max_rows, self.n, self.k, dt.name, odt.name, b_layout, mode,
+                          self.chunk_rows, float(timeout_s), impl, config, self.group_m),
+                         f"{_OP} arguments (max_rows_per_rank, n, k, dtype, out_dtype, b_layout, "
+                         f"mode, chunk_rows, timeout_s, impl, config, group_m)")
         dev = cupy.cuda.Device(world.device)
         self.arch = kernels.device_arch(dev.id)
         if impl == "sm90" and self.arch != "sm_90a":
@@ -346,7 +377,7 @@ class AllGatherGemm(Closeable):
             raise ValueError(f"{_OP}: a_shard must be [rows, k={self.k}], got {tuple(a.shape)}")
         if rows > self.max_rows:
             raise ValueError(f"{_OP}: a_shard has {rows} rows, more than max_m // W = "
-                             f"{self.max_rows}")
+                             f"{self.max_rows} (max_rows_per_rank)")
         b = as_cupy(b, "b", _OP)
         check_array(b, name="b", op=_OP, ndim=2, dtype=dt, device=dev)
         want = (self.k, self.n) if self.b_layout == "kn" else (self.n, self.k)

@@ -40,9 +40,11 @@ from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, refuse_capture
 from cuflux.ops.signal import wait_flags
+from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 from cuflux.topology import transfer_order
 from cuflux.watchdog import StreamWaiter
+from cuflux.world import NoDeviceError, require_device
 
 __all__ = ["AllGather", "arrival_order", "arrival_stages"]
 
@@ -89,12 +91,17 @@ class AllGather(Closeable):
     """Gather each rank's [rows, cols] shard into [W * rows, cols] on every rank.
 
     Args:
-      world: cuflux.World.
-      max_rows: largest rows per rank any call will use.
+      world: cuflux.World (with a CUDA device: without one the constructor raises
+        NoDeviceError "AllGather: needs a CUDA device; ..." before anything else).
+      max_rows: largest rows per rank any call will use: the bound of x.shape[0] (the
+        gathered output has up to W * max_rows rows). AllGatherGemm takes the same bound as
+        max_rows_per_rank (or as max_m = W * rows, the GEMM's M).
       cols: elements per row.
       dtype: any cuflux dtype (the copy moves bytes).
       mode: "pull" (read peers' staged shards) or "push" (write into peers).
       chunk_rows: rows per flagged chunk (None: one chunk per shard).
+      Sizes (max_rows, cols, chunk_rows) are ints (Python or NumPy integers; no bools, floats or
+      strings) >= 1, checked by cuflux.sizes.count.
       timeout_s: bound of every wait; on expiry the op raises CommTimeoutError.
       wait: "stream" (cuStreamWaitValue32 watched by a host thread: no SM used) or "kernel"
         (a one-block bounded spin kernel per wait).
@@ -107,21 +114,25 @@ class AllGather(Closeable):
     def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
                  chunk_rows: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, wait: str = "stream",
                  name: str = _OP):
+        if world.device is None:  # first: without a GPU, this is the one error to see
+            require_device(name)  # raises NoDeviceError: this machine has none, and why
+            raise NoDeviceError(f"{name}: needs a CUDA device; rank {world.rank}'s World has "
+                                "none (it was built when CUDA saw no device)")
         if mode not in ("pull", "push"):
             raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
-        if max_rows < 1 or cols < 1:
-            raise ValueError(f"{_OP}: max_rows and cols must be >= 1, got {max_rows}, {cols}")
-        if chunk_rows is not None and chunk_rows < 1:
-            raise ValueError(f"{_OP}: chunk_rows must be >= 1 or None, got {chunk_rows}")
+        max_rows = count(_OP, "max_rows", max_rows, what="rows per rank")
+        cols = count(_OP, "cols", cols, what="elements per row")
+        chunk_rows = optional_count(_OP, "chunk_rows", chunk_rows,
+                                    what="rows per flagged chunk; None: the whole shard")
         check_timeout(_OP, timeout_s)
         if wait not in ("stream", "kernel"):
             raise ValueError(f"{_OP}: wait must be 'stream' or 'kernel', got {wait!r}")
         import cupy
 
-        self.world, self.mode, self.cols, self.name = world, mode, int(cols), name
-        self.max_rows = int(max_rows)
+        self.world, self.mode, self.cols, self.name = world, mode, cols, name
+        self.max_rows = max_rows
         self.dtype = dtype_info(dtype, op=_OP)
-        self.chunk_rows = int(chunk_rows) if chunk_rows else self.max_rows
+        self.chunk_rows = chunk_rows if chunk_rows is not None else self.max_rows
         self.max_chunks = -(-self.max_rows // self.chunk_rows)
         world.check_same((self.max_rows, self.cols, self.dtype.name, mode, self.chunk_rows),
                          f"{_OP} arguments (max_rows, cols, dtype, mode, chunk_rows)")
