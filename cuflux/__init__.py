@@ -24,11 +24,11 @@ _os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # hardware queue. With 1, a waiting stream holds back every later-queued stream of the process:
 # watchdog.StreamWaiter warns once and says what that costs.
 #
-# cuflux's own settings: CUFLUX_HOST_TIMEOUT_S (bound of host collectives, world.py),
-# CUFLUX_CACHE_DIR (kernel cache, kernels.py), CUFLUX_NUMA_SIZE (ranks per NUMA domain,
-# world.py).
+# cuflux's own settings (CUFLUX_*): all declared in cuflux/knobs.py, listed in docs/knobs.md.
 
-from cuflux.errors import CommTimeoutError, CudaError, CufluxError  # noqa: E402
+from cuflux.errors import (CaptureError, CommTimeoutError, CudaError, CufluxError,  # noqa: E402
+                           NoDeviceError)
+from cuflux import reference  # noqa: E402,F401  (cuflux.reference: every op's NumPy model)
 from cuflux.world import World, init, device_count  # noqa: E402
 from cuflux.symmetric import Layout, SymmetricBuffer  # noqa: E402
 from cuflux.ops.allgather import AllGather  # noqa: E402
@@ -46,4 +46,5 @@ __all__ = ["init", "World", "device_count", "Layout", "SymmetricBuffer", "AllGat
            "All2AllHeads", "reference_scatter_heads", "reference_gather_heads",
            "AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "reference_allreduce",
            "reference_allreduce_rmsnorm",
-           "CommTimeoutError", "CudaError", "CufluxError", "__version__"]
+           "CommTimeoutError", "CudaError", "CufluxError", "CaptureError", "NoDeviceError",
+           "reference", "__version__"]

@@ -37,6 +37,7 @@ import sys
 import time
 from typing import Any, Mapping
 
+from cuflux import knobs
 from cuflux.errors import CommTimeoutError, CufluxError
 from cuflux.topology import PeerLink, Topology
 
@@ -48,8 +49,8 @@ __all__ = ["World", "OpComm", "HostGroup", "init", "device_count", "require_devi
 # call says otherwise. Long enough for a peer that compiles kernels on first use (up to ~40 s a
 # file, several files for some ops) to be late rather than reported dead; finite, so a dead
 # peer costs at most this long.
-DEFAULT_TIMEOUT_S = 120.0
-TIMEOUT_ENV = "CUFLUX_HOST_TIMEOUT_S"  # overrides DEFAULT_TIMEOUT_S for every World
+DEFAULT_TIMEOUT_S = knobs.HOST_TIMEOUT_S.default
+TIMEOUT_ENV = knobs.HOST_TIMEOUT_S.name  # overrides DEFAULT_TIMEOUT_S for every World (knobs)
 
 # The launcher's node-local rank, most specific first. MPI launchers before the generic names:
 # mpiexec under Slurm runs its proxies through srun, so SLURM_LOCALID of an MPI rank is the
@@ -79,14 +80,7 @@ def check_timeout(what: str, timeout_s) -> float:
 
 
 def default_timeout_s() -> float:
-    value = os.environ.get(TIMEOUT_ENV)
-    if value is None:
-        return DEFAULT_TIMEOUT_S
-    try:
-        return check_timeout(TIMEOUT_ENV, float(value))
-    except ValueError:
-        raise ValueError(f"{TIMEOUT_ENV} must be a finite number of seconds > 0, "
-                         f"got {value!r}") from None
+    return knobs.host_timeout_s()
 
 
 # ---- how many GPUs, and which one ----------------------------------------------------------
@@ -560,7 +554,7 @@ class World:
                 links.append(self._probe_link(peer, bus))
             else:
                 links.append(PeerLink(peer, same_host, False, False, "none"))
-        numa = int(os.environ.get("CUFLUX_NUMA_SIZE", "0"))
+        numa = knobs.numa_size()
         return Topology(self.rank, tuple(links), numa)
 
     def _probe_link(self, peer: int, bus: str) -> PeerLink:

@@ -19,7 +19,7 @@ for s in ${CUFLUX_SESSION_STEPS:-probe tests benches}; do
     probe) step 120 python scripts/probe_host.py ;;
     tests) export CUFLUX_TEST_WORLD_SIZES=${CUFLUX_TEST_WORLD_SIZES:-1,2}
            CUFLUX_TEST_WORLD_SIZES=1,2,4,8 step ${CUFLUX_TEST_CAP_S:-300} python -m pytest -q -rf \
-             --durations=5 tests/test_graphs.py ;
+             --durations=5 tests/test_graphs.py tests/test_base.py ;
            step ${CUFLUX_TEST_CAP_S:-300} python -m pytest -q -rf --durations=5 tests/test_reliability.py \
              tests/test_gemm.py -k "cublas or graph or auto or matches_float64 or tuner or reliab or sub or abort or device or watchdog" ;
            step ${CUFLUX_TEST_CAP_S:-300} python -m pytest -q -rf --durations=5 tests/test_allreduce.py \

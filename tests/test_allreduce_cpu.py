@@ -166,14 +166,14 @@ def _fake_world(W=2, rank=0):
     (dict(eps=float("nan")), ValueError, "eps must be a finite number > 0"),
     (dict(dtype="int8"), TypeError, "not supported"),
     (dict(dtype="float8_e4m3fn"), TypeError, "expected one of"),
-    (dict(max_tokens=0), ValueError, "max_tokens and hidden must be >= 1"),
-    (dict(hidden=0), ValueError, "max_tokens and hidden must be >= 1"),
+    (dict(max_tokens=0), ValueError, r"(max_tokens|hidden) must be an integer in \[1, "),
+    (dict(hidden=0), ValueError, r"(max_tokens|hidden) must be an integer in \[1, "),
     (dict(max_tokens=1 << 20, hidden=1 << 12), ValueError, r"max_tokens \* hidden must be"),
     (dict(timeout_s=0), ValueError, "timeout_s must be a finite number of seconds > 0"),
     (dict(timeout_s=float("nan")), ValueError, "timeout_s must be a finite number"),
     (dict(timeout_s=float("inf")), ValueError, "timeout_s must be a finite number"),
     (dict(timeout_s="30"), ValueError, "timeout_s must be a finite number"),
-    (dict(max_blocks=0), ValueError, "max_blocks must be >= 1"),
+    (dict(max_blocks=0), ValueError, r"max_blocks must be an integer >= 1 or None"),
     (dict(output="sharded_residual", algo="one_shot"), ValueError, "needs the two-shot"),
     (dict(output="sequence_parallel", algo="one_shot"), ValueError, "needs the two-shot"),
     (dict(), CufluxError, "needs a CUDA device"),  # valid arguments reach the allocation
@@ -187,8 +187,8 @@ def test_norm_constructor_checks(kwargs, exc, text):
 
 
 @pytest.mark.parametrize("kwargs,exc,text", [
-    (dict(max_elems=0), ValueError, "max_elems must be in"),
-    (dict(max_elems=1 << 31), ValueError, "max_elems must be in"),
+    (dict(max_elems=0), ValueError, r"max_elems must be an integer in \[1, "),
+    (dict(max_elems=1 << 31), ValueError, r"max_elems must be an integer in \[1, "),
     (dict(algo="ring"), ValueError, "algo must be one of"),
     (dict(dtype="float64"), TypeError, "not supported"),
     (dict(), CufluxError, "needs a CUDA device"),

@@ -19,10 +19,7 @@ PACKAGE = ROOT / "cuflux"
 # by others when knobs.py landed (issue 18) and move to cuflux.knobs next. Remove a file's
 # entry when it no longer names them (the test below fails until the entry is removed, so this
 # list only shrinks). No other file may join it.
-EXPECTED_TO_MOVE = {
-    "cuflux/world.py": {"CUFLUX_HOST_TIMEOUT_S", "CUFLUX_NUMA_SIZE"},
-    "cuflux/ops/gemm.py": {"CUFLUX_GEMM_TUNE", "CUFLUX_GEMM_TUNE_BUDGET_S"},
-}
+EXPECTED_TO_MOVE: dict[str, set] = {}  # every read goes through cuflux/knobs.py
 
 
 @pytest.fixture

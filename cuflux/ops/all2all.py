@@ -27,6 +27,7 @@ from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, CommTimeoutError,
                            CufluxError)
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout
+from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
 __all__ = ["All2AllHeads", "reference_scatter_heads", "reference_gather_heads"]
@@ -87,15 +88,15 @@ class Spec:
 
 def check_op_args(world_size: int, max_tokens_per_rank, num_heads, head_dim, batch, num_sms,
                   timeout_s) -> None:
-    for name, v in (("max_tokens_per_rank", max_tokens_per_rank), ("num_heads", num_heads),
-                    ("head_dim", head_dim), ("batch", batch)):
-        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{_OP}: {name} must be an integer >= 1, got {v!r}")
+    for name, v, what in (("max_tokens_per_rank", max_tokens_per_rank, "tokens per rank"),
+                          ("num_heads", num_heads, "attention heads"),
+                          ("head_dim", head_dim, "elements per head"),
+                          ("batch", batch, "largest batch of a call")):
+        count(_OP, name, v, what=what)
     if num_heads % world_size:
         raise ValueError(f"{_OP}: num_heads must be divisible by the world size {world_size}, "
                          f"got num_heads={num_heads}")
-    if num_sms is not None and (not isinstance(num_sms, (int, np.integer)) or num_sms < 1):
-        raise ValueError(f"{_OP}: num_sms must be an integer >= 1 or None, got {num_sms!r}")
+    optional_count(_OP, "num_sms", num_sms, what="SMs the copy kernels use; None: all")
     check_timeout(_OP, timeout_s)
     if batch * world_size * max_tokens_per_rank * (num_heads // world_size) > MAX_ROWS:
         raise ValueError(f"{_OP}: batch * world size * max_tokens_per_rank * num_heads / world "

@@ -22,6 +22,7 @@ import numpy as np
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, sm_count
+from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
 __all__ = ["AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "choose_algo", "token_slice",
@@ -272,8 +273,7 @@ def _check_common(op, world, dtype, algo, timeout_s, max_blocks):
     if algo not in ALGOS:
         raise ValueError(f"{op}: algo must be one of {ALGOS}, got {algo!r}")
     check_timeout(op, timeout_s)
-    if max_blocks is not None and max_blocks < 1:
-        raise ValueError(f"{op}: max_blocks must be >= 1 or None, got {max_blocks}")
+    optional_count(op, "max_blocks", max_blocks, what="cap on the grid's blocks when W > 1")
     return dtype_info(dtype, DTYPES, op)
 
 
@@ -296,8 +296,7 @@ class AllReduce(_P2PReduce):
                  max_blocks: int | None = None):
         op = "AllReduce"
         d = _check_common(op, world, dtype, algo, timeout_s, max_blocks)
-        if not 1 <= max_elems <= MAX_ELEMS:
-            raise ValueError(f"{op}: max_elems must be in [1, {MAX_ELEMS}], got {max_elems}")
+        max_elems = count(op, "max_elems", max_elems, 1, MAX_ELEMS, "elements per call: x.size")
         world.check_same((int(max_elems), d.name, algo, max_blocks),
                          f"{op} arguments (max_elems, dtype, algo, max_blocks)")
         super().__init__(world, op, "plain", max_elems, d, algo, timeout_s, max_blocks)
@@ -357,9 +356,9 @@ class AllReduceRMSNorm(_P2PReduce):
                              f"slice's owner holds its residual rows); got algo='one_shot'")
         if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
             raise ValueError(f"{op}: eps must be a finite number > 0, got {eps!r}")
-        if max_tokens < 1 or hidden < 1:
-            raise ValueError(f"{op}: max_tokens and hidden must be >= 1, got {max_tokens}, "
-                             f"{hidden}")
+        max_tokens = count(op, "max_tokens", max_tokens, 1, MAX_ELEMS,
+                           "tokens per call: x.shape[0]")
+        hidden = count(op, "hidden", hidden, 1, MAX_ELEMS, "elements per token: x.shape[1]")
         if max_tokens * hidden > MAX_ELEMS:
             raise ValueError(f"{op}: max_tokens * hidden must be <= {MAX_ELEMS}, got "
                              f"{max_tokens * hidden}")

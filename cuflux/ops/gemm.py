@@ -20,13 +20,12 @@ import collections
 import dataclasses
 import json
 import math
-import os
 import threading
 import time
 
 import numpy as np
 
-from cuflux import kernels
+from cuflux import kernels, knobs
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import CaptureError
 from cuflux.launch import capturing
@@ -511,7 +510,7 @@ def _tuned_config(key: str, run_candidate, stream, tune: bool = True) -> str | N
         return None
     import cupy
 
-    budget_s = float(os.environ.get("CUFLUX_GEMM_TUNE_BUDGET_S", "2"))
+    budget_s = knobs.gemm_tune_budget_s()
     t_end = time.monotonic() + budget_s
     times = {}
     for name in (CUBLAS,) + TUNER_CANDIDATES:
@@ -557,7 +556,7 @@ def plan(M: int, N: int, K: int, dtype="bfloat16", b_layout: str = "kn") -> str:
     if _device_props()[1] != "sm_90a":
         return CUBLAS if M < CUBLAS_BELOW_M else "sm80"
     chosen = None
-    if os.environ.get("CUFLUX_GEMM_TUNE", "1") != "0":
+    if knobs.gemm_tune():
         chosen = _tuned_config(tune_key(dt, b_layout, M, N, K), None, None, tune=False)
     return chosen or _heuristic(M, N, K)
 
@@ -635,7 +634,7 @@ def _choice(dt, b_layout, M, N, K, run, s, under_capture) -> str:
     from is the current one (tests and other processes may replace the table)."""
     key = (dt.name, b_layout, M, N, K)
     hit = _CHOICES.get(key)
-    tuning = os.environ.get("CUFLUX_GEMM_TUNE", "1") != "0"
+    tuning = knobs.gemm_tune()
     if hit is not None and hit[0] is (_TUNER_TABLE if tuning else None):
         return hit[1]
     config = None

@@ -27,6 +27,7 @@ from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import CufluxError
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout
+from cuflux.sizes import count
 from cuflux.ops import gemm as G
 from cuflux.symmetric import Layout
 
@@ -201,16 +202,12 @@ class GemmReduceScatter(CommOp):
         if config is not None and config not in SM90_RS_CONFIGS:
             raise ValueError(f"{_OP}: config must be one of {SM90_RS_CONFIGS}, got {config!r}")
         check_timeout(_OP, timeout_s)
-        for name, v in (("max_m", max_m), ("n", n), ("k", k)):
-            if not isinstance(v, (int, np.integer)) or not 1 <= v <= MAX_DIM:
-                raise ValueError(f"{_OP}: {name} must be an int in [1, {MAX_DIM}], got {v!r}")
-        if max_m < W:
-            raise ValueError(f"{_OP}: max_m must be >= the world size {W} (each rank receives "
-                             f"M / {W} rows), got {max_m}")
-        for name, v in (("n", n), ("k", k)):
-            if v % 8:
-                raise ValueError(f"{_OP}: {name} must be a multiple of 8 (rows move in 16-byte "
-                                 f"pieces), got {name}={v}")
+        max_m = count(_OP, "max_m", max_m, W, MAX_DIM,
+                      f"the GEMM's M: world size {W} * the rows each rank receives")
+        n = count(_OP, "n", n, 8, MAX_DIM // 8 * 8, "output columns; rows move in 16-byte pieces",
+                  8)
+        k = count(_OP, "k", k, 8, MAX_DIM // 8 * 8,
+                  "this rank's slice of K; rows move in 16-byte pieces", 8)
         if world.device is None:
             raise CufluxError(f"{_OP}: needs a CUDA device; rank {world.rank} has none")
         world.check_same((int(max_m), int(n), dt.name, odt.name, b_layout, reduce, impl, config),
