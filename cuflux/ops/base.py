@@ -81,6 +81,18 @@ def refuse_capture(op: str, stream, why: str) -> None:
         raise CaptureError(f"{op}: cannot be captured in a CUDA graph: {why}")
 
 
+def require_world_device(world, op: str) -> int:
+    """world.device, or NoDeviceError "{op}: needs a CUDA device; <why>": the one message every
+    op gives on a machine (or a rank) without a GPU."""
+    if world.device is None:
+        from cuflux.world import require_device
+
+        require_device(op)  # no GPU on this machine: says why (no driver, CUDA sees none)
+        raise NoDeviceError(f"{op}: needs a CUDA device; rank {world.rank}'s World has none "
+                            f"(it was built when CUDA saw no device)")
+    return world.device
+
+
 def check_no_alias(op: str, out, **inputs) -> None:
     """Refuse an output whose memory overlaps an input's (GemmReduceScatter's out over a,
     All2AllHeads' out over y, AllReduceRMSNorm's out over residual, ...): the kernels read an
@@ -102,11 +114,7 @@ class CommOp(Closeable):
         `with world.device_context():` (the caller's current device is never moved)."""
         self.op = op
         timeout_s = check_timeout(op, timeout_s)
-        if world.device is None:
-            from cuflux.world import require_device
-
-            require_device(op)  # no GPU on this machine: the one message every op gives
-            raise NoDeviceError(f"{op}: needs a CUDA device; rank {world.rank} has none")
+        require_world_device(world, op)
         self.world = world
         self.timeout_s = timeout_s
         self.buf = None

@@ -25,8 +25,8 @@ import numpy as np
 
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
-from cuflux.errors import CufluxError
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
+                             require_world_device)
 from cuflux.sizes import count
 from cuflux.ops import gemm as G
 from cuflux.symmetric import Layout
@@ -208,8 +208,7 @@ class GemmReduceScatter(CommOp):
                   8)
         k = count(_OP, "k", k, 8, MAX_DIM // 8 * 8,
                   "this rank's slice of K; rows move in 16-byte pieces", 8)
-        if world.device is None:
-            raise CufluxError(f"{_OP}: needs a CUDA device; rank {world.rank} has none")
+        require_world_device(world, _OP)
         world.check_same((int(max_m), int(n), dt.name, odt.name, b_layout, reduce, impl, config),
                          f"{_OP} arguments (max_m, n, dtype, out_dtype, b_layout, reduce, impl, "
                          f"config)")
