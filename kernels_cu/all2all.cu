@@ -35,6 +35,8 @@
 //                   the call whose rows block j of sender p has written here, word 1 = that call's
 //                   hash; G = ceil(grid / W)
 // Sync points. Double buffering instead of a start barrier: call e uses slot and flags e % 2.
+//   The epoch lives in device memory (state[0], completed by a2a_wait), so calls captured in a
+//   CUDA graph replay with fresh epochs.
 //   Sender p writes our slot e % 2 only in call e, after its call e-1 has finished; that needed our
 //   call e-1 flags, which our a2a_push(e-1) raised after everything earlier on our stream, our
 //   copy-out of call e-2 (the last reader of slot e % 2) included. The op keeps all its calls in
@@ -123,16 +125,24 @@ using namespace cuflux::a2a;
 // src: x [B, T_me, H, D] (scatter) or y [B, S, hpr, D] (gather), local. src_scale: its scales
 // ([B, T_me] or [B, T_me, H]; [B, S] or [B, S, hpr]) or null. local_dst / local_dst_scale: where
 // this rank's own rows go (the output, or our slot for a view). bases: the W base pointers of the
-// symmetric buffer; data_off / scale_off / flags_off: byte offsets of this call's slot and flags.
+// symmetric buffer; data_off / scale_off / flags_off: byte offsets of the slots and flags of
+// parity 0 and 1. state[0]: the epoch of the last call completed on this rank (device memory, so
+// a captured CUDA graph replays with fresh epochs); this call is e = state[0] + 1, parity e % 2.
+// Nothing writes state before a2a_wait, which runs after this kernel on the stream.
 // prefix: W+1 token prefix sums (device). scale_cols: floats per scale row (0: no scales);
 // scale_per_head: scatter's source scales are [B, T_me, H] (else [B, T_me]).
 template <int kVec, bool kGather>
 __global__ void __launch_bounds__(kMaxThreads) a2a_push(
     const u8* __restrict__ src, const u8* __restrict__ src_scale, u8* local_dst,
-    u8* local_dst_scale, const u64* __restrict__ bases, u64 data_off, u64 scale_off, u64 flags_off,
+    u8* local_dst_scale, const u64* __restrict__ bases, u64 data_off0, u64 data_off1,
+    u64 scale_off0, u64 scale_off1, u64 flags_off0, u64 flags_off1, const u32* state,
     const int* __restrict__ prefix, u32 me, u32 world, u32 batch, u64 row_bytes, u32 scale_cols,
-    u32 scale_per_head, u32 epoch, u32 call_hash) {
+    u32 scale_per_head, u32 call_hash) {
   const u32 t = blockIdx.x % world, worker = blockIdx.x / world;
+  const u32 epoch = *reinterpret_cast<const volatile u32*>(state) + 1;
+  const bool odd = epoch & 1u;
+  const u64 data_off = odd ? data_off1 : data_off0, scale_off = odd ? scale_off1 : scale_off0;
+  const u64 flags_off = odd ? flags_off1 : flags_off0;
   const u32 num_workers = (gridDim.x - t + world - 1) / world;  // blocks dealt to target t
   const u64 S = static_cast<u32>(prefix[world]);
   RowMap map;
@@ -170,33 +180,56 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
   }
 }
 
-// One block. flags: this call's flags (parity e % 2) in our memory, [W][G][kFlagWords].
-// Waits for every block each peer dealt to us; on timeout or a hash mismatch records who and
-// returns (the host raises).
-extern "C" __global__ void a2a_wait(const u32* flags, u32 me, u32 world, u32 grid, u32 epoch,
-                                    u32 call_hash, u32* err, u32* err_claim, u64 timeout_ns,
-                                    u32 op) {
+// One block. flags0 / flags1: our flags of parity 0 / 1, [W][G][kFlagWords]; this call's are
+// parity e % 2, e = state[0] + 1. Waits for every block each peer dealt to us; on timeout or a
+// hash mismatch records who and stops waiting (the host raises). Last, it completes the call's
+// epoch (state[0] = e): a2a_copy_out, after it on the stream, reads the parity from there.
+extern "C" __global__ void a2a_wait(const u32* flags0, const u32* flags1, u32* state, u32 me,
+                                    u32 world, u32 grid, u32 call_hash, u32* err, u32* err_claim,
+                                    u64 timeout_ns, u32 op) {
+  __shared__ u32 s_epoch;
+  __shared__ volatile int s_failed;
+  if (threadIdx.x == 0) {
+    s_epoch = *reinterpret_cast<const volatile u32*>(state) + 1;
+    s_failed = 0;
+  }
+  __syncthreads();
+  const u32 epoch = s_epoch;
+  const u32* flags = (epoch & 1u) ? flags1 : flags0;
   const WaitSite site{err, err_claim, timeout_ns, op, me};
   const u32 G = (grid + world - 1) / world;
   const u32 g_me = (grid - me + world - 1) / world;  // blocks each sender dealt to us
-  for (u32 i = threadIdx.x; i < world * g_me; i += blockDim.x) {
+  for (u32 i = threadIdx.x; i < world * g_me && !s_failed; i += blockDim.x) {
     const u32 p = i / g_me, j = i % g_me;
     if (p == me) continue;
     const u32* flag = flags + (static_cast<u64>(p) * G + j) * kFlagWords;
-    if (!wait_flag_acquire(flag, epoch, site, p, i)) return;
+    if (!wait_flag_acquire(flag, epoch, site, p, i)) {
+      s_failed = 1;
+      break;
+    }
     const u32 hash = ld_relaxed_sys(flag + 1);  // after the acquire: the sender's hash of call e
     if (hash != call_hash) {
       record_error(site, kStatusMismatch, p, hash, call_hash, i);
-      return;
+      s_failed = 1;
+      break;
     }
   }
+  // Every thread has read the epoch (above); a failed call completes too: the op is failed for
+  // good and the host refuses further calls.
+  __syncthreads();
+  if (threadIdx.x == 0) state[0] = epoch;
 }
 
-// Copy the peers' rows (and scale rows) from our slot into the output; see SkipMap.
+// Copy the peers' rows (and scale rows) from our slot into the output; see SkipMap. The call's
+// slot is parity state[0] % 2 (a2a_wait, ahead on the stream, completed the call's epoch).
 template <int kVec>
 __global__ void __launch_bounds__(kMaxThreads) a2a_copy_out(
-    const u8* __restrict__ slot, u8* out, u64 row_bytes, const u8* __restrict__ slot_scale,
-    u8* out_scale, u64 scale_row_bytes, u32 num_rows, u32 n_keep, u32 skip_at, u32 skip_len) {
+    const u8* slot0, const u8* slot1, u8* out, u64 row_bytes, const u8* slot_scale0,
+    const u8* slot_scale1, u8* out_scale, u64 scale_row_bytes, const u32* state, u32 num_rows,
+    u32 n_keep, u32 skip_at, u32 skip_len) {
+  const bool odd = *reinterpret_cast<const volatile u32*>(state) & 1u;
+  const u8* __restrict__ slot = odd ? slot1 : slot0;
+  const u8* __restrict__ slot_scale = odd ? slot_scale1 : slot_scale0;
   const SkipMap map{n_keep, skip_at, skip_len};
   copy_rows<kVec>(slot, out, row_bytes, num_rows, map, blockIdx.x, gridDim.x);
   if (scale_row_bytes != 0)

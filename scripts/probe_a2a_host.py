@@ -18,7 +18,7 @@ def main():
 
     import cuflux
     from cuflux import kernels
-    from cuflux.ops.all2all import _COPY_W1_TYPES, All2AllHeads
+    from cuflux.ops.all2all import All2AllHeads
 
     world = cuflux.init()
     B, T, H, D = 1, 8192, 32, 128
@@ -37,8 +37,8 @@ def main():
 
         def bare_pdl():
             kernels.launch(op._copy_w1, (-(-n_vec // 256),), (256,),
-                           (x.data.ptr, out.data.ptr, n_vec), s, op="probe",
-                           name="a2a_copy_w1", pdl=True, arg_types=_COPY_W1_TYPES)
+                           (x, out, np.uint64(n_vec)), s, op="probe",
+                           name="a2a_copy_w1", pdl=True)
 
         def op_call():
             op.scatter_heads(x, tokens, out=out, stream=s)
@@ -53,7 +53,7 @@ def main():
                                ("op out= pdl", op_call, True),
                                ("op owned memcpy", op_owned, False),
                                ("op owned pdl", op_owned, True)):
-            op._w1_pdl = pdl
+            op.w1 = "pdl" if pdl else "memcpy"
             for _ in range(20):
                 fn()
             s.synchronize()
@@ -67,7 +67,7 @@ def main():
             rows.append((label, float(np.median(host))))
         for label, us in rows:
             print(f"{label:20s} host {us:6.1f} us a call")
-        op._w1_pdl = True
+        op.w1 = "pdl"
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(calls):

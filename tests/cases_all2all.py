@@ -150,12 +150,11 @@ def features(world, seed):
     with All2AllHeads(world, 9, 40 * W, 128, "bfloat16", timeout_s=60) as op:
         for k, tokens in enumerate(([9] * W, _tokens(W, 9, seed, 50))):
             _exchange(world, op, "bfloat16", 1, tokens, (seed, 50, k), via="out")
-        op._w1_direct = False  # at W = 1 run the kernel instead of the plain copy
+        op.w1 = "kernel"  # at W = 1 run the general kernel instead of the plain copy
         _exchange(world, op, "bfloat16", 1, _tokens(W, 9, seed, 52), (seed, 52), via="owned")
-        op._w1_direct = True
-        op._w1_pdl = False  # at W = 1 cudaMemcpyAsync instead of the PDL copy kernel
+        op.w1 = "memcpy"  # at W = 1 cudaMemcpyAsync instead of the PDL copy kernel
         _exchange(world, op, "bfloat16", 1, _tokens(W, 9, seed, 53), (seed, 53), via="owned")
-        op._w1_pdl = True
+        op.w1 = "pdl"
         # misaligned x: a contiguous view 2 bytes past a 256-byte boundary -> 2-byte vectors
         tokens = _tokens(W, 9, seed, 51)
         xs = [_data((1, tokens[r], 40 * W, 128), "bfloat16", seed, 51, r) for r in range(W)]

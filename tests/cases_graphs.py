@@ -74,46 +74,50 @@ def rmsnorm_modes(world, replays=100, T=37, H=1024):
 
 
 def all2all(world, replays=100, T=64, H=8, D=128):
-    """All2AllHeads: at W = 1 captured and replayed (one copy); at W > 1 refused under capture
-    with CaptureError, and the op still exchanges correctly afterwards."""
+    """All2AllHeads, scatter then gather (uneven tokens at W > 1), captured in one graph and
+    replayed with new inputs: exact every replay (the call epoch lives on the device). view=True
+    is refused under capture (the slot's parity alternates without the host knowing), and after
+    the op was captured."""
     import cupy as cp
 
-    from cuflux.ops.all2all import All2AllHeads, reference_scatter_heads
+    from cuflux.ops.all2all import All2AllHeads, reference_gather_heads, reference_scatter_heads
     W, me = world.size, world.rank
     st = dtype_info("bfloat16").storage
     s = cp.cuda.Stream(non_blocking=True)
-    tokens = tuple([T] * W)
+    tokens = tuple(T - (r % 3) for r in range(W))
+    S = sum(tokens)
     with All2AllHeads(world, T, H, D, "bfloat16", timeout_s=60) as op, s:
-        x = cp.zeros((1, T, H, D), st)
-        out = cp.zeros((1, W * T, H // W, D), st)
-        if W == 1:
-            s.begin_capture()
-            op.scatter_heads(x, tokens, out=out, stream=s)
-            graph = s.end_capture()
-            for rep in range(replays):
-                xh = _rand((rep,), (1, T, H, D), st)
-                x[...] = cp.asarray(xh)
-                _poison(out)
-                graph.launch(stream=s)
-                s.synchronize()
-                assert np.array_equal(cp.asnumpy(out).view(np.uint16), xh.view(np.uint16)), rep
-            return replays
+        x = cp.zeros((1, tokens[me], H, D), st)
+        y = cp.zeros((1, S, H // W, D), st)
+        yin = cp.zeros((1, S, H // W, D), st)
+        xo = cp.zeros((1, tokens[me], H, D), st)
+        op.scatter_heads(x, tokens, out=y, stream=s)  # the arguments are agreed outside
+        op.gather_heads(yin, tokens, out=xo, stream=s)
         s.synchronize()
+        world.barrier()
         s.begin_capture()
-        try:
-            op.scatter_heads(x, tokens, out=out, stream=s)
-            refused = False
-        except CaptureError:
-            refused = True
-        finally:
-            s.end_capture()
-        assert refused, "All2AllHeads at W > 1 must refuse capture"
-        xh = [_rand((9, p), (1, T, H, D), st) for p in range(W)]
-        x[...] = cp.asarray(xh[me])
-        op.scatter_heads(x, tokens, out=out, stream=s)
-        op.synchronize(stream=s)
-        want = reference_scatter_heads(xh, tokens, W)[me]
-        assert np.array_equal(cp.asnumpy(out).view(np.uint16), want.view(np.uint16))
+        op.scatter_heads(x, tokens, out=y, stream=s)
+        op.gather_heads(yin, tokens, out=xo, stream=s)
+        graph = s.end_capture()
+        for rep in range(replays):
+            xh = [_rand((rep, p, 1), (1, tokens[p], H, D), st) for p in range(W)]
+            yh = [_rand((rep, p, 2), (1, S, H // W, D), st) for p in range(W)]
+            x[...], yin[...] = cp.asarray(xh[me]), cp.asarray(yh[me])
+            _poison(y, xo)
+            world.barrier()  # every rank's inputs are in place before any replay starts
+            graph.launch(stream=s)
+            op.synchronize(stream=s)
+            want_y = reference_scatter_heads(xh, tokens, W)[me]
+            want_x = reference_gather_heads(yh, tokens, W)[me]
+            assert np.array_equal(cp.asnumpy(y).view(np.uint16), want_y.view(np.uint16)), rep
+            assert np.array_equal(cp.asnumpy(xo).view(np.uint16), want_x.view(np.uint16)), rep
+            world.barrier()  # the next replay's host writes wait for every rank
+        if W > 1:
+            try:
+                op.scatter_heads(x, tokens, view=True, stream=s)
+                raise AssertionError("view=True after a capture must be refused")
+            except CaptureError:
+                pass
     return replays
 
 

@@ -198,3 +198,42 @@ def test_reference_round_trip(W, tokens):
     back, back_scales = reference_gather_heads(ys, tokens, W, y_scales)
     for r in range(W):
         assert np.array_equal(back[r], xs[r]) and np.array_equal(back_scales[r], scales[r])
+
+
+# ---- launch arguments against the kernel signatures (a wrong order would corrupt peers) -------
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
+    from types import SimpleNamespace
+
+    import cuflux.ops.all2all as A
+    from tests.kernel_args import DeviceArray, check_args
+
+    captured = []
+    monkeypatch.setattr(A.kernels, "launch", lambda fn, grid, block, args, stream, **kw:
+                        captured.append((kw["name"], args)))
+    W, me = 4, 1
+    op = object.__new__(A.All2AllHeads)
+    op.spec = A.Spec(W, me, 0, 16, 8, 64, dtype_info("bfloat16"), 2)
+    op._row_bytes, op.num_blocks, op.w1 = op.spec.row_bytes, 264, "pdl"
+    op.buf = SimpleNamespace(ptrs_dev=DeviceArray())
+    u = np.uint64
+    op._push_slots = tuple(u(i) for i in range(6))
+    op._wait_flags = (u(1 << 30), u(2 << 30))
+    op._copy_slots = ((u(3 << 30), u(4 << 30)), (u(5 << 30), u(6 << 30)))
+    op.state = DeviceArray()
+    op.err_args = (u(1 << 40), DeviceArray(), u(10**9), np.uint32(2))
+    op._push = {(v, g): f"push{v}{g}" for v in A._VEC_BYTES for g in (False, True)}
+    op._copy_out = {v: f"copy{v}" for v in A._VEC_BYTES}
+    op._wait = "wait"
+    tokens = (16, 5, 0, 9)
+    plan = A._Plan(tokens, np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32))
+    plan.prefix_dev = DeviceArray()
+    arr = DeviceArray()
+    arr.data = SimpleNamespace(ptr=1 << 20)
+    op._launch(gather, arr, arr if mode else None, arr, arr if mode else None, plan, 2, mode,
+               12345, 0, False, None)
+    names = [n for n, _ in captured]
+    assert names == ["a2a_push", "a2a_wait", "a2a_copy_out"]
+    for (name, args), kernel in zip(captured, ("a2a_push", "a2a_wait", "a2a_copy_out")):
+        check_args("all2all.cu", kernel, args)

@@ -116,8 +116,7 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
         outs = [cupy.empty(out_shape, dtype=info.storage) for _ in range(count)] \
             if mode == "out" else None
         fn = op.gather_heads if direction == "gather" else op.scatter_heads
-        op._w1_pdl = pdl  # W = 1: the PDL copy kernel (default) or cudaMemcpyAsync
-        op._w1_direct = not kernel  # W = 1: the op's direct copy, or its general kernel
+        op.w1 = "kernel" if kernel else ("pdl" if pdl else "memcpy")  # the W = 1 path
 
         def call(i):
             k = i % count

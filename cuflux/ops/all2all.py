@@ -24,8 +24,9 @@ import numpy as np
 
 from cuflux import kernels
 from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of
-from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, CommTimeoutError,
-                           CufluxError)
+from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, CaptureError,
+                           CommTimeoutError, CufluxError)
+from cuflux.launch import capturing as _capturing
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
@@ -42,6 +43,7 @@ CACHE_MAX = 1024       # distinct token lists remembered (checked across ranks, 
 CHECK_TAG = 7301       # MPI tag of the per-distinct-call argument check (on the op's own comm)
 MEMCPY_DEFAULT = 4     # cudaMemcpyDefault
 MAX_ROWS = 2**31 - 1   # rows per kernel (u32 row indices in the .cu)
+W1_PATHS = ("pdl", "memcpy", "kernel")  # All2AllHeads(w1=...): how a W = 1 call copies
 
 
 def _name_push(vec: int, gather: bool) -> str:
@@ -246,6 +248,13 @@ class All2AllHeads(CommOp):
       num_sms: SMs the copy kernels use (num_sms * BLOCKS_PER_SM blocks of THREADS threads);
         None: every SM of the device (the best measured on the H200, see cuflux/bench/all2all.py).
       timeout_s: bound of every wait; on expiry the op raises CommTimeoutError.
+      w1: how a call runs at W = 1, where it is one copy (input and output have the same
+        layout): "pdl" (default) a copy kernel launched with programmatic dependent launch where
+        16-byte vectors fit, so its launch overlaps the end of the kernel ahead of it (0.93-0.95
+        of the copy rate on the H200, `python -m cuflux.bench all2all`; cudaMemcpyAsync where
+        they do not fit), "memcpy" always cudaMemcpyAsync (0.90), "kernel" the general push
+        kernel (what W > 1 runs; tests and benchmarks). The attribute `op.w1` may be changed
+        between calls.
 
     Every rank calls scatter_heads / gather_heads in the same order with the same
     tokens_per_rank, batch and kind of scales: checked across ranks the first time a combination
@@ -258,7 +267,9 @@ class All2AllHeads(CommOp):
 
     def __init__(self, world, max_tokens_per_rank: int, num_heads: int, head_dim: int, dtype,
                  batch: int = 1, num_sms: int | None = None,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
+                 timeout_s: float = DEFAULT_TIMEOUT_S, w1: str = "pdl"):
+        if w1 not in W1_PATHS:
+            raise ValueError(f"{_OP}: w1 must be one of {W1_PATHS}, got {w1!r}")
         W = world.size
         check_op_args(W, max_tokens_per_rank, num_heads, head_dim, batch, num_sms, timeout_s)
         info = dtype_info(dtype, op=_OP)
@@ -286,13 +297,20 @@ class All2AllHeads(CommOp):
         off = {name: reg.offset for name, reg in layout.regions.items()}
         base = self.buf.base_ptrs[world.rank]
         flags_bytes = W * self.blocks_per_target * FLAG_BYTES
-        self._slots = []
-        for parity in (0, 1):
-            d, sc = off[f"data{parity}"], off[f"scale{parity}"]
-            f = off["flags"] + parity * flags_bytes
-            self._slots.append({"data_off": np.uint64(d), "scale_off": np.uint64(sc),
-                                "flags_off": np.uint64(f), "data": np.uint64(base + d),
-                                "scale": np.uint64(base + sc), "flags": np.uint64(base + f)})
+        # Both parities' slots and flags: the kernels pick call e's (e % 2) from the device
+        # epoch, self.state[0] (completed by a2a_wait), so captured graphs replay correctly.
+        f0, f1 = off["flags"], off["flags"] + flags_bytes
+        u64 = np.uint64
+        self._push_slots = (u64(off["data0"]), u64(off["data1"]), u64(off["scale0"]),
+                            u64(off["scale1"]), u64(f0), u64(f1))
+        self._wait_flags = (u64(base + f0), u64(base + f1))
+        self._copy_slots = ((u64(base + off["data0"]), u64(base + off["data1"])),
+                            (u64(base + off["scale0"]), u64(base + off["scale1"])))
+        import cupy
+
+        with world.device_context():
+            self.state = cupy.zeros(1, dtype=cupy.uint32)  # [epoch of the last completed call]
+        self._captured = False  # once captured, the host no longer knows the device's epoch
         self._row_bytes = self.spec.row_bytes
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._agreed: dict = {}
@@ -301,13 +319,7 @@ class All2AllHeads(CommOp):
         # leaves its messages there, not in the caller's communicator.
         self._comm = self.comm.comm if W > 1 else None
         self._last_stream = None
-        # W = 1: the op is one copy; False runs the general kernel (tests, bench)
-        self._w1_direct = True
-        # W = 1: that copy as a kernel launched with programmatic dependent launch (where
-        # 16-byte vectors fit) rather than cudaMemcpyAsync: its launch overlaps the end of the
-        # kernel ahead of it (scripts/probe_pdl.py; `python -m cuflux.bench all2all`: 0.93-0.95
-        # of the copy rate, its "memcpy" rows 0.90). False: always cudaMemcpyAsync (tests, bench).
-        self._w1_pdl = True
+        self.w1 = w1
         self.epoch = 0
         self._closed = False
 
@@ -433,10 +445,15 @@ class All2AllHeads(CommOp):
             raise ValueError(f"{_OP}: out_scale given without scale")
         h = self._agree((gather, tokens, B, mode))
         s = stream_of(stream)
-        if spec.world_size > 1:
-            self._no_capture(s, "its call epoch is a launch argument counted on the host, so "
-                                "a replayed graph would reuse spent epochs (W = 1 is capturable)")
-        if self._last_stream is not None and self._last_stream.ptr != s.ptr:
+        capturing = spec.world_size > 1 and _capturing(s)
+        if view and (capturing or self._captured):
+            raise CaptureError(
+                f"{_OP}: view=True hands out the receive slot of the call's parity, which a "
+                f"replayed CUDA graph alternates without the host knowing; use out= with an op "
+                f"that is captured" + (" (this op was captured before)" if self._captured else ""))
+        self._captured = self._captured or capturing
+        if (self._last_stream is not None and self._last_stream.ptr != s.ptr
+                and not capturing):
             # Keep every call of the op in one stream order (double buffering relies on it).
             ev = cupy.cuda.Event(disable_timing=True)
             ev.record(self._last_stream)
@@ -467,17 +484,17 @@ class All2AllHeads(CommOp):
         import cupy
 
         spec, W, me = self.spec, self.spec.world_size, self.spec.rank
-        row_bytes, slot = self._row_bytes, self._slots[parity]
+        row_bytes = self._row_bytes
         scale_cols = 0 if mode == 0 else (1 if mode == 1 else spec.heads_per_rank)
-        if W == 1 and self._w1_direct:
+        if W == 1 and self.w1 != "kernel":
             # One rank: input and output have the same layout, the op is one copy:
-            # cudaMemcpyAsync, or (_w1_pdl, where 16-byte vectors fit) a copy kernel launched
+            # cudaMemcpyAsync, or ("pdl", where 16-byte vectors fit) a copy kernel launched
             # with programmatic dependent launch.
             from cupy.cuda import runtime
 
             rows = B * plan.total
             nbytes = rows * row_bytes
-            if (self._w1_pdl and nbytes % 16 == 0 and a.data.ptr % 16 == 0
+            if (self.w1 == "pdl" and nbytes % 16 == 0 and a.data.ptr % 16 == 0
                     and out.data.ptr % 16 == 0):
                 n_vec = nbytes // 16
                 kernels.launch(self._copy_w1, -(-n_vec // 256), 256, (a, out, np.uint64(n_vec)),
@@ -494,20 +511,21 @@ class All2AllHeads(CommOp):
                 plan.prefix_dev = cupy.asarray(plan.prefix)
         scale_ptr = np.uint64(scale.data.ptr if mode else 0)
         out_scale_ptr = np.uint64(out_scale.data.ptr if mode else 0)
-        epoch, h = np.uint32(self.epoch & 0xFFFFFFFF), np.uint32(h)
+        h = np.uint32(h)
         kernels.launch(
             self._push[vec, gather], (self.num_blocks,), (THREADS,),
             (np.uint64(a.data.ptr), scale_ptr, np.uint64(out.data.ptr), out_scale_ptr,
-             self.buf.ptrs_dev, slot["data_off"], slot["scale_off"], slot["flags_off"],
-             plan.prefix_dev, np.uint32(me), np.uint32(W), np.uint32(B), np.uint64(row_bytes),
-             np.uint32(scale_cols), np.uint32(mode == 2), epoch, h),
+             self.buf.ptrs_dev) + self._push_slots
+            + (self.state, plan.prefix_dev, np.uint32(me), np.uint32(W), np.uint32(B),
+               np.uint64(row_bytes), np.uint32(scale_cols), np.uint32(mode == 2), h),
             s, op=_OP, name="a2a_push")
         if W == 1:
             return
         kernels.launch(
             self._wait, (1,), (256,),
-            (slot["flags"], np.uint32(me), np.uint32(W), np.uint32(self.num_blocks), epoch, h)
-            + self.err_args, s, op=_OP, name="a2a_wait")
+            self._wait_flags + (self.state, np.uint32(me), np.uint32(W),
+                                np.uint32(self.num_blocks), h) + self.err_args,
+            s, op=_OP, name="a2a_wait")
         if view:
             return
         T, S, P = plan.tokens[me], plan.total, int(plan.prefix[me])
@@ -517,10 +535,11 @@ class All2AllHeads(CommOp):
             num_rows, n_keep, skip_at, skip_len = B * (S - T), S - T, P, T
         if num_rows == 0:
             return
+        (d0, d1), (s0, s1) = self._copy_slots
         kernels.launch(
             self._copy_out[vec], (self.num_blocks,), (THREADS,),
-            (slot["data"], np.uint64(out.data.ptr), np.uint64(row_bytes), slot["scale"],
-             out_scale_ptr, np.uint64(4 * scale_cols), np.uint32(num_rows), np.uint32(n_keep),
+            (d0, d1, np.uint64(out.data.ptr), np.uint64(row_bytes), s0, s1, out_scale_ptr,
+             np.uint64(4 * scale_cols), self.state, np.uint32(num_rows), np.uint32(n_keep),
              np.uint32(skip_at), np.uint32(skip_len)),
             s, op=_OP, name="a2a_copy_out")
 
