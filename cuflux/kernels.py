@@ -76,11 +76,15 @@ class KernelFamily:
 
     names: extern "C" names or template name expressions (e.g. "all2all<__nv_bfloat16, 16>").
     min_arch: lowest compute capability (as 80, 90) the file supports (90 for wgmma/TMA code).
+    directory: where the .cu lies; None: KERNEL_DIR, the package's kernels (a family registered
+      with a directory of its own is not the package's: the tests' kernels, tests/kernels_cu).
+      Its headers come from KERNEL_DIR/include all the same.
     """
 
     source: str
     names: tuple[str, ...]
     min_arch: int = 80
+    directory: pathlib.Path | None = None
 
 
 # Which module registers each kernel family (by calling `register` when it is imported). This
@@ -91,7 +95,7 @@ _FAMILY_MODULES = {
     "signal.cu": "cuflux.ops.signal",
     "allreduce.cu": "cuflux.ops.allreduce",
     "all2all.cu": "cuflux.ops.all2all",
-    "gemm.cu": "cuflux.ops.gemm",
+    "gemm.cu": "cuflux.gemm_core",
     "ag_gemm.cu": "cuflux.ops.ag_gemm",
     "gemm_rs.cu": "cuflux.ops.gemm_rs",
 }
@@ -101,10 +105,23 @@ _LOADED: dict[tuple, "LoadedModule"] = {}
 _LOCK = threading.Lock()
 
 
-def register(source: str, names: Iterable[str], min_arch: int = 80) -> KernelFamily:
-    fam = KernelFamily(source, tuple(names), min_arch)
+def register(source: str, names: Iterable[str], min_arch: int = 80,
+             directory: str | os.PathLike | None = None) -> KernelFamily:
+    """Register the kernels `names` of `source` (a file of KERNEL_DIR, or of `directory`)."""
+    if directory is not None and source in _FAMILY_MODULES:
+        raise ValueError(f"kernels.register: {source} is a family of the package (KERNEL_DIR); "
+                         f"a family from {directory} needs another file name")
+    fam = KernelFamily(source, tuple(names), min_arch,
+                       None if directory is None else pathlib.Path(directory).resolve())
     _REGISTRY[source] = fam
     return fam
+
+
+def _source_path(source: str) -> pathlib.Path:
+    """Where the .cu of `source` lies: its registered directory, else KERNEL_DIR."""
+    fam = _REGISTRY.get(source)
+    return (fam.directory if fam is not None and fam.directory is not None
+            else KERNEL_DIR) / source
 
 
 def _family(source: str) -> KernelFamily | None:
@@ -260,7 +277,7 @@ class Compiled:
 
 
 def _key_parts(source: str, names: Sequence[str], arch: str, defines: Sequence[str]):
-    code = (KERNEL_DIR / source).read_bytes()
+    code = _source_path(source).read_bytes()
     options = _options(arch, defines)
     nvrtc = _nvrtc()
     version = _check(nvrtc, nvrtc.nvrtcVersion(), "version")
@@ -413,7 +430,7 @@ def compile_ptx(source: str, names: Sequence[str], arch: str,
     that check which instructions a kernel uses). Needs no GPU; not cached."""
     nvrtc = _nvrtc()
     options = _options(arch, defines)
-    prog = _check(nvrtc, nvrtc.nvrtcCreateProgram((KERNEL_DIR / source).read_bytes(),
+    prog = _check(nvrtc, nvrtc.nvrtcCreateProgram(_source_path(source).read_bytes(),
                                                   source.encode(), 0, [], []), "create")[0]
     try:
         _compile_program(nvrtc, prog, source, arch, names, options)

@@ -80,19 +80,16 @@ __global__ void __launch_bounds__(384, 1) CUFLUX_CLUSTER_DIMS(1)
 }
 
 // ---- portable ---------------------------------------------------------------------------------------
-// The configuration of gemm.cu's portable kernel (Sm80Cfg there), so that both produce the same
-// bits for the same tile: 128 x 128 x 32 tiles, 4 stages, 8 warps; 256 threads, 2 CTAs per SM.
+// The core's one tile (sm80::TileConfig, as gemm.cu's portable kernel), so that both produce the
+// same bits for the same tile: 128 x 128 x 32 tiles, 4 stages, 8 warps; 256 threads, 2 CTAs per SM.
 template <typename T, bool kBTransposed>
-using AgSm80Cfg = sm80::Config<T, 128, 128, 32, 4, 2, 4, kBTransposed>;
-
-template <typename T, bool kBTransposed>
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(sm80::kTileThreads, sm80::kTileCtasPerSm)
     ag_gemm_sm80(const T* a, const T* b, int M, int N, int K, void* out, long long ldc,
                  int out_kind, const T* bias, const int* block_order, int block_tiles,
                  int group_m, const u32* flags, int max_chunks, int rows_per_rank,
                  int chunk_rows, u32 epoch, u32* err, u32* err_claim, u64 timeout_ns, u32 op,
                  u32 rank) {
-  using Cfg = AgSm80Cfg<T, kBTransposed>;
+  using Cfg = sm80::TileConfig<T, kBTransposed>;
   const AgHooks h((M + Cfg::kBM - 1) / Cfg::kBM, (N + Cfg::kBN - 1) / Cfg::kBN, block_order,
                   block_tiles, group_m, flags, max_chunks, rows_per_rank, chunk_rows, epoch, err,
                   err_claim, timeout_ns, op, rank);

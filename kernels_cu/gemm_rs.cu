@@ -82,16 +82,16 @@ __global__ void __launch_bounds__(384, 1) CUFLUX_CLUSTER_DIMS(1)
 }
 
 // ---- portable ----------------------------------------------------------------------------------
-// 128 x 128 x 32 tiles, 4 stages, 8 warps (as gemm.cu's gemm_sm80). Dynamic shared memory:
-// 64 KiB.
+// The core's one tile (sm80::TileConfig, as gemm.cu's gemm_sm80): 128 x 128 x 32, 4 stages,
+// 8 warps. Dynamic shared memory: 64 KiB.
 template <typename T, bool kBTransposed, bool kAtomic>
-__global__ void __launch_bounds__(256, 2)
+__global__ void __launch_bounds__(sm80::kTileThreads, sm80::kTileCtasPerSm)
     gemm_rs_sm80(const T* a, const T* b, int M, int N, int K, void* out, int out_f32,
                  const T* bias, const u64* bases, u64 data_off, u64 slot_bytes, u64 flags_off,
                  int flag_stride, int rows_per_rank, int world_size, int rank, int own_lo,
                  int own_hi, int group_m, u32 epoch, u32* err, u32* err_claim, u64 timeout_ns,
                  u32 op) {
-  using Cfg = sm80::Config<T, 128, 128, 32, 4, 2, 4, kBTransposed>;
+  using Cfg = sm80::TileConfig<T, kBTransposed>;
   const RsArgs<T> args{out, out_f32, bias, bases, data_off, slot_bytes, flags_off, flag_stride,
                        rows_per_rank, world_size, rank, own_lo, own_hi, group_m, epoch, err,
                        err_claim, timeout_ns, op};

@@ -13,7 +13,7 @@ import numpy as np
 
 from cuflux.arrays import dtype_info
 from cuflux.errors import CommTimeoutError
-from cuflux.ops.gemm_rs import REDUCE_MODES, GemmReduceScatter, reference_gemm_rs
+from cuflux.ops.gemm_rs import REDUCE_MODES, W1_MODES, GemmReduceScatter, reference_gemm_rs
 from tests.checks import GEMM_TOL
 
 TOL = GEMM_TOL  # relative Frobenius error
@@ -195,12 +195,11 @@ def _run_exact(world, op, case, seed):
                 f"[{i}, {j}]: got {float(got[i, j])}, want {float(ref[i, j])} (seed {seed})")
 
 
-def _exact_case(world, impl, reduce, layout, case, config, seed, plain_w1=True):
+def _exact_case(world, impl, reduce, layout, case, config, seed, w1="gemm"):
     rows, n, k, dtype, out_dtype, _ = case
     W = world.size
     with _op(world, (rows + 2) * W, n, k, dtype, out_dtype=out_dtype, b_layout=layout,
-             reduce=reduce, impl=impl, config=config) as op:
-        op._plain_w1 = plain_w1
+             reduce=reduce, impl=impl, config=config, w1=w1) as op:
         _run_exact(world, op, case, seed)
 
 
@@ -218,8 +217,8 @@ def exact_routing(world, seed, impls):
                     config = None
                     if impl == "sm90":
                         config = ("256x128s4c1", "128x256s4c1")[(i + len(layout)) % 2]
-                    for plain in ([True, False] if world.size == 1 else [True]):
-                        _exact_case(world, impl, reduce, layout, case, config, seed + i, plain)
+                    for w1 in (W1_MODES if world.size == 1 else ["gemm"]):
+                        _exact_case(world, impl, reduce, layout, case, config, seed + i, w1)
                         count += 1
     return count
 

@@ -233,11 +233,12 @@ def test_tuner_caches_its_choice(monkeypatch, tmp_path):
     import json
 
     import cuflux.ops.gemm as G
+    from cuflux import gemm_tuner as T
 
     monkeypatch.setenv("CUFLUX_GEMM_TUNE", "1")
     monkeypatch.setenv("CUFLUX_GEMM_TUNE_BUDGET_S", "5")
-    monkeypatch.setattr(G, "tuner_path", lambda: tmp_path / "gemm_tuner.json")
-    monkeypatch.setattr(G, "_TUNER_TABLE", None)  # this process reads the (new) file afresh
+    monkeypatch.setattr(T, "tuner_path", lambda: tmp_path / "gemm_tuner.json")
+    monkeypatch.setattr(T, "_TUNER_TABLE", None)  # this process reads the (new) file afresh
     _run("auto", 1536, 2048, 1024)
     table = json.loads((tmp_path / "gemm_tuner.json").read_text())
     (key, entry), = table.items()
@@ -246,9 +247,9 @@ def test_tuner_caches_its_choice(monkeypatch, tmp_path):
     assert G.plan(1536, 2048, 1024, "bfloat16", "kn") == entry["config"]
     entry["config"] = "128x128s6c1"  # a cached choice is used as it is
     (tmp_path / "gemm_tuner.json").write_text(json.dumps(table))
-    monkeypatch.setattr(G, "_TUNER_TABLE", None)
-    assert G._tuned_config(key, lambda name: (_ for _ in ()).throw(AssertionError(name)),
-                           None) == "128x128s6c1"
+    monkeypatch.setattr(T, "_TUNER_TABLE", None)
+    assert T.tuned_config(key, lambda name: (_ for _ in ()).throw(AssertionError(name)),
+                          None) == "128x128s6c1"
     _run("auto", 1536, 2048, 1024)
 
 
@@ -301,12 +302,13 @@ def _launch_hooks(impl, a, b, M, N, K, order, chunk_tiles_m, chunk_flags_ptr, ro
                   rows_per_rank, stream):
     import cupy
 
-    import cuflux.ops.gemm as G
+    from cuflux import gemm_core as core
     from cuflux import kernels
     from cuflux.arrays import dtype_info
     from cuflux.errors import OP_CODES
+    from tests.kernels_cu import GEMM_HOOKS, GEMM_HOOKS_SRC
 
-    fn = kernels.load("gemm.cu")[G.hooks_kernel(impl)]
+    fn = kernels.load(GEMM_HOOKS_SRC)[GEMM_HOOKS[impl]]
     sms = cupy.cuda.Device().attributes["MultiProcessorCount"]
     tail = (order, np.int32(chunk_tiles_m), np.uint64(chunk_flags_ptr), np.int32(rows_per_chunk),
             np.int32(chunks_per_rank), np.uint32(epoch), np.uint64(err.ptr), err.claim,
@@ -314,21 +316,22 @@ def _launch_hooks(impl, a, b, M, N, K, order, chunk_tiles_m, chunk_flags_ptr, ro
             dst_bases, np.uint64(dst_offset), flag_bases, np.uint64(flag_offset),
             np.int32(rows_per_rank), np.int64(N))
     if impl == "sm90":
-        cfg = G.SM90_CONFIGS["128x256s4c1"]
-        G._prepare(fn, cfg.smem_bytes)
+        cfg = core.SM90_CONFIGS["128x256s4c1"]
+        core.prepare(fn, cfg.smem_bytes)
         dt = dtype_info("bfloat16")
         tiles = -(-M // 128) * -(-N // 256)
-        args = (G.tensor_map(a.data.ptr, M, K, 64, 128, dt),
-                G.tensor_map(b.data.ptr, N, K, 64, 256, dt), np.int32(M), np.int32(N),
+        args = (core.tensor_map(a.data.ptr, M, K, 64, 128, dt),
+                core.tensor_map(b.data.ptr, N, K, 64, 256, dt), np.int32(M), np.int32(N),
                 np.int32(K)) + tail
         kernels.launch(fn, (min(tiles, sms),), (384,), args, stream, op="test",
                        name="gemm_hooks_sm90", shared_mem=cfg.smem_bytes)
     else:
-        G._prepare(fn, G._SM80_SMEM)
-        tiles = -(-M // 128) * -(-N // 128)
+        sm80 = core.SM80
+        core.prepare(fn, sm80.smem_bytes)
+        tiles = -(-M // sm80.bm) * -(-N // sm80.bn)
         args = (a, b, np.int32(M), np.int32(N), np.int32(K)) + tail
-        kernels.launch(fn, (min(tiles, 2 * sms),), (256,), args, stream, op="test",
-                       name="gemm_hooks_sm80", shared_mem=G._SM80_SMEM)
+        kernels.launch(fn, (min(tiles, sm80.ctas_per_sm * sms),), (sm80.threads,), args, stream,
+                       op="test", name="gemm_hooks_sm80", shared_mem=sm80.smem_bytes)
 
 
 def hooks_reduce_scatter(world, impl, seed, rows_per_rank=200, N=520, K=264):
@@ -418,10 +421,10 @@ def hooks_timeout(world, impl):
     a = _rand((M, K), "bfloat16", 1)
     b = _rand((N, K), "bfloat16", 2)
     order = cupy.arange(-(-M // 128), dtype=cupy.int32)
-    import cuflux.ops.gemm  # noqa: F401  (registers gemm.cu)
     from cuflux import kernels
+    from tests.kernels_cu import GEMM_HOOKS_SRC
 
-    kernels.load("gemm.cu")  # compiled and loaded before the clock starts
+    kernels.load(GEMM_HOOKS_SRC)  # compiled and loaded before the clock starts
     t0 = time.monotonic()
     _launch_hooks(impl, a, b, M, N, K, order, 1, flags.data.ptr, rows_per_chunk, 1, 1, err,
                   bases, 0, fbases, 0, M, cupy.cuda.get_current_stream())

@@ -5,11 +5,14 @@ import pathlib
 import shutil
 import subprocess
 
+import re
+
 import numpy as np
 import pytest
 
-from cuflux import kernels
+from cuflux import gemm_core, gemm_tuner, kernels
 from cuflux.ops import gemm as G
+from tests.kernels_cu import GEMM_HOOKS, GEMM_HOOKS_FAMILY
 
 
 def _ptx(arch: str, names) -> str:
@@ -31,17 +34,54 @@ def _cuobjdump():
 
 def test_family_registered_for_both_targets():
     fam = kernels.families()["gemm.cu"]
-    assert fam.min_arch == 80
+    assert fam.min_arch == 80 and fam.directory is None  # the package's own
     assert any(n.startswith("gemm_sm90<") for n in fam.names)
     assert any(n.startswith("gemm_sm80<") for n in fam.names)
+    assert not any("hooks" in n for n in fam.names)
+
+
+def test_test_kernels_live_under_tests_not_in_the_package():
+    """The hook-exercising kernels are the tests' (tests/kernels_cu/gemm_hooks.cu, registered
+    with that directory); nothing of the package's kernels_cu defines them."""
+    fam = kernels.families()["gemm_hooks.cu"]
+    assert fam is GEMM_HOOKS_FAMILY and set(fam.names) == set(GEMM_HOOKS.values())
+    assert fam.directory == pathlib.Path(__file__).resolve().parent / "kernels_cu"
+    assert (fam.directory / fam.source).is_file()
+    assert not (kernels.KERNEL_DIR / fam.source).exists()
+    for path in kernels.KERNEL_DIR.rglob("*.cu*"):
+        assert "gemm_hooks_sm" not in path.read_text(), path
+    with pytest.raises(ValueError, match="family of the package"):
+        kernels.register("gemm.cu", ["x"], directory=fam.directory)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
-def test_both_cores_compile(arch):
-    fam = kernels.families()["gemm.cu"]
+@pytest.mark.parametrize("source", ["gemm.cu", "gemm_hooks.cu"])
+def test_both_cores_compile(arch, source):
+    fam = kernels.families()[source]
     cubin, lowered = kernels.compile_source(fam.source, fam.names, arch)
     assert cubin[:4] == b"\x7fELF"
     assert set(lowered) == set(fam.names)
+
+
+def test_portable_tile_is_defined_once_and_python_agrees():
+    """gemm_sm80.cuh defines the portable core's one tile (sm80::kTile*, TileConfig); every
+    kernel on that core (gemm.cu, gemm_rs.cu, ag_gemm.cu, the tests' hooks) takes it from there,
+    and cuflux.gemm_core.SM80 holds the same numbers."""
+    header = (kernels.INCLUDE_DIR / "cuflux" / "gemm_sm80.cuh").read_text()
+    got = {m.group(1): int(m.group(2))
+           for m in re.finditer(r"\bk(Tile\w+) = (\d+)\s*[,;]", header)}
+    sm80 = gemm_core.SM80
+    assert got == {"TileM": sm80.bm, "TileN": sm80.bn, "TileK": sm80.bk,
+                   "TileStages": sm80.stages, "TileWarpsM": sm80.warps_m,
+                   "TileWarpsN": sm80.warps_n, "TileCtasPerSm": sm80.ctas_per_sm}
+    assert "kTileThreads = 32 * kTileWarpsM * kTileWarpsN" in header
+    assert sm80.threads == 256 and sm80.smem_bytes == 64 << 10 and G.SM80_CONFIG == sm80.name
+    users = [kernels.KERNEL_DIR / s for s in ("gemm.cu", "gemm_rs.cu", "ag_gemm.cu")]
+    for path in users + [GEMM_HOOKS_FAMILY.directory / GEMM_HOOKS_FAMILY.source]:
+        text = path.read_text()
+        assert "sm80::TileConfig<" in text, path
+        assert "sm80::Config<" not in text, f"{path} spells out a tile of its own"
+        assert "__launch_bounds__(sm80::kTileThreads, sm80::kTileCtasPerSm)" in text, path
 
 
 def test_hopper_core_emits_wgmma_tma_setmaxnreg():
@@ -156,11 +196,12 @@ def test_pingpong_config_compiles_its_schedule():
 
 
 def test_shape_class_and_heuristic():
-    assert G._shape_class(8192, 8192, 8192) == "13x13x13"
-    assert G._shape_class(777, 1536, 2048) == "10x11x11"
-    assert G._heuristic(4096, 8, 4096) in G.SM90_CONFIGS
-    assert G._heuristic(4096, 4096, 4096) in G.SM90_CONFIGS
-    assert G._heuristic(G.CUBLAS_BELOW_M - 1, 4096, 4096) == G.CUBLAS  # small M: cuBLAS
+    T = gemm_tuner
+    assert T.shape_class(8192, 8192, 8192) == "13x13x13"
+    assert T.shape_class(777, 1536, 2048) == "10x11x11"
+    assert T.heuristic(4096, 8, 4096) in G.SM90_CONFIGS
+    assert T.heuristic(4096, 4096, 4096) in G.SM90_CONFIGS
+    assert T.heuristic(G.CUBLAS_BELOW_M - 1, 4096, 4096) == G.CUBLAS  # small M: cuBLAS
     assert G.core_heuristic(16, 4096, 4096) in G.SM90_CONFIGS  # the fused ops' core: never cuBLAS
 
 

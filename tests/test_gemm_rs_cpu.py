@@ -13,7 +13,7 @@ import cuflux.ops.gemm_rs as R
 from cuflux import kernels
 from cuflux.arrays import dtype_info
 from cuflux.errors import CufluxError
-from cuflux.ops import gemm as G
+from cuflux import gemm_core as G
 from cuflux.ops.gemm_rs import (GemmReduceScatter, make_layout, own_tile_rows, reference_gemm_rs,
                                 tile_order)
 from cuflux.topology import PeerLink, Topology
@@ -198,7 +198,7 @@ def test_layout(W, reduce):
         c = G.SM90_CONFIGS[cfg]
         assert flags.shape[0] >= -(-max_m // c.bm) * -(-n // c.bn)
     assert flags.shape[0] >= -(-max_m // R.COPY_TILE[0]) * -(-n // R.COPY_TILE[1])
-    assert flags.shape[0] >= -(-max_m // R.SM80_TILE[0]) * -(-n // R.SM80_TILE[1])
+    assert flags.shape[0] >= -(-max_m // G.SM80.bm) * -(-n // G.SM80.bn)
     # a slot row stride keeps 16-byte vectors aligned (finish() loads 16 bytes)
     assert n * 2 % 16 == 0 and (data.num_bytes // 2) % 16 == 0
 
@@ -373,7 +373,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     captured = []
     monkeypatch.setattr(R.kernels, "launch", lambda fn, grid, block, args, stream, **kw:
                         captured.append((kw["name"], grid, block, args, kw.get("shared_mem", 0))))
-    monkeypatch.setattr(G, "_prepare", lambda fn, smem: None)
+    monkeypatch.setattr(G, "prepare", lambda fn, smem: None)
     monkeypatch.setattr(G, "tensor_map", lambda *a: np.zeros(1, np.dtype((np.void, 128)))[0])
     W, me, M = 4, 2, 1000
     op = _fake_op(W=W, rank=me, layout="nk", max_m=1024)
@@ -401,7 +401,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
              "own_hi", "group_m", "epoch", "err", "err_claim", "timeout_ns", "op"]
     assert kernel_names("gemm_rs.cu", kernel)[2:] == names
     calls = [dict(zip(names, c[3][2:])) for c in captured]
-    bm = G.SM90_CONFIGS[R.SM90_RS_DEFAULT].bm if impl == "sm90" else R.SM80_TILE[0]
+    bm = G.SM90_CONFIGS[R.SM90_RS_DEFAULT].bm if impl == "sm90" else G.SM80.bm
     t = calls[0]
     assert (int(t["rows_per_rank"]), int(t["world_size"]), int(t["rank"])) == (250, W, me)
     assert (int(t["own_lo"]), int(t["own_hi"])) == own_tile_rows(M, W, me, bm)
@@ -411,7 +411,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     assert int(calls[0]["data_off"]) - int(calls[1]["data_off"]) == op._parity_bytes
     assert block == ((384,) if impl == "sm90" else (256,)) and grid[0] <= op.max_ctas[impl]
     assert smem == (G.SM90_CONFIGS[R.SM90_RS_DEFAULT].smem_bytes if impl == "sm90"
-                    else G._SM80_SMEM)
+                    else G.SM80.smem_bytes)
     # the comm-only kernel takes the same tail after (partial, M, N)
     full = (arr, np.int32(M), np.int32(op.n)) + op._tail(arr, None, M, R.COPY_TILE[0])
     check_args("gemm_rs.cu", "rs_tiles", full)

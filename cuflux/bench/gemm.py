@@ -153,7 +153,7 @@ def run(world, args):
     from cuflux.bench.__main__ import on_stream
 
     import cuflux.ops.gemm as G
-    from cuflux import kernels
+    from cuflux import gemm_core, kernels
     from cuflux.arrays import dtype_info
 
     wanted = bench_configs(G.SM90_CONFIGS)  # every rank: a bad name fails them all at once
@@ -257,7 +257,7 @@ def run(world, args):
             cfg = G.SM90_CONFIGS["128x256s4c2"]
             dt = dtype_info("bfloat16")
             for cap in (132, 128, 120, 112, 96, 66):
-                ms = time_ms(_rotating(lambda a, b, cap=cap: G._launch_sm90(
+                ms = time_ms(_rotating(lambda a, b, cap=cap: gemm_core.launch_sm90(
                     cfg, a, b, None, c, dt, dt, M, N, K, "nk", cupy.cuda.get_current_stream(),
                     grid_cap=cap), sets), warmup=5, iters=iters)
                 row = {"case": f"{M}x{N}x{K} nk {cfg.name} grid<={cap}", "cuflux_ms": ms,
@@ -265,7 +265,7 @@ def run(world, args):
                        "speedup": None, "tflops": 2.0 * M * N * K / ms / 1e9}
                 notes = []
                 row.update(measure_regimes(on_stream(_rotating(
-                    lambda a, b, cap=cap: G._launch_sm90(
+                    lambda a, b, cap=cap: gemm_core.launch_sm90(
                         cfg, a, b, None, c, dt, dt, M, N, K, "nk",
                         cupy.cuda.get_current_stream(), grid_cap=cap), sets), rstream),
                     rstream, calls=regime_calls(ms, args.quick), notes=notes,
@@ -280,7 +280,7 @@ def run(world, args):
         return None
     print(speed_header("gemm", world.size, shared_gpu, one_rank_times=True))
     print("resident CTAs assumed for 2-CTA clusters (cuOccupancyMaxActiveClusters x 2):",
-          sorted(set(v * 2 for v in G._CLUSTERS.values())))
+          gemm_core.cluster_resident_ctas(2))
     cols = ["case", "config", "cuflux_ms", "baseline_ms", "speedup", "tflops",
             "cublas_tflops", "block_speedup", "block_cublas_tflops", "gapped_speedup",
             "gapped_cublas_tflops",
@@ -302,7 +302,7 @@ def run(world, args):
     path = write_results("gemm", world.size, rows + auto_rows, outdir=args.outdir,
                          extra=bench_extra(args, True, ranks_share_gpu=shared_gpu,
                                            user_loop_bar=USER_LOOP_BAR,
-                                           cluster2_resident_ctas=sorted(set(
-                                               v * 2 for v in G._CLUSTERS.values()))))
+                                           cluster2_resident_ctas=(
+                                               gemm_core.cluster_resident_ctas(2))))
     print("wrote", path)
     return path

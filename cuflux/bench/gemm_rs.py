@@ -14,8 +14,10 @@ Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
                    other; speedup = baseline_ms / cuflux_ms
   cublas_ms, rs_ms the two halves of the baseline alone
   nccl_ms          cuBLAS then NCCL reduce-scatter (only when every rank has its own GPU)
-  fused_kernel_ms  W = 1: the fused kernel itself (the op runs the plain GEMM there), i.e. what
-                   the RS epilogue costs without any peer
+  fused_kernel_ms  W = 1: the fused kernel itself (an op built with w1="fused"; the default
+                   w1="gemm" runs the plain GEMM there), i.e. what the RS epilogue costs
+                   without any peer
+The JSON's knobs record the op's w1 per timed column (knobs.op_args).
 Shapes: Flux's 4096 x 12288 x 49152 (K split over the ranks), Llama-70B row-parallel layers
 (8192 x 8192 x 8192 and 8192 x 8192 x 28672), and n <= 4096 cases. Inputs rotate through sets
 larger than three times the L2. With ranks sharing one GPU, times measure time-slicing, not
@@ -62,6 +64,15 @@ def cases(world_size: int, quick: bool) -> list[tuple[str, int, int, int]]:
             if not quick or name in QUICK]
 
 
+def op_args(world_size: int, rows) -> dict:
+    """The op's constructor knobs per timed column (the JSON's knobs.op_args): w1, what
+    GemmReduceScatter runs at W = 1 (ignored at W > 1)."""
+    args = {"cuflux_ms": {"w1": "gemm"}}
+    if world_size == 1 and any("fused_kernel_ms" in r for r in rows):
+        args["fused_kernel_ms"] = {"w1": "fused"}
+    return args
+
+
 def _nccl(world):
     from cuflux.bench.allreduce import _nccl as make
 
@@ -95,6 +106,9 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     others = [c for c in configs if c != det.config] if det.impl == "sm90" else []
     extra = {c: GemmReduceScatter(world, M, n, k, "bfloat16", b_layout=layout, config=c)
              for c in others}
+    # W = 1: the same op run through the fused kernel instead of the plain GEMM
+    fused = (GemmReduceScatter(world, M, n, k, "bfloat16", b_layout=layout, w1="fused")
+             if W == 1 and det.impl == "sm90" else None)
     state = {"i": 0}
 
     def pick():
@@ -131,14 +145,8 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
             comm.reduceScatter(c_full.data.ptr, out.data.ptr, (M // W) * n, lib.NCCL_BFLOAT16,
                                lib.NCCL_SUM, stream.ptr)
         timed["nccl_ms"] = with_nccl
-    if W == 1 and det.impl == "sm90":
-        def fused_kernel():
-            det._plain_w1 = False
-            try:
-                det(*pick(), out=out, stream=stream)
-            finally:
-                det._plain_w1 = True
-        timed["fused_kernel_ms"] = fused_kernel
+    if fused is not None:
+        timed["fused_kernel_ms"] = lambda: fused(*pick(), out=out, stream=stream)
     row = {"case": f"{name} {M}x{n}x{K} (k={k}/rank) {layout}",
            "baseline": "cuBLAS + cuflux reduce_scatter (deterministic)",
            "config": det.config if det.impl == "sm90" else "sm80"}
@@ -170,7 +178,7 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
                 raise_pending()
         add_note(row, *notes)
     finally:
-        for op in list(ops.values()) + list(extra.values()):
+        for op in list(ops.values()) + list(extra.values()) + ([fused] if fused else []):
             op.close()
     row["speedup"] = row["baseline_ms"] / row["cuflux_ms"]
     add_speedups(row)
@@ -226,8 +234,9 @@ def run(world, args):
         worst = max(r["ratio_to_gemm"] for r in rows)
         print(f"W = 1 bar (fused kernel <= {BAR} x GEMM-only): worst {worst:.4f} -> "
               + ("met" if worst <= BAR else "missed"))
-    path = write_results("gemm_rs", W, rows, bench_extra(
-        args, measured, ranks_share_gpu=shared_gpu, bar=BAR, timing="interleaved rounds",
-        gemm_tune=knobs.gemm_tune()), outdir=args.outdir)
+    extra = bench_extra(args, measured, ranks_share_gpu=shared_gpu, bar=BAR,
+                        timing="interleaved rounds", gemm_tune=knobs.gemm_tune())
+    extra["knobs"]["op_args"] = op_args(W, rows)
+    path = write_results("gemm_rs", W, rows, extra, outdir=args.outdir)
     print("wrote", path)
     return path

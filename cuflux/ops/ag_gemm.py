@@ -32,10 +32,11 @@ import dataclasses
 import numpy as np
 
 from cuflux.resource import Closeable
+from cuflux import gemm_core as core
+from cuflux import gemm_tuner as tuner
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.errors import OP_CODES, CufluxError
-from cuflux.ops import gemm as G
 from cuflux.ops.allgather import AllGather, arrival_order
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, ranks_on_my_gpu, refuse_capture, \
     sm_count
@@ -53,9 +54,8 @@ _MEMCPY_DEFAULT = 4
 # Hopper configurations instantiated here: every single-CTA cooperative one of the plain GEMM
 # (ag_gemm_sm90 has neither cluster multicast nor the ping-pong schedule); a tuner choice outside
 # these falls back to the heuristic (_sm90_config).
-AG_SM90_CONFIGS = {name: c for name, c in G.SM90_CONFIGS.items()
+AG_SM90_CONFIGS = {name: c for name, c in core.SM90_CONFIGS.items()
                    if c.cluster == 1 and not c.pingpong}
-_SM80_TILE = (128, 128)  # kernels_cu/ag_gemm.cu AgSm80Cfg == gemm.cu Sm80Cfg
 
 # chunk_rows default. Few copy engines and a host that issues every copy make small chunks slow;
 # a few chunks per shard let the GEMM start on a peer's rows before the whole shard has landed.
@@ -161,7 +161,7 @@ def check_build_args(world_size: int, max_m, n, k, dtype, out_dtype, b_layout, m
     The row bound comes as exactly one of max_m (the largest gathered M, the GEMM's M: rows
     per rank = max_m // world_size) or max_rows_per_rank (AllGather's max_rows)."""
     dt = dtype_info(dtype, _IN, _OP)
-    odt = dtype_info(out_dtype if out_dtype is not None else dt.name, G._OUT_KIND, _OP)
+    odt = dtype_info(out_dtype if out_dtype is not None else dt.name, core.OUT_KIND, _OP)
     if b_layout not in _LAYOUTS:
         raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [k, n]) or 'nk' (b is [n, k]), "
                          f"got {b_layout!r}")
@@ -193,7 +193,7 @@ def check_build_args(world_size: int, max_m, n, k, dtype, out_dtype, b_layout, m
                              f"got {config!r}")
         if impl == "sm80":
             raise ValueError(f"{_OP}: config names a Hopper configuration; impl='sm80' has one "
-                             f"fixed tile ({G.SM80_CONFIG})")
+                             f"fixed tile ({core.SM80_CONFIG})")
     count(_OP, "group_m", group_m, what="tile rows per L2 group")
     return dt, odt, max_rows
 
@@ -224,7 +224,7 @@ def reference_ag_gemm(a_shards, bs, biases=None, b_layout: str = "kn") -> list[n
 @dataclasses.dataclass(frozen=True)
 class _Plan:
     impl: str          # "sm90" / "sm80"
-    config: str        # Hopper configuration name, or G.SM80_CONFIG
+    config: str        # Hopper configuration name, or gemm_core.SM80_CONFIG
     kernel: str        # name expression in kernels_cu/ag_gemm.cu
     tile_rows: int
     block_tiles: int
@@ -313,11 +313,11 @@ class AllGatherGemm(Closeable):
     def _sm90_config(self, M: int) -> str:
         if self.config is not None:
             return self.config
-        key = G.tune_key(self.dtype, self.b_layout, M, self.n, self.k)
-        cached = G.load_tuner().get(key, {}).get("config")  # read only: never tunes here
+        key = tuner.tune_key(self.dtype, self.b_layout, M, self.n, self.k)
+        cached = tuner.load_tuner().get(key, {}).get("config")  # read only: never tunes here
         if cached in AG_SM90_CONFIGS:
             return cached
-        return G.core_heuristic(M, self.n, self.k)
+        return tuner.core_heuristic(M, self.n, self.k)
 
     def plan_for(self, rows: int) -> _Plan:
         """The kernel, tile and grid a call with `rows` rows per rank runs."""
@@ -335,12 +335,13 @@ class AllGatherGemm(Closeable):
                          block_tiles_for(W, rows, self.chunk_rows, cfg.bm),
                          min(tiles, self.max_ctas), 384, cfg.smem_bytes)
         else:
-            tiles = -(-M // _SM80_TILE[0]) * -(-self.n // _SM80_TILE[1])
-            plan = _Plan("sm80", G.SM80_CONFIG, _sm80_kernel(t, transposed), _SM80_TILE[0],
-                         block_tiles_for(W, rows, self.chunk_rows, _SM80_TILE[0]),
-                         min(tiles, G._SM80_PER_SM * self.max_ctas), G._SM80_THREADS,
-                         G._SM80_SMEM)
-        G._prepare(self.module[plan.kernel], plan.smem)
+            sm80 = core.SM80  # ag_gemm_sm80: the portable core's one tile
+            tiles = -(-M // sm80.bm) * -(-self.n // sm80.bn)
+            plan = _Plan("sm80", core.SM80_CONFIG, _sm80_kernel(t, transposed), sm80.bm,
+                         block_tiles_for(W, rows, self.chunk_rows, sm80.bm),
+                         min(tiles, sm80.ctas_per_sm * self.max_ctas), sm80.threads,
+                         sm80.smem_bytes)
+        core.prepare(self.module[plan.kernel], plan.smem)
         self._plans[rows] = plan
         return plan
 
@@ -385,8 +386,8 @@ class AllGatherGemm(Closeable):
             dims = "[k={}, n={}]" if self.b_layout == "kn" else "[n={1}, k={0}]"
             raise ValueError(f"{_OP}: b (layout {self.b_layout!r}) must be "
                              f"{dims.format(self.k, self.n)}, got {tuple(b.shape)}")
-        G.check_aligned(_OP, a_shard=a, b=b)
-        bias = G.check_bias(_OP, bias, self.n, dt, dev)
+        core.check_aligned(_OP, a_shard=a, b=b)
+        bias = core.check_bias(_OP, bias, self.n, dt, dev)
         if out is not None:
             out = as_cupy(out, "out", _OP)
             check_array(out, name="out", op=_OP, shape=(self.world.size * rows, self.n),
@@ -457,17 +458,17 @@ class AllGatherGemm(Closeable):
                 np.uint64(err.ptr), err.claim, np.uint64(err.timeout_ns),
                 np.uint32(OP_CODES[_OP]), np.uint32(self.world.rank))
         head = (np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
-                np.int32(G._OUT_KIND[self.out_dtype.name]),
+                np.int32(core.OUT_KIND[self.out_dtype.name]),
                 bias if bias is not None else np.uint64(0))
         if plan.impl == "sm90":
             cfg, dt = AG_SM90_CONFIGS[plan.config], self.dtype
-            tma_a = G.tensor_map(a_ptr, M, K, 64, cfg.bm, dt)
+            tma_a = core.tensor_map(a_ptr, M, K, 64, cfg.bm, dt)
             if self.b_layout == "kn":
-                tma_b = G.tensor_map(b.data.ptr, K, N, 64, 64, dt)
+                tma_b = core.tensor_map(b.data.ptr, K, N, 64, 64, dt)
             else:
-                tma_b = G.tensor_map(b.data.ptr, N, K, 64, cfg.bn, dt)
+                tma_b = core.tensor_map(b.data.ptr, N, K, 64, cfg.bn, dt)
             if cfg.tma_store and self.out_dtype.itemsize == 2:
-                tma_c = G.tensor_map(out.data.ptr, M, N, 64, cfg.bm // 2, self.out_dtype)
+                tma_c = core.tensor_map(out.data.ptr, M, N, 64, cfg.bm // 2, self.out_dtype)
             else:
                 tma_c = tma_a  # not read by the kernel
             args = (tma_a, tma_b, tma_c) + head + tail

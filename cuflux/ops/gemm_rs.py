@@ -13,7 +13,8 @@ kernels_cu/gemm_rs.cu. reduce="deterministic" sums the W partials in fp32 in ran
 (bit-identical run to run); reduce="atomic" adds them with vector reductions (red.add) into
 the owner's accumulator (NVLink or one shared GPU only: peer atomics fail over PCIe).
 
-At W = 1 nothing moves: the op is the plain GEMM (cuflux.gemm) writing out directly.
+At W = 1 nothing moves: the op is the plain GEMM (cuflux.gemm) writing out directly, unless it
+was built with w1="fused" (the fused kernel itself, for tests and benchmarks).
 
 `GemmReduceScatter.reduce_scatter(partial)` is the same reduce-scatter on an already computed
 partial (e.g. cuBLAS's): the unfused baseline, through the same buffers, flags and order.
@@ -23,27 +24,28 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflux import gemm_core as core
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
                              require_world_device)
+from cuflux.ops.gemm import gemm
 from cuflux.sizes import count
-from cuflux.ops import gemm as G
 from cuflux.symmetric import Layout
 
 __all__ = ["GemmReduceScatter", "reference_gemm_rs", "tile_order", "own_tile_rows",
-           "make_layout", "REDUCE_MODES", "SM90_RS_CONFIGS"]
+           "make_layout", "REDUCE_MODES", "SM90_RS_CONFIGS", "W1_MODES"]
 
 _OP = "GemmReduceScatter"
 _SRC = "gemm_rs.cu"
 _IN = ("bfloat16", "float16")
 _LAYOUTS = ("kn", "nk")
 REDUCE_MODES = ("deterministic", "atomic")
-# Hopper tile configurations compiled into gemm_rs.cu (names of cuflux.ops.gemm.SM90_CONFIGS:
+W1_MODES = ("gemm", "fused")  # what a call runs at W = 1 (constructor argument w1)
+# Hopper tile configurations compiled into gemm_rs.cu (names of cuflux.gemm_core.SM90_CONFIGS:
 # 4 stages, 1-CTA clusters, register epilogue).
 SM90_RS_CONFIGS = ("256x128s4c1", "128x256s4c1")
 SM90_RS_DEFAULT = "256x128s4c1"  # the plain GEMM's fastest (docs/gemm_notes.md)
-SM80_TILE = (128, 128)           # gemm_rs_sm80 (as gemm.cu's portable core)
 COPY_TILE, COPY_THREADS = (128, 128), 512  # rs_tiles
 MIN_TILE = 128                   # smallest tile side of any kernel: sizes the flag region
 GROUP_M = 8                      # tile rows per L2 group in the peers' part of the tile order
@@ -55,7 +57,7 @@ def _b(x: bool) -> str:
 
 
 def sm90_kernel(cuda_type: str, config: str, transposed: bool, atomic: bool) -> str:
-    c = G.SM90_CONFIGS[config]
+    c = core.SM90_CONFIGS[config]
     return f"gemm_rs_sm90<{cuda_type}, {c.bm}, {c.bn}, {_b(transposed)}, {_b(atomic)}>"
 
 
@@ -99,9 +101,9 @@ def tile_order(M: int, N: int, world_size: int, rank: int, bm: int, bn: int,
     order = []
     for slot in range(tiles_m * tiles_n):
         if slot < peer_rows * tiles_n:
-            pos, tn = G.grouped_tile(slot, peer_rows, tiles_n, group_m)
+            pos, tn = core.grouped_tile(slot, peer_rows, tiles_n, group_m)
         else:  # own tile rows, grouped the same way (each tile row still walked in tn order)
-            pos, tn = G.grouped_tile(slot - peer_rows * tiles_n, num_own, tiles_n, group_m)
+            pos, tn = core.grouped_tile(slot - peer_rows * tiles_n, num_own, tiles_n, group_m)
             pos += peer_rows
         order.append(((pos + rot) % tiles_m, tn))
     return order
@@ -158,7 +160,7 @@ def reference_gemm_rs(a_list, b_list, bias=None, b_layout: str = "kn", rank: int
 
 # ---- the op -------------------------------------------------------------------------------------
 _NO_CAPTURE = ("its call epoch is a launch argument counted on the host, so a replayed graph "
-               "would reuse spent epochs (W = 1 runs the plain GEMM and is capturable)")
+               "would reuse spent epochs (at W = 1, w1='gemm' runs the plain GEMM: capturable)")
 
 
 class GemmReduceScatter(CommOp):
@@ -178,6 +180,10 @@ class GemmReduceScatter(CommOp):
         call), after which the op must be closed (its buffers may hold a partial call).
       impl: "auto" (Hopper core on sm_90a, else portable), "sm90" or "sm80".
       config: Hopper tile configuration, one of SM90_RS_CONFIGS (default SM90_RS_DEFAULT).
+      w1: what a call runs at W = 1, where nothing moves: "gemm" (default: the plain GEMM,
+        cuflux.gemm, with the tuner's choice unless config is given) or "fused" (the fused
+        kernel itself, flags and all; tests and benchmarks compare it with the plain GEMM).
+        Ignored at W > 1.
 
     Calls of one op must be ordered on each rank (one stream, or streams the caller orders),
     every rank must make the same calls with the same M, and the epoch is a launch argument,
@@ -187,7 +193,7 @@ class GemmReduceScatter(CommOp):
     def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
                  b_layout: str = "kn", reduce: str = "deterministic",
                  timeout_s: float = DEFAULT_TIMEOUT_S,
-                 impl: str = "auto", config: str | None = None):
+                 impl: str = "auto", config: str | None = None, w1: str = "gemm"):
         dt = dtype_info(dtype, _IN, _OP)
         odt = dtype_info(out_dtype if out_dtype is not None else dt.name,
                          (dt.name, "float32"), _OP)
@@ -201,6 +207,8 @@ class GemmReduceScatter(CommOp):
             raise ValueError(f"{_OP}: impl must be 'auto', 'sm90' or 'sm80', got {impl!r}")
         if config is not None and config not in SM90_RS_CONFIGS:
             raise ValueError(f"{_OP}: config must be one of {SM90_RS_CONFIGS}, got {config!r}")
+        if w1 not in W1_MODES:
+            raise ValueError(f"{_OP}: w1 must be one of {W1_MODES}, got {w1!r}")
         check_timeout(_OP, timeout_s)
         max_m = count(_OP, "max_m", max_m, W, MAX_DIM,
                       f"the GEMM's M: world size {W} * the rows each rank receives")
@@ -234,13 +242,14 @@ class GemmReduceScatter(CommOp):
         self.impl = "sm90" if all(h for _, h in everyone) else "sm80"
         self.config = config or SM90_RS_DEFAULT
         self._config_given = config is not None  # W = 1: else the GEMM's tuner picks
+        self.w1 = w1
         self._closed = True  # until the buffers exist
         super().__init__(world, _OP, timeout_s)
         sms, sharing = self.num_sms, self.sharers
         # Waiting CTAs must not keep a peer's CTAs from running: the persistent grids stay
         # co-resident even when the ranks sharing this GPU run side by side (MPS).
         self.max_ctas = {"sm90": max(1, sms // sharing),
-                         "sm80": max(1, G._SM80_PER_SM * sms // sharing),
+                         "sm80": max(1, core.SM80.ctas_per_sm * sms // sharing),
                          "copy": max(1, sms // sharing)}
         self.layout = make_layout(W, self.max_m, self.n, odt, reduce)
         regions = self.layout.regions
@@ -255,7 +264,6 @@ class GemmReduceScatter(CommOp):
         if W == 1:
             kernels.load("gemm.cu", world.device)
         self.epoch = 0
-        self._plain_w1 = True  # W = 1: the plain GEMM (tests switch it off to run the kernel)
         self._closed = False
 
     # ---- checks -------------------------------------------------------------------------------
@@ -305,7 +313,7 @@ class GemmReduceScatter(CommOp):
             raise ValueError(f"{op}: b (layout {self.b_layout!r}) must be {lay} = {want}, got "
                              f"{tuple(b.shape)}")
         self._check_rows(M, "a")
-        G.check_aligned(op, a=a, b=b)
+        core.check_aligned(op, a=a, b=b)
         bias, out = self._check_common(M, bias, out)
         return a, b, bias, out, M
 
@@ -342,13 +350,13 @@ class GemmReduceScatter(CommOp):
         dt, n, k = self.dtype, self.n, self.k
         transposed = self.b_layout == "kn"
         if self.impl == "sm90":
-            cfg = G.SM90_CONFIGS[self.config]
+            cfg = core.SM90_CONFIGS[self.config]
             name = sm90_kernel(dt.cuda_type, self.config, transposed, self.atomic)
             fn = self.module[name]
-            G._prepare(fn, cfg.smem_bytes)
-            tma_a = G.tensor_map(a.data.ptr, M, k, 64, cfg.bm, dt)
-            tma_b = (G.tensor_map(b.data.ptr, k, n, 64, 64, dt) if transposed
-                     else G.tensor_map(b.data.ptr, n, k, 64, cfg.bn, dt))
+            core.prepare(fn, cfg.smem_bytes)
+            tma_a = core.tensor_map(a.data.ptr, M, k, 64, cfg.bm, dt)
+            tma_b = (core.tensor_map(b.data.ptr, k, n, 64, 64, dt) if transposed
+                     else core.tensor_map(b.data.ptr, n, k, 64, cfg.bn, dt))
             tiles = -(-M // cfg.bm) * -(-n // cfg.bn)
             args = (tma_a, tma_b, np.int32(M), np.int32(n), np.int32(k)) + \
                 self._tail(out, bias, M, cfg.bm)
@@ -357,12 +365,13 @@ class GemmReduceScatter(CommOp):
         else:
             name = sm80_kernel(dt.cuda_type, transposed, self.atomic)
             fn = self.module[name]
-            G._prepare(fn, G._SM80_SMEM)
-            tiles = -(-M // SM80_TILE[0]) * -(-n // SM80_TILE[1])
+            sm80 = core.SM80
+            core.prepare(fn, sm80.smem_bytes)
+            tiles = -(-M // sm80.bm) * -(-n // sm80.bn)
             args = (a, b, np.int32(M), np.int32(n), np.int32(k)) + \
-                self._tail(out, bias, M, SM80_TILE[0])
-            kernels.launch(fn, (min(tiles, self.max_ctas["sm80"]),), (256,), args, stream,
-                           op=_OP, name=name, shared_mem=G._SM80_SMEM)
+                self._tail(out, bias, M, sm80.bm)
+            kernels.launch(fn, (min(tiles, self.max_ctas["sm80"]),), (sm80.threads,), args,
+                           stream, op=_OP, name=name, shared_mem=sm80.smem_bytes)
 
     # ---- calls ------------------------------------------------------------------------------
     def __call__(self, a, b, bias=None, out=None, stream=None):
@@ -384,9 +393,9 @@ class GemmReduceScatter(CommOp):
         if M == 0:  # every rank has M = 0 (M must agree): nothing to do, no epoch
             return out
         s = stream_of(stream)
-        if self.world.size == 1 and self._plain_w1:
-            G.gemm(a, b, bias=bias, out=out, b_layout=self.b_layout, impl=self.impl, stream=s,
-                   config=self.config if self.impl == "sm90" and self._config_given else None)
+        if self.world.size == 1 and self.w1 == "gemm":
+            gemm(a, b, bias=bias, out=out, b_layout=self.b_layout, impl=self.impl, stream=s,
+                 config=self.config if self.impl == "sm90" and self._config_given else None)
             return out
         self._no_capture(s, _NO_CAPTURE)
         self._launch_fused(a, b, bias, out, M, s)

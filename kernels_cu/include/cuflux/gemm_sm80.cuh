@@ -40,6 +40,17 @@ struct Config {
   static_assert(kBK % 16 == 0 && kAChunks >= 4, "k step");
 };
 
+// The portable core's one tile, used by every kernel built on it (gemm.cu, gemm_rs.cu,
+// ag_gemm.cu: the same bits for the same tile): 128 x 128 x 32, 4 stages, 8 warps of 64 x 32,
+// 256 threads, 2 CTAs per SM (64 KiB of shared memory each). Mirrored by cuflux/gemm_core.py
+// SM80 (tests/test_gemm_cpu.py reads these numbers and compares).
+constexpr int kTileM = 128, kTileN = 128, kTileK = 32, kTileStages = 4;
+constexpr int kTileWarpsM = 2, kTileWarpsN = 4, kTileCtasPerSm = 2;
+constexpr int kTileThreads = 32 * kTileWarpsM * kTileWarpsN;
+template <typename T, bool kBTransposed>
+using TileConfig =
+    Config<T, kTileM, kTileN, kTileK, kTileStages, kTileWarpsM, kTileWarpsN, kBTransposed>;
+
 template <int kChunks> __device__ __forceinline__ int swizzle(int row, int chunk) {
   if constexpr (kChunks >= 8) return chunk ^ (row & 7);
   else return chunk ^ ((row >> 1) & 3);

@@ -1,0 +1,436 @@
+"""The GEMM cores on the host side: tile configurations, TMA descriptors, launches, cuBLAS.
+
+What cuflux.gemm and the fused ops (GemmReduceScatter, AllGatherGemm) share, under public
+names: the Hopper configurations (`Sm90Config`, `SM90_CONFIGS`), the portable core's one tile
+(`SM80`, mirror of kernels_cu/include/cuflux/gemm_sm80.cuh `sm80::kTile*`), the operand checks,
+`tensor_map` (a CUtensorMap as kernel-argument bytes), `prepare` (a kernel's shared-memory
+opt-in), `max_ctas` (co-resident CTAs of a persistent grid), the plain GEMM's launches
+(`launch_sm90`, `launch_sm80`) and the cuBLAS route (`launch_cublas`). It registers
+kernels_cu/gemm.cu, the plain GEMM's kernels. Which configuration a call takes is the tuner's
+business (cuflux/gemm_tuner.py); argument checks and the public call are cuflux/ops/gemm.py.
+
+Per-call host cost matters here (the plain GEMM's whole host path is ~10 us): device
+properties, descriptors, shared-memory opt-ins and cluster occupancy are cached at module level
+on first use; nothing is imported inside the per-call functions after their first call.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+
+import numpy as np
+
+from cuflux import kernels
+from cuflux.arrays import as_cupy, check_array
+
+__all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "SM80_CONFIG",
+           "IN_DTYPES", "OUT_KIND", "CUDA_TYPE", "FAMILY", "sm80_kernel", "check_aligned",
+           "check_bias", "device_props", "tensor_map", "prepare", "max_ctas",
+           "cluster_resident_ctas", "launch_sm90", "launch_sm80", "launch_cublas", "cupy_module",
+           "grouped_tile", "WORKSPACE_BYTES"]
+
+_OP = "cuflux.gemm"
+IN_DTYPES = ("bfloat16", "float16")
+OUT_KIND = {"bfloat16": 0, "float16": 1, "float32": 2}  # gemm_hooks.cuh out_kind
+CUDA_TYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
+
+
+# ---- tile configurations ---------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Sm90Config:
+    """One instantiation of the Hopper core: tile bm x bn (x 64), stages, CTAs per cluster,
+    whether bf16/fp16 outputs leave through shared memory and TMA stores (name suffix "t"), and
+    whether the two consumer warpgroups take alternate whole tiles instead of sharing each one
+    (ping-pong, suffix "p": one warpgroup's epilogue overlaps the other's main loop)."""
+
+    bm: int
+    bn: int
+    stages: int
+    cluster: int
+    tma_store: bool = False
+    pingpong: bool = False
+
+    def __post_init__(self):
+        # Mirrors sm90::Config's static_asserts: one warpgroup holds a whole bm x bn fp32
+        # accumulator (bm / 64 * bn / 2 registers a thread, at most 128 of its 232), and the
+        # TMA-store staging is sized for two warpgroups sharing a tile.
+        if self.pingpong and (self.bm // 64 * self.bn // 2 > 128 or self.tma_store):
+            raise ValueError(f"ping-pong needs bm * bn <= 128 * 128 and no TMA store: {self}")
+
+    @property
+    def name(self) -> str:
+        return (f"{self.bm}x{self.bn}s{self.stages}c{self.cluster}"
+                + ("t" if self.tma_store else "") + ("p" if self.pingpong else ""))
+
+    @property
+    def smem_bytes(self) -> int:  # mirrors sm90::Config::kSmemBytes
+        wg_rows = self.bm // 2
+        epi = 2 * (2 if wg_rows == 64 else 1) * wg_rows * 128 if self.tma_store else 0
+        return self.stages * (self.bm + self.bn) * 64 * 2 + epi + 2 * self.stages * 8 + 1024
+
+    def kernel(self, cuda_type: str, transposed: bool) -> str:
+        # kPingpong is a defaulted template argument: named only where it is set.
+        return (f"gemm_sm90<{cuda_type}, {self.bm}, {self.bn}, {self.stages}, {self.cluster}, "
+                f"{'true' if transposed else 'false'}, {'true' if self.tma_store else 'false'}"
+                + (", true>" if self.pingpong else ">"))
+
+
+SM90_CONFIGS = {c.name: c for c in (
+    Sm90Config(128, 256, 4, 1), Sm90Config(128, 256, 4, 2), Sm90Config(256, 128, 4, 1),
+    Sm90Config(256, 128, 4, 2),
+    Sm90Config(128, 128, 6, 1), Sm90Config(256, 128, 4, 1, True), Sm90Config(128, 256, 4, 1, True),
+    # ping-pong (v4): 7 stages of 32 KB fill shared memory (230,512 bytes of 232,448)
+    Sm90Config(128, 128, 7, 1, pingpong=True))}
+# The TMA-store 256x128 is the fastest or within 0.01 of it on all ten bar cases, timed
+# interleaved with cuBLAS (docs/gemm_notes.md, v5).
+SM90_DEFAULT = "256x128s4c1t"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm80Config:
+    """The portable core's tile: bm x bn x bk, stages, a CTA of warps_m x warps_n warps,
+    ctas_per_sm resident (the kernels' __launch_bounds__)."""
+
+    bm: int
+    bn: int
+    bk: int
+    stages: int
+    warps_m: int
+    warps_n: int
+    ctas_per_sm: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.bm}x{self.bn}x{self.bk}s{self.stages}"
+
+    @property
+    def threads(self) -> int:  # sm80::Config::kThreads
+        return 32 * self.warps_m * self.warps_n
+
+    @property
+    def smem_bytes(self) -> int:  # sm80::Config::kSmemBytes (2-byte inputs)
+        return self.stages * (self.bm + self.bn) * self.bk * 2
+
+
+# The one tile of the portable core, in gemm.cu, gemm_rs.cu and ag_gemm.cu alike: the mirror
+# of gemm_sm80.cuh's kTileM, kTileN, kTileK, kTileStages, kTileWarpsM, kTileWarpsN,
+# kTileCtasPerSm (tests/test_gemm_cpu.py reads the header and compares).
+SM80 = Sm80Config(bm=128, bn=128, bk=32, stages=4, warps_m=2, warps_n=4, ctas_per_sm=2)
+SM80_CONFIG = SM80.name  # "128x128x32s4"
+
+
+def sm80_kernel(cuda_type: str, transposed: bool) -> str:
+    return f"gemm_sm80<{cuda_type}, {'true' if transposed else 'false'}>"
+
+
+def _names() -> list[str]:
+    names = []
+    for t in CUDA_TYPE.values():
+        for tr in (False, True):
+            names += [c.kernel(t, tr) for c in SM90_CONFIGS.values()]
+            names.append(sm80_kernel(t, tr))
+    return names
+
+
+FAMILY = kernels.register("gemm.cu", _names(), min_arch=80)
+
+
+# ---- operand checks -----------------------------------------------------------------------------
+def check_aligned(op: str, **arrays) -> None:
+    """Operands move in 16-byte pieces (TMA, cp.async): each must start 16-byte aligned."""
+    for name, x in arrays.items():
+        if x.data.ptr % 16:
+            raise ValueError(f"{op}: {name} must start at a 16-byte aligned address "
+                             f"(got {x.data.ptr:#x})")
+
+
+def check_bias(op: str, bias, n: int, dtype, device):
+    """bias [n] of the input dtype, read in pairs: 4-byte aligned. Returns it as CuPy (or None)."""
+    if bias is None:
+        return None
+    bias = as_cupy(bias, "bias", op)
+    check_array(bias, name="bias", op=op, shape=(n,), dtype=dtype, device=device)
+    if bias.data.ptr % 4:
+        raise ValueError(f"{op}: bias must start at a 4-byte aligned address")
+    return bias
+
+
+_PROPS: dict[int, tuple] = {}
+
+
+def device_props(dev: int | None = None):
+    """(device id, NVRTC arch, SM count, GPU name) of the current device, queried once per
+    device: getDeviceProperties alone costs 0.7 ms (it was 1.4 ms of every call)."""
+    if dev is None:
+        from cupy.cuda import runtime
+
+        dev = runtime.getDevice()
+    props = _PROPS.get(dev)
+    if props is None:
+        from cupy.cuda import runtime
+
+        name = runtime.getDeviceProperties(dev)["name"]
+        name = name.decode() if isinstance(name, bytes) else name
+        props = _PROPS[dev] = (dev, kernels.device_arch(dev), runtime.deviceGetAttribute(
+            runtime.cudaDevAttrMultiProcessorCount, dev), name)
+    return props
+
+
+def grouped_tile(r: int, rows: int, tiles_n: int, group_m: int) -> tuple[int, int]:
+    """(tile row within the walk, tile column) of position r of a walk over `rows` tile rows in
+    L2 groups of group_m rows: mirror of gemm_hooks.cuh grouped_tile, which every tile scheduler
+    uses (for the CPU tests of the tile orders)."""
+    group, in_group = divmod(r, group_m * tiles_n)
+    first = group * group_m
+    n = min(group_m, rows - first)
+    return first + in_group % n, in_group // n
+
+
+# ---- TMA descriptors -------------------------------------------------------------------------------
+_TMAP_CACHE: "collections.OrderedDict[tuple, bytes]" = collections.OrderedDict()
+_TMAP_LOCK = threading.Lock()
+
+
+_TMAP_DTYPE = {"float16": 6, "bfloat16": 9}  # CU_TENSOR_MAP_DATA_TYPE_FLOAT16 / BFLOAT16
+_SWIZZLE_128B, _L2_PROMOTION_256B = 3, 3
+
+
+def tensor_map(ptr: int, rows: int, cols: int, box_cols: int, box_rows: int, dt) -> bytes:
+    """128-byte CUtensorMap of a row-major [rows, cols] matrix, 128-byte swizzle, zero fill,
+    as the bytes a kernel takes by value. Cached per (pointer, geometry); a miss encodes it
+    through libcuda directly (~2 us)."""
+    key = (ptr, rows, cols, box_cols, box_rows, dt.name)
+    hit = _TMAP_CACHE.get(key)
+    if hit is not None:
+        return hit
+    import ctypes
+
+    from cuflux.launch import driver_lib, error_name
+
+    u64x2, u32x2 = ctypes.c_uint64 * 2, ctypes.c_uint32 * 2
+    tmap = (ctypes.c_uint64 * 16)()
+    err = driver_lib().cuTensorMapEncodeTiled(
+        tmap, _TMAP_DTYPE[dt.name], 2, ptr, u64x2(cols, rows), u64x2(cols * 2, 0),
+        u32x2(box_cols, box_rows), u32x2(1, 1), 0, _SWIZZLE_128B, _L2_PROMOTION_256B, 0)
+    if err:
+        raise RuntimeError(f"{_OP}: cuTensorMapEncodeTiled failed ({error_name(err)}) for a "
+                           f"[{rows}, {cols}] matrix at {ptr:#x}, box [{box_rows}, {box_cols}]")
+    raw = bytes(tmap)
+    with _TMAP_LOCK:
+        _TMAP_CACHE[key] = raw
+        while len(_TMAP_CACHE) > 1024:
+            _TMAP_CACHE.popitem(last=False)
+    return raw
+
+
+# ---- launches --------------------------------------------------------------------------------------
+_FUNC_READY: dict = {}
+_CLUSTERS: dict = {}
+
+
+def prepare(fn, smem: int) -> None:
+    """Opt a loaded kernel into `smem` bytes of dynamic shared memory (once per kernel)."""
+    key = id(fn)
+    if key not in _FUNC_READY:
+        fn.max_dynamic_shared_size_bytes = smem
+        _FUNC_READY[key] = True
+
+
+def max_ctas(fn, cfg: Sm90Config, sm_count: int) -> int:
+    """CTAs that are resident at once: one per SM, or whole clusters of cfg.cluster."""
+    if cfg.cluster == 1:
+        return sm_count
+    key = (id(fn), sm_count)
+    if key not in _CLUSTERS:
+        n = sm_count // cfg.cluster
+        try:
+            from cuda.bindings import driver as cu
+
+            lc = cu.CUlaunchConfig()
+            lc.gridDimX, lc.gridDimY, lc.gridDimZ = n * cfg.cluster, 1, 1
+            lc.blockDimX, lc.blockDimY, lc.blockDimZ = 384, 1, 1
+            lc.sharedMemBytes = cfg.smem_bytes
+            err, got = cu.cuOccupancyMaxActiveClusters(cu.CUfunction(fn.kernel.ptr), lc)
+            if err == cu.CUresult.CUDA_SUCCESS and got > 0:
+                n = min(n, int(got))
+        except Exception:
+            pass
+        _CLUSTERS[key] = n
+    return _CLUSTERS[key] * cfg.cluster
+
+
+def cluster_resident_ctas(cluster: int = 2) -> list[int]:
+    """Resident CTAs max_ctas has assumed so far for clusters of `cluster` CTAs (the benchmark
+    records them): cuOccupancyMaxActiveClusters x cluster, per kernel and SM count seen."""
+    return sorted(set(v * cluster for v in _CLUSTERS.values()))
+
+
+def launch_sm90(cfg: Sm90Config, a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
+                group_m: int = 8, grid_cap: int | None = None) -> None:
+    """The plain GEMM on the Hopper core in configuration cfg (arguments already checked)."""
+    sm_count = device_props()[2]
+    transposed = b_layout == "kn"
+    name = cfg.kernel(dt.cuda_type, transposed)
+    fn = kernels.load("gemm.cu")[name]
+    prepare(fn, cfg.smem_bytes)
+    tma_a = tensor_map(a.data.ptr, M, K, 64, cfg.bm, dt)
+    if transposed:
+        tma_b = tensor_map(b.data.ptr, K, N, 64, 64, dt)
+    else:
+        tma_b = tensor_map(b.data.ptr, N, K, 64, cfg.bn // cfg.cluster, dt)
+    if cfg.tma_store and odt.itemsize == 2:
+        tma_c = tensor_map(out.data.ptr, M, N, 64, cfg.bm // 2, odt)
+    else:
+        tma_c = tma_a  # not read by the kernel
+    tiles_m = -(-M // cfg.bm)
+    rows = -(-tiles_m // cfg.cluster)  # the scheduler's rows: clusters of tiles stacked along M
+    tiles = rows * cfg.cluster * -(-N // cfg.bn)
+    grid = min(tiles, max_ctas(fn, cfg, sm_count))
+    if grid_cap is not None:  # benchmarks: a smaller persistent grid (a multiple of the cluster)
+        grid = max(cfg.cluster, min(grid, grid_cap // cfg.cluster * cfg.cluster))
+    kernels.launch(fn, grid, 384,
+                   (tma_a, tma_b, tma_c, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
+                    _OUT_KIND_ARG[odt.name], bias if bias is not None else _NULL,
+                    np.int32(group_m)),
+                   stream, op=_OP, name=name, shared_mem=cfg.smem_bytes)
+
+
+def launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, group_m: int = 8) -> None:
+    """The plain GEMM on the portable core (arguments already checked)."""
+    sm_count = device_props()[2]
+    name = sm80_kernel(dt.cuda_type, b_layout == "kn")
+    fn = kernels.load("gemm.cu")[name]
+    prepare(fn, SM80.smem_bytes)
+    tiles = -(-M // SM80.bm) * -(-N // SM80.bn)
+    grid = min(tiles, SM80.ctas_per_sm * sm_count)
+    kernels.launch(fn, grid, SM80.threads,
+                   (a, b, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
+                    _OUT_KIND_ARG[odt.name], bias if bias is not None else _NULL,
+                    np.int32(group_m)),
+                   stream, op=_OP, name=name, shared_mem=SM80.smem_bytes)
+
+
+_NULL = np.uint64(0)
+_OUT_KIND_ARG = {k: np.int32(v) for k, v in OUT_KIND.items()}
+
+
+# ---- cuBLAS: where our kernel is slower, gemm calls it instead ------------------------------------
+_CUDA_R = {"bfloat16": 14, "float16": 2, "float32": 0}  # cudaDataType
+_COMPUTE_32F, _ALGO_DEFAULT, _OP_N, _OP_T = 68, -1, 0, 1
+_ONE, _ZERO = np.ones(1, np.float32), np.zeros(1, np.float32)
+
+
+_CUPY: list = []
+
+
+def cupy_module():
+    """The cupy module, with its cuBLAS pieces, imported once (an import statement per call
+    costs ~0.5 us; gemm's whole host path is ~10 us)."""
+    if not _CUPY:
+        import cupy
+        from cupy.cuda import cublas
+        from cupy.cuda import device as cdev
+
+        _CUPY.extend((cupy, cublas, cdev))
+    return _CUPY[0]
+
+
+WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace per stream (split-K and the like need one)
+
+
+class _Cublas:
+    """cublasGemmEx through ctypes, on a handle of cuflux's own per device with a workspace per
+    stream. Why not CuPy's wrapper: it refuses every call while a stream is captured (cuBLAS
+    would allocate its workspace inside the graph); with a workspace set beforehand cuBLAS
+    captures cleanly, and the direct call is shorter on the host."""
+
+    def __init__(self):
+        import ctypes
+
+        cupy_module()  # CuPy's cublas module loads libcublas (the CUDA extra's wheel or the system)
+        lib = None
+        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
+            try:
+                lib = ctypes.CDLL(name)  # the copy already loaded in this process, by its soname
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise RuntimeError(f"{_OP}: libcublas could not be loaded (install the cuda12 or "
+                               f"cuda13 extra)")
+        vp, i32 = ctypes.c_void_p, ctypes.c_int
+        lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
+        lib.cublasSetStream_v2.argtypes = [vp, vp]
+        lib.cublasSetWorkspace_v2.argtypes = [vp, vp, ctypes.c_size_t]
+        lib.cublasGemmEx.argtypes = [vp, i32, i32, i32, i32, i32, vp, vp, i32, i32, vp, i32, i32,
+                                     vp, vp, i32, i32, i32, i32]
+        for f in (lib.cublasCreate_v2, lib.cublasSetStream_v2, lib.cublasSetWorkspace_v2,
+                  lib.cublasGemmEx):
+            f.restype = i32
+        self.lib, self.ctypes = lib, ctypes
+        self.handles: dict[int, int] = {}
+        self.workspaces: dict[tuple, object] = {}  # (device, stream) -> cupy array
+        self.current: dict[int, int] = {}          # device -> stream its handle is set to
+
+    def handle(self, dev: int, stream_ptr: int, under_capture: bool) -> int:
+        h = self.handles.get(dev)
+        if h is None:
+            hv = self.ctypes.c_void_p()
+            err = self.lib.cublasCreate_v2(self.ctypes.byref(hv))
+            if err:
+                raise RuntimeError(f"{_OP}: cublasCreate failed ({err})")
+            h = self.handles[dev] = hv.value
+        if self.current.get(dev) != stream_ptr:
+            ws = self.workspaces.get((dev, stream_ptr))
+            if ws is None:
+                if under_capture:  # no allocation inside a capture: the caller takes our core
+                    return 0
+                ws = self.workspaces[(dev, stream_ptr)] = _CUPY[0].empty(WORKSPACE_BYTES,
+                                                                         _CUPY[0].uint8)
+            self.lib.cublasSetStream_v2(h, stream_ptr)
+            self.lib.cublasSetWorkspace_v2(h, ws.data.ptr, WORKSPACE_BYTES)
+            self.current[dev] = stream_ptr
+        return h
+
+
+_CUBLAS: list = []
+
+
+def _cublas() -> _Cublas:
+    if not _CUBLAS:
+        _CUBLAS.append(_Cublas())
+    return _CUBLAS[0]
+
+
+def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
+                  under_capture: bool = False) -> bool:
+    """C = a @ b (+ bias) by cublasGemmEx, fp32 accumulation, any of our output dtypes; False
+    (nothing enqueued) when under capture on a stream that has no cuBLAS workspace yet.
+
+    Row-major C [M, N] is column-major C^T [N, M] = op(b) op(a): b "kn" is column-major [N, K]
+    (no transpose, ld N), "nk" column-major [K, N] (transposed, ld K); a is column-major
+    [K, M] (ld K). A bias is broadcast into C first and kept with beta = 1."""
+    cb = _cublas()
+    handle = cb.handle(a.data.device_id, stream.ptr, under_capture)
+    if not handle:
+        return False
+    beta = _ZERO
+    if bias is not None:
+        with stream:
+            out[...] = bias
+        beta = _ONE
+    kn = b_layout == "kn"
+    err = cb.lib.cublasGemmEx(
+        handle, _OP_N if kn else _OP_T, _OP_N, N, M, K, _ONE_PTR, b.data.ptr, _CUDA_R[dt.name],
+        N if kn else K, a.data.ptr, _CUDA_R[dt.name], K, _ONE_PTR if beta is _ONE else _ZERO_PTR,
+        out.data.ptr, _CUDA_R[odt.name], N, _COMPUTE_32F, _ALGO_DEFAULT)
+    if err:
+        from cuflux.errors import CudaError
+
+        raise CudaError(f"{_OP}: cublasGemmEx failed for {M}x{N}x{K} ({b_layout}): "
+                        f"cublasStatus {err}")
+    return True
+
+
+_ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data

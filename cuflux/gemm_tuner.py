@@ -1,0 +1,161 @@
+"""Which GEMM runs a shape: the tuner table, its keys, the untuned heuristic and `plan`.
+
+On sm_90a the plain GEMM (cuflux.gemm, impl="auto") takes, per (GPU, dtype, B layout, shape
+class), the fastest of cuBLAS and the Hopper configurations in TUNER_CANDIDATES: on the first
+call of a class it times them for a bounded budget on the caller's own operands and keeps the
+winner in <kernel cache dir>/gemm_tuner.json (at most 512 entries, shared by the processes of
+the machine). Tuning can be switched off and its budget set (cuflux/knobs.py: gemm_tune,
+gemm_tune_budget_s); then the heuristic decides. The fused ops read the table (never tune):
+AllGatherGemm takes the cached Hopper choice of its shape class where it has that
+configuration.
+"""
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+from cuflux import kernels, knobs
+from cuflux.arrays import dtype_info
+from cuflux.gemm_core import IN_DTYPES, SM90_CONFIGS, SM90_DEFAULT, device_props
+
+__all__ = ["CUBLAS", "TUNER_CANDIDATES", "CUBLAS_BELOW_M", "tuner_path", "load_tuner",
+           "shape_class", "tune_key", "core_heuristic", "heuristic", "tuned_config", "plan",
+           "choice"]
+
+_OP = "cuflux.gemm"
+CUBLAS = "cublas"  # the tuner's name for cuBLAS among the Hopper configurations
+# The tuner's candidates: the 1-CTA cooperative tiles with both epilogues, one 2-CTA cluster (B
+# multicast; at its 1-CTA twin's speed so far) and the ping-pong 128x128, which wins where tiles
+# are few (2048^2, 8x4096x4096, 777x1536x2048). Every entry of SM90_CONFIGS stays callable
+# through config=.
+TUNER_CANDIDATES = ("256x128s4c1t", "128x256s4c1t", "256x128s4c1", "128x256s4c1", "128x256s4c2",
+                    "128x128s6c1", "128x128s7c1p")
+# Below this many rows a 128- or 256-row tile is mostly padding and the grid covers few SMs:
+# cuBLAS (split-K, narrow tiles) is the untuned choice there. The tuner measures both.
+CUBLAS_BELOW_M = 256
+
+_TUNER_LOCK = threading.Lock()
+_TUNER_MAX_ENTRIES = 512
+_TUNER_TABLE: dict | None = None  # the file's contents, read once per process
+
+
+def tuner_path():
+    return kernels.cache_dir() / "gemm_tuner.json"
+
+
+def shape_class(M: int, N: int, K: int) -> str:
+    """The tuner's shape class: ceil(log2) of each dimension (at least 3), "MxNxK"."""
+    return "x".join(str(max(3, math.ceil(math.log2(max(x, 1))))) for x in (M, N, K))
+
+
+def core_heuristic(M: int, N: int, K: int) -> str:
+    """Our Hopper core's configuration without tuning, from the H200 measurements in
+    docs/gemm_notes.md (v5: the TMA-store epilogue wins at every K)."""
+    if N <= 128:
+        return "128x128s6c1"
+    return SM90_DEFAULT
+
+
+def heuristic(M: int, N: int, K: int) -> str:
+    """gemm's choice without tuning: cuBLAS for small M, else core_heuristic."""
+    return CUBLAS if M < CUBLAS_BELOW_M else core_heuristic(M, N, K)
+
+
+def load_tuner() -> dict:
+    """The tuner table (in memory after the first read)."""
+    global _TUNER_TABLE
+    if _TUNER_TABLE is None:
+        try:
+            _TUNER_TABLE = json.loads(tuner_path().read_text())
+        except Exception:
+            _TUNER_TABLE = {}
+    return _TUNER_TABLE
+
+
+def _valid(name) -> bool:
+    return name == CUBLAS or name in SM90_CONFIGS
+
+
+def tuned_config(key: str, run_candidate, stream, tune: bool = True) -> str | None:
+    """The cached choice for `key`, or (tune) time the candidates (bounded) and remember the
+    winner. run_candidate(name) enqueues one call of candidate `name` on `stream`."""
+    entry = load_tuner().get(key)
+    if entry is not None and _valid(entry.get("config")):
+        return entry["config"]
+    if not tune:
+        return None
+    import cupy
+
+    budget_s = knobs.gemm_tune_budget_s()
+    t_end = time.monotonic() + budget_s
+    times = {}
+    for name in (CUBLAS,) + TUNER_CANDIDATES:
+        if time.monotonic() > t_end:
+            break
+        run_candidate(name)  # warm-up (first launch of the kernel)
+        ev = [cupy.cuda.Event() for _ in range(4)]
+        ev[0].record(stream)
+        for i in range(1, 4):
+            run_candidate(name)
+            ev[i].record(stream)
+        ev[3].synchronize()
+        times[name] = min(cupy.cuda.get_elapsed_time(ev[i - 1], ev[i]) for i in range(1, 4))
+    if not times:
+        return None
+    best = min(times, key=times.get)
+    with _TUNER_LOCK:
+        table = load_tuner()
+        try:  # merge what other processes wrote since this one read the file
+            table.update(json.loads(tuner_path().read_text()))
+        except Exception:
+            pass
+        table.pop(key, None)
+        table[key] = {"config": best, "ms": times, "when": time.strftime("%Y-%m-%d")}
+        while len(table) > _TUNER_MAX_ENTRIES:
+            table.pop(next(iter(table)))
+        path = tuner_path()
+        kernels.write_atomically(path, json.dumps(table, indent=0).encode())
+    return best
+
+
+def tune_key(dt, b_layout: str, M: int, N: int, K: int) -> str:
+    """The tuner table's key of a shape class on the current device."""
+    return f"{device_props()[3]}|{dt.name}|{b_layout}|{shape_class(M, N, K)}"
+
+
+def plan(M: int, N: int, K: int, dtype="bfloat16", b_layout: str = "kn") -> str:
+    """What `gemm(impl="auto")` runs for this shape on the current device, without running
+    anything: "cublas", a Hopper configuration name (SM90_CONFIGS), or "sm80" (the portable
+    core, on GPUs without the Hopper path). The tuner's choice where it has measured this
+    shape class, else the untuned heuristic."""
+    dt = dtype_info(dtype, IN_DTYPES, _OP)
+    if device_props()[1] != "sm_90a":
+        return CUBLAS if M < CUBLAS_BELOW_M else "sm80"
+    chosen = None
+    if knobs.gemm_tune():
+        chosen = tuned_config(tune_key(dt, b_layout, M, N, K), None, None, tune=False)
+    return chosen or heuristic(M, N, K)
+
+
+_CHOICES: dict = {}  # (dtype, layout, M, N, K) -> (tuner table it came from, choice)
+
+
+def choice(dt, b_layout, M, N, K, run, s, under_capture) -> str:
+    """What auto runs for this exact shape on sm_90a: remembered per shape while the tuner
+    table it came from is the current one (tests and other processes may replace the table).
+    run(name): one call of candidate `name` on stream s, for timing (never under capture)."""
+    key = (dt.name, b_layout, M, N, K)
+    hit = _CHOICES.get(key)
+    tuning = knobs.gemm_tune()
+    if hit is not None and hit[0] is (_TUNER_TABLE if tuning else None):
+        return hit[1]
+    config = None
+    if tuning:
+        config = tuned_config(tune_key(dt, b_layout, M, N, K), run, s, tune=not under_capture)
+    decided = config is not None or not tuning
+    config = config or heuristic(M, N, K)
+    if decided and len(_CHOICES) < 4096:
+        _CHOICES[key] = (_TUNER_TABLE if tuning else None, config)
+    return config
