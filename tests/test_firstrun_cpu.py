@@ -201,3 +201,15 @@ def test_plot_command(tmp_path):
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(tmp_path / "allreduce-speedup.png")]
     assert _png_ok(tmp_path / "allreduce-speedup.png")
+
+
+def test_readme_quick_start_is_the_script_the_gpu_checks_run():
+    """README's CuPy quick start and scripts/quickstart.py (run on the GPU machine) are one
+    text, so the README shows what was run."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text()
+    start = readme.index("```python\n# mpiexec -n 2 python scripts/quickstart.py")
+    block = readme[start + len("```python\n"):readme.index("```", start + 10)]
+    assert block == (root / "scripts" / "quickstart.py").read_text()
