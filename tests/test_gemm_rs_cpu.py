@@ -249,6 +249,7 @@ def _fake_world(W=2, rank=0, device=None, kind="nvlink", peer_values=None):
     (dict(reduce="ring"), ValueError, "reduce must be one of"),
     (dict(impl="cuda"), ValueError, "impl must be"),
     (dict(config="128x128s6c1"), ValueError, "config must be one of"),
+    (dict(w1="plain"), ValueError, r"w1 must be one of \('gemm', 'fused'\)"),
     (dict(timeout_s=0), ValueError, "timeout_s must be a finite number of seconds > 0"),
     (dict(max_m=0), ValueError, "max_m must be an int"),
     (dict(max_m=1.5), ValueError, "max_m must be an int"),
