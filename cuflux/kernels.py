@@ -214,7 +214,6 @@ def cache_dir() -> pathlib.Path:
     return p
 
 
-_cache_dir = cache_dir  # the name ops/gemm.py's tuner file uses
 
 
 def _options(arch: str, defines: Sequence[str] = ()) -> list[str]:

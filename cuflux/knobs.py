@@ -109,7 +109,7 @@ CACHE_DIR = Knob(
     "$XDG_CACHE_HOME/cuflux, else ~/.cache/cuflux",
     "Kernel cache (cubins, the GEMM tuner's table): yours (or root's) and writable by its "
     "owner alone; cuflux creates it 0700.",
-    "kernels.cache_dir, ops/gemm.py (tuner file), python -m cuflux.compile --cache-dir",
+    "kernels.cache_dir, gemm_tuner.tuner_path, python -m cuflux.compile --cache-dir",
     _path)
 HOST_TIMEOUT_S = Knob(
     "CUFLUX_HOST_TIMEOUT_S", "a finite number of seconds > 0", 120.0, "120",
@@ -125,11 +125,11 @@ GEMM_TUNE = Knob(
     "CUFLUX_GEMM_TUNE", "one of 1/0, true/false, yes/no, on/off", True, "1",
     "Tune the Hopper GEMM's configuration per shape class on first use (0: the fixed "
     "heuristic, no timing).",
-    "ops/gemm.py (gemm, plan); bench gemm_rs sets 0 unless given", _switch)
+    "gemm_tuner (gemm, plan); bench gemm_rs sets 0 unless given", _switch)
 GEMM_TUNE_BUDGET_S = Knob(
     "CUFLUX_GEMM_TUNE_BUDGET_S", "a finite number of seconds >= 0", 2.0, "2",
     "Wall-clock bound of one tuning run of the GEMM (one shape class, once per machine).",
-    "ops/gemm.py (_tuned_config)", _seconds(0.0, inclusive=True))
+    "gemm_tuner.tuned_config", _seconds(0.0, inclusive=True))
 GEMM_BENCH_CONFIGS = Knob(
     "CUFLUX_GEMM_BENCH_CONFIGS", "comma-separated GEMM configuration names", None,
     "unset: every configuration",

@@ -112,7 +112,7 @@ def test_sdist_manifest_carries_tests_with_their_helpers_license_and_readme():
     manifest = (ROOT / "MANIFEST.in").read_text().splitlines()
     assert any(line.split()[:1] == ["include"] and "LICENSE" in line and "README.md" in line
                for line in manifest)
-    assert "recursive-include tests *.py" in manifest
+    assert "recursive-include tests *.py *.cu *.cuh" in manifest  # the tests' own kernels too
     assert any(line.startswith("recursive-include kernels_cu") for line in manifest)
     assert any(line.startswith("recursive-include scripts/results") for line in manifest), \
         "the chart test reads scripts/results"
