@@ -17,6 +17,7 @@ export CUFLUX_CACHE_DIR="$(pwd)/.cubins" PYTHONPATH="$(pwd)"
 python -c "
 from cuda.bindings import nvrtc
 from cuflux import kernels
+import tests.kernels_cu  # noqa: F401  (the tests' own kernel family registers on import)
 assert nvrtc.nvrtcVersion()[1:] == (13, 0), nvrtc.nvrtcVersion()
 print(kernels.compile_all(('sm_90a',)))"
 du -sh .cubins
