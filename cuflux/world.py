@@ -35,13 +35,16 @@ import secrets
 import socket
 import sys
 import time
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
+
+import numpy as np
 
 from cuflux import knobs
 from cuflux.errors import CommTimeoutError, CufluxError
 from cuflux.topology import PeerLink, Topology
 
-__all__ = ["World", "OpComm", "HostGroup", "init", "device_count", "require_device",
+__all__ = ["World", "OpComm", "HostGroup", "TorchGroup", "TorchOpComm", "init", "launcher_from_env",
+           "choose_route", "Launch", "device_count", "require_device",
            "choose_device", "local_rank_from_env", "classify_device_error", "CudaSetupError",
            "NoDeviceError", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "LOCAL_RANK_ENV"]
 
@@ -63,6 +66,7 @@ LOCAL_RANK_ENV = ("OMPI_COMM_WORLD_LOCAL_RANK",  # Open MPI
                   "SLURM_LOCALID")               # srun
 
 _TAG = 0x6378  # point-to-point tag of cuflux's host collectives (on communicators it owns)
+_DIGEST_TAG = 7301  # tag of exchange_digest (All2AllHeads' per-call argument check)
 _NODE_LOCAL_RANK: int | None = None  # this process's node-local rank in COMM_WORLD, once known
 
 
@@ -319,6 +323,34 @@ class HostGroup:
         """Raise ValueError on every rank if `value` differs between ranks (compares a hash)."""
         _check_same(lambda o, label: self.allgather(o, timeout_s, label), value, what)
 
+    def exchange_digest(self, digest: int, timeout_s: float, what: str = "exchange_digest",
+                        tag: int = _DIGEST_TAG) -> list[int]:
+        """Every rank's 64-bit digest, in rank order: nonblocking point-to-point messages on
+        their own tag, polled against the deadline. On expiry the receives are cancelled and
+        CommTimeoutError names the lowest rank that did not send; the group stays usable (the
+        caller decides what the failure means)."""
+        from mpi4py import MPI
+
+        W, me, comm = self.size, self.rank, self.comm
+        mine = np.array([digest], dtype=np.uint64)
+        theirs = np.zeros(W, dtype=np.uint64)
+        theirs[me] = mine[0]
+        peers = [p for p in range(W) if p != me]
+        sends = [comm.Isend(mine, dest=p, tag=tag) for p in peers]
+        recvs = {p: comm.Irecv(theirs[p:p + 1], source=p, tag=tag) for p in peers}
+        deadline = time.monotonic() + timeout_s
+        while recvs:
+            for p in [p for p, r in recvs.items() if r.Test()]:
+                del recvs[p]
+            if recvs and time.monotonic() > deadline:
+                for r in recvs.values():
+                    r.Cancel()
+                MPI.Request.Waitall(list(recvs.values()))
+                raise CommTimeoutError(f"{self.label} {what}", me, min(recvs), timeout_s,
+                                       f"ranks {sorted(recvs)} did not send")
+        MPI.Request.Waitall(sends)  # 8-byte messages: sent eagerly, every peer received ours
+        return [int(v) for v in theirs]
+
     def dup(self, what: str = "dup", timeout_s: float | None = None):
         """A duplicate of the communicator (MPI_Comm_idup, polled against the deadline)."""
         self._check_usable(what)
@@ -397,6 +429,259 @@ class OpComm(HostGroup):
             self.free()
 
 
+# ---- host collectives over torch.distributed ---------------------------------------------------
+def is_torch_group(comm) -> bool:
+    """comm is a torch.distributed ProcessGroup (a type test; torch is never imported here: an
+    object of torch's can only exist once the caller imported it)."""
+    if "torch" not in sys.modules or comm is None:
+        return False
+    try:
+        import torch.distributed as dist
+
+        return dist.is_available() and isinstance(comm, dist.ProcessGroup)
+    except Exception:
+        return False
+
+
+def _peer_named(message: str, group_ranks: list[int], me: int) -> int:
+    """The group rank a torch / gloo error names ("rank 3", "Rank 3", global ranks), else the
+    other rank of a pair, else -1: gloo's own timeouts say which operation expired, not which
+    peer."""
+    import re
+
+    for m in re.finditer(r"\b[Rr]anks? \[?(\d+)", message):
+        r = int(m.group(1))
+        if r in group_ranks and group_ranks.index(r) != me:
+            return group_ranks.index(r)
+    return 1 - me if len(group_ranks) == 2 else -1  # of two ranks, the other one
+
+
+def _new_gloo_group(ranks: list[int], timeout_s: float, label: str, what: str, me: int):
+    """A gloo group of cuflux's own over `ranks` (global ranks), made by those ranks only
+    (use_local_synchronization: the caller's group may be a subgroup), its collectives bounded
+    by timeout_s (gloo's own deadline, set at creation)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    try:
+        return dist.new_group(ranks=ranks, timeout=timedelta(seconds=timeout_s), backend="gloo",
+                              use_local_synchronization=True)
+    except Exception as e:
+        raise CommTimeoutError(f"{label} {what}", me, _peer_named(str(e), ranks, me), timeout_s,
+                               f"torch.distributed could not make cuflux's gloo group: "
+                               f"{type(e).__name__}: {str(e)[:300]}") from e
+
+
+class TorchGroup(HostGroup):
+    """HostGroup's interface (allgather, barrier, check_same, exchange_digest, dup, free) over
+    a torch.distributed gloo group of cuflux's own, so World and the ops run unchanged on the
+    torch route (no mpi4py).
+
+    `comm` is the gloo ProcessGroup. Its collectives are bounded by gloo's timeout, set when
+    the group is made (timeout_s; a call with another timeout sets the group's for that call
+    where torch allows it). On expiry, or when a peer's process is gone, CommTimeoutError names
+    the op, this rank and the peer where torch's message says which (-1 where it does not:
+    gloo reports which operation expired, not who was missing). Messages carry (group id,
+    sequence number, name) as HostGroup's do: peers at another collective raise CufluxError.
+    """
+
+    def __init__(self, comm, timeout_s: float, label: str, group_id: str = "",
+                 owned: bool = True):
+        import torch.distributed as dist
+
+        self.comm, self.label, self.group_id = comm, label, group_id
+        self.rank: int = dist.get_rank(comm)
+        self.size: int = dist.get_world_size(comm)
+        self.ranks: list[int] = dist.get_process_group_ranks(comm)  # global ranks
+        self.timeout_s = check_timeout(label, timeout_s)
+        self._group_timeout_s = self.timeout_s  # what gloo enforces now
+        self._seq = 0
+        self._sends: list = []
+        self._failure: BaseException | None = None
+        self._owned = owned
+
+    @classmethod
+    def create(cls, parent, timeout_s: float, label: str, group_id: str = "") -> "TorchGroup":
+        """Collective over parent's ranks (only them): a gloo group of cuflux's own."""
+        import torch.distributed as dist
+
+        ranks = dist.get_process_group_ranks(parent)
+        me = dist.get_rank(parent)
+        if len(ranks) == 1:  # nothing to exchange: no group of our own
+            return cls(parent, timeout_s, label, group_id, owned=False)
+        return cls(_new_gloo_group(ranks, timeout_s, label, "creating a gloo group", me),
+                   timeout_s, label, group_id)
+
+    @contextlib.contextmanager
+    def _bounded(self, timeout_s: float):
+        import torch.distributed.distributed_c10d as c10d
+
+        set_timeout = getattr(c10d, "_set_pg_timeout", None)
+        if timeout_s == self._group_timeout_s or set_timeout is None:
+            yield
+            return
+        from datetime import timedelta
+
+        set_timeout(timedelta(seconds=timeout_s), self.comm)
+        try:
+            yield
+        finally:
+            set_timeout(timedelta(seconds=self._group_timeout_s), self.comm)
+
+    def allgather(self, obj: Any, timeout_s: float | None = None, what: str = "allgather") -> list:
+        """Every rank's obj, in rank order (all_gather_object on the gloo group: pickled)."""
+        import torch.distributed as dist
+
+        self._check_usable(what)
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(what, timeout_s)
+        seq, self._seq = self._seq, self._seq + 1
+        if self.size == 1:
+            return [obj]
+        got: list = [None] * self.size
+        try:
+            with self._bounded(timeout_s):
+                dist.all_gather_object(got, (self.group_id, seq, what, obj), group=self.comm)
+        except Exception as e:
+            self._failure = CommTimeoutError(
+                f"{self.label} {what}", self.rank, _peer_named(str(e), self.ranks, self.rank),
+                timeout_s, f"torch.distributed gloo: {type(e).__name__}: {str(e)[:300]}")
+            raise self._failure from e
+        for p, (gid, their_seq, their_what, _) in enumerate(got):
+            if (gid, their_seq, their_what) != (self.group_id, seq, what):
+                self._failure = CufluxError(
+                    f"{self.label}: rank {self.rank} is at host collective #{seq} ({what!r}) "
+                    f"while rank {p} is at #{their_seq} ({their_what!r}): the ranks called "
+                    "cuflux's collectives in different orders")
+                raise self._failure
+        return [item[3] for item in got]
+
+    def exchange_digest(self, digest: int, timeout_s: float, what: str = "exchange_digest",
+                        tag: int = _DIGEST_TAG) -> list[int]:
+        """Every rank's 64-bit digest (an allgather: gloo keeps no per-tag queues)."""
+        return [int(v) for v in self.allgather(int(digest), timeout_s, what)]
+
+    def dup(self, what: str = "dup", timeout_s: float | None = None):
+        """A new gloo group over the same ranks (bounded): an op's own."""
+        self._check_usable(what)
+        timeout_s = self.timeout_s if timeout_s is None else check_timeout(what, timeout_s)
+        if self.size == 1:
+            return self.comm
+        return _new_gloo_group(self.ranks, timeout_s, self.label, what, self.rank)
+
+    def free(self) -> None:
+        """Destroy the gloo group (local; best effort). A group cuflux did not make is kept."""
+        comm, self.comm = self.comm, None
+        if comm is not None and self._owned:
+            try:
+                import torch.distributed as dist
+
+                dist.destroy_process_group(comm)
+            except Exception:
+                pass
+
+
+class TorchOpComm(OpComm, TorchGroup):
+    """OpComm over a gloo group of the op's own (World.sub_comm on the torch route)."""
+
+    def __init__(self, comm, timeout_s: float, op_id: str, parent: HostGroup):
+        super().__init__(comm, timeout_s, op_id, parent)
+        self._owned = parent.size > 1
+
+
+# ---- the launcher --------------------------------------------------------------------------------
+class Launch(NamedTuple):
+    """What a launcher told this process through its environment."""
+
+    launcher: str            # "torchrun" or "mpirun"
+    rank: int
+    size: int
+    local_rank: int | None
+    variables: str           # the variables it was read from, for messages
+
+
+# (rank, size, local rank) variables of the MPI launchers, most specific first.
+_MPI_ENV = (("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID"),
+            ("MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK"),
+            ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK"))
+_TORCH_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")  # torchrun (and torch.distributed's env://)
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    value = env.get(name, "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def launcher_from_env(env: Mapping[str, str]) -> tuple[Launch | None, Launch | None]:
+    """(torchrun's Launch or None, an MPI launcher's Launch or None), from the environment."""
+    def read(names, launcher):
+        rank, size = _int_env(env, names[0]), _int_env(env, names[1])
+        if rank is None or size is None:
+            return None
+        return Launch(launcher, rank, size, _int_env(env, names[2]),
+                      f"{names[0]}={rank}, {names[1]}={size}")
+
+    torch = read(_TORCH_ENV, "torchrun")
+    mpi = next((m for m in (read(n, "mpirun") for n in _MPI_ENV) if m is not None), None)
+    return torch, mpi
+
+
+def choose_route(env: Mapping[str, str], torch_world_size: int | None = None) -> str:
+    """"torch" or "mpi": what cuflux.init() with no communicator bootstraps on.
+
+    torch_world_size: torch.distributed's world size when the caller initialised it (then the
+    torch route), else None. torchrun's variables without an MPI launcher's: the torch route;
+    an MPI launcher's: mpi; neither: mpi (one process, MPI's singleton). Launchers that
+    disagree on the number of processes raise CufluxError saying what each one says."""
+    torch, mpi = launcher_from_env(env)
+    told = [(l.launcher, l.size, l.variables) for l in (torch, mpi) if l is not None]
+    if torch_world_size is not None:
+        told.append(("torch.distributed", torch_world_size,
+                     f"torch.distributed.get_world_size()={torch_world_size}"))
+    if len({size for _, size, _ in told}) > 1:
+        raise CufluxError(
+            "cuflux.init: the launchers disagree on the number of processes: "
+            + "; ".join(f"{name} says {size} ({how})" for name, size, how in told)
+            + ". Launch with one of them (torchrun or mpirun), or pass the communicator or "
+            "process group to cuflux.init")
+    if torch_world_size is not None or (torch is not None and mpi is None):
+        return "torch"
+    return "mpi"
+
+
+def _torch_world_group(timeout_s: float | None):
+    """torch.distributed's default group, initialised from torchrun's environment (env://)
+    when the caller has not: gloo for host tensors, NCCL for CUDA tensors where CUDA is."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError as e:
+        raise CufluxError("cuflux.init: launched by torchrun (RANK and WORLD_SIZE are set) but "
+                          f"torch cannot be imported ({e}): pip install torch, or launch with "
+                          "mpirun") from e
+    if not dist.is_initialized():
+        from datetime import timedelta
+
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend=backend, timeout=timedelta(
+            seconds=default_timeout_s() if timeout_s is None else timeout_s))
+    return dist.group.WORLD
+
+
+def _torch_world_size() -> int | None:
+    """torch.distributed's world size when the caller initialised it, else None (torch is not
+    imported for this: a caller who initialised it has imported it)."""
+    if "torch" not in sys.modules:
+        return None
+    try:
+        import torch.distributed as dist
+
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    except Exception:
+        return None
+
+
 # ---- the world ---------------------------------------------------------------------------------
 class World:
     """The ranks of one communicator and the GPU each uses.
@@ -412,25 +697,38 @@ class World:
 
     def __init__(self, comm=None, device: int | None = None, timeout_s: float | None = None):
         global _NODE_LOCAL_RANK
-        from mpi4py import MPI
-
-        self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.timeout_s = (default_timeout_s() if timeout_s is None
                           else check_timeout("World", timeout_s))
-        self.rank: int = self.comm.Get_rank()
-        self.size: int = self.comm.Get_size()
         self.hostname = socket.gethostname()
         self._host: HostGroup | None = None
         self._num_ops = 0
-        world_rank, world_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
-        # First contact on the caller's communicator (cuflux's tag), bounded and naming a rank
-        # that never called init; then a duplicate for everything else.
-        hello = HostGroup(self.comm, self.timeout_s, "cuflux.init")
+        if is_torch_group(comm):
+            # torch.distributed: a gloo group of cuflux's own over the caller's ranks, made by
+            # them only and bounded by timeout_s (gloo's deadline), carries every collective.
+            import torch.distributed as dist
+
+            self.comm = comm
+            self.rank, self.size = dist.get_rank(comm), dist.get_world_size(comm)
+            world_rank, world_size = dist.get_rank(), dist.get_world_size()
+            hello = TorchGroup.create(comm, self.timeout_s, "cuflux.init")
+        else:
+            from mpi4py import MPI
+
+            self.comm = comm if comm is not None else MPI.COMM_WORLD
+            self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+            world_rank, world_size = MPI.COMM_WORLD.Get_rank(), MPI.COMM_WORLD.Get_size()
+            # First contact on the caller's communicator (cuflux's tag), bounded and naming a
+            # rank that never called init; then a duplicate for everything else.
+            hello = HostGroup(self.comm, self.timeout_s, "cuflux.init")
         everyone = hello.allgather((self.hostname, world_rank, secrets.token_hex(8)),
                                    what="hello")
         group_id = hashlib.sha1("".join(t for _, _, t in everyone).encode()).hexdigest()[:16]
-        self._host = HostGroup(hello.dup("duplicating the communicator"), self.timeout_s,
-                               "World", group_id)
+        if isinstance(hello, TorchGroup):  # already cuflux's own group: it carries the rest
+            hello.label, hello.group_id = "World", group_id
+            self._host = hello
+        else:
+            self._host = HostGroup(hello.dup("duplicating the communicator"), self.timeout_s,
+                                   "World", group_id)
         self._hello = hello  # its isend requests (and their buffers) live until they complete
         same_host = [r for r, (h, _, _) in enumerate(everyone) if h == self.hostname]
         self.local_rank: int = same_host.index(self.rank)  # within this communicator
@@ -488,8 +786,8 @@ class World:
                 + ", ".join(f"rank {r} builds op #{i} {t!r}" for r, (i, t) in enumerate(everyone)))
         op_id = f"{tag}#{n}"
         comm = self._host.dup(f"sub_comm({op_id})", timeout_s)
-        return OpComm(comm, self.timeout_s if timeout_s is None else timeout_s, op_id,
-                      self._host)
+        kind = TorchOpComm if isinstance(self._host, TorchGroup) else OpComm
+        return kind(comm, self.timeout_s if timeout_s is None else timeout_s, op_id, self._host)
 
     # ---- the device ----------------------------------------------------------------------------
     def device_context(self):
@@ -522,6 +820,8 @@ class World:
             self._host.free()
 
     def __del__(self):
+        if isinstance(getattr(self, "_host", None), TorchGroup):
+            return  # close() destroys it; the garbage collector must not (a collective's state)
         try:
             from mpi4py import MPI
 
@@ -584,23 +884,34 @@ def _native_atomics(dev: int, peer_dev: int) -> bool:
         return False
 
 
-# What init accepts, said in every refusal. torch.distributed process groups are next: they
-# get their own branch in _check_comm (and their own host collectives), not a silent fallback.
+# What init accepts, said in every refusal.
 _COMM_ACCEPTED = ("an mpi4py intracommunicator (MPI.COMM_WORLD, or one made from it with "
-                  "Split / Create) or None (MPI.COMM_WORLD)")
+                  "Split / Create), a torch.distributed ProcessGroup (dist.group.WORLD, or one "
+                  "from dist.new_group) or None (what the launcher started: torchrun or mpirun)")
 
 
 def _check_comm(comm):
-    """The mpi4py intracommunicator init bootstraps on (None: MPI.COMM_WORLD), or TypeError
-    saying what init accepts; ValueError for MPI.COMM_NULL (a rank left out of a Split)."""
+    """The communicator or process group init bootstraps on (None: MPI.COMM_WORLD), or
+    TypeError saying what init accepts; ValueError for MPI.COMM_NULL (a rank left out of a
+    Split) and for a process group this rank is not in."""
+    if is_torch_group(comm):
+        import torch.distributed as dist
+
+        if dist.get_rank(comm) < 0:
+            raise ValueError("cuflux.init: this process is not in the torch.distributed group "
+                             "it was given: call init only on the ranks of the group")
+        return comm
+    kind = type(comm)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if comm is not None and kind.__module__.split(".")[0] == "torch":
+        raise TypeError(f"cuflux.init: comm is a torch object ({name}) but not a "
+                        f"torch.distributed ProcessGroup; comm must be {_COMM_ACCEPTED}")
     from mpi4py import MPI
 
     if comm is None:
         return MPI.COMM_WORLD
     if isinstance(comm, MPI.Intracomm):
         return comm
-    kind = type(comm)
-    name = f"{kind.__module__}.{kind.__qualname__}"
     if isinstance(comm, MPI.Comm):
         if comm == MPI.COMM_NULL:
             raise ValueError("cuflux.init: comm is MPI.COMM_NULL (this process is not in the "
@@ -608,9 +919,6 @@ def _check_comm(comm):
                              "on the ranks of the group")
         raise TypeError(f"cuflux.init: comm must be {_COMM_ACCEPTED}; got an intercommunicator "
                         f"or another kind of communicator ({name})")
-    if kind.__module__.split(".")[0] == "torch":
-        raise TypeError(f"cuflux.init: torch.distributed process groups ({name}) are not "
-                        f"supported yet; comm must be {_COMM_ACCEPTED}")
     hint = ""
     if isinstance(comm, str):
         hint = f" (pass the communicator itself: from mpi4py import MPI; MPI.{comm})" \
@@ -620,11 +928,36 @@ def _check_comm(comm):
 
 
 def init(comm=None, device: int | None = None, timeout_s: float | None = None) -> World:
-    """Bootstrap cuflux on an mpi4py communicator: a World (collective over comm's ranks).
+    """Bootstrap cuflux: a World (collective over the ranks of comm).
 
     comm: an mpi4py intracommunicator (MPI.COMM_WORLD, or one made from it with Split /
-      Create), or None for MPI.COMM_WORLD. Anything else raises TypeError saying what is
-      accepted (a torch.distributed ProcessGroup too, for now); MPI.COMM_NULL raises
-      ValueError. device, timeout_s: see World.
+      Create), a torch.distributed ProcessGroup (cuflux makes a gloo group of its own over its
+      ranks; mpi4py is not needed), or None: what the launcher started, read from its
+      environment (choose_route): torchrun (RANK, WORLD_SIZE; torch.distributed is initialised
+      from it when the caller has not) or torch.distributed already initialised -> its world
+      group; mpirun (OMPI_COMM_WORLD_*, PMI_*) or no launcher -> MPI.COMM_WORLD. Launchers that
+      disagree on the number of processes (WORLD_SIZE=2 in a one-rank MPI world) raise
+      CufluxError. Anything else raises TypeError saying what is accepted; MPI.COMM_NULL
+      raises ValueError. device, timeout_s: see World.
     """
+    if comm is None:
+        route = choose_route(os.environ, _torch_world_size())
+        if route == "torch":
+            comm = _torch_world_group(timeout_s)
+        else:
+            torch_env, _ = launcher_from_env(os.environ)
+            try:
+                from mpi4py import MPI
+            except ImportError as e:
+                raise CufluxError(f"cuflux.init: no torch.distributed launch found and mpi4py "
+                                  f"cannot be imported ({e}): launch with torchrun, or pip "
+                                  "install mpi4py and launch with mpirun") from e
+            size = MPI.COMM_WORLD.Get_size()
+            if torch_env is not None and torch_env.size != size:
+                raise CufluxError(
+                    f"cuflux.init: the launchers disagree on the number of processes: "
+                    f"{torch_env.variables}, but the MPI world has {size} rank(s) (torchrun "
+                    "does not start MPI: every process is a one-rank MPI world). Under "
+                    "torchrun, pass a torch.distributed group or unset the MPI variables; under "
+                    "mpirun, unset WORLD_SIZE")
     return World(_check_comm(comm), device=device, timeout_s=timeout_s)

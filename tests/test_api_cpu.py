@@ -268,9 +268,9 @@ _FakeProcessGroup.__qualname__ = "ProcessGroup"
     ("world", TypeError, r"got 'world' \(str\)$"),
     (0, TypeError, r"got 0 \(int\)"),
     (object(), TypeError, r"\(object\)"),
-    (_FakeProcessGroup(), TypeError, r"torch.distributed process groups "
-                                     r"\(torch._C._distributed_c10d.ProcessGroup\) are not "
-                                     r"supported yet"),
+    (_FakeProcessGroup(), TypeError, r"comm is a torch object "
+                                     r"\(torch._C._distributed_c10d.ProcessGroup\) but not a "
+                                     r"torch.distributed ProcessGroup"),
 ])
 def test_init_refuses_what_is_not_a_communicator(comm, exc, text):
     with pytest.raises(exc, match=text) as e:

@@ -388,30 +388,21 @@ class All2AllHeads(CommOp):
         return h
 
     def _compare_with_peers(self, key) -> None:
-        """Exchange a 64-bit digest of the key with every peer, bounded by the op's timeout."""
-        from mpi4py import MPI
-
-        W, me, comm = self.spec.world_size, self.spec.rank, self._comm
-        mine = np.array([call_digest(key)], dtype=np.uint64)
-        theirs = np.zeros(W, dtype=np.uint64)
-        peers = [p for p in range(W) if p != me]
-        sends = [comm.Isend(mine, dest=p, tag=CHECK_TAG) for p in peers]
-        recvs = {p: comm.Irecv(theirs[p:p + 1], source=p, tag=CHECK_TAG) for p in peers}
-        deadline = time.monotonic() + self.err.timeout_s
-        while recvs:
-            for p in [p for p, r in recvs.items() if r.Test()]:
-                del recvs[p]
-            if recvs and time.monotonic() > deadline:
-                for r in recvs.values():
-                    r.Cancel()
-                MPI.Request.Waitall(list(recvs.values()))
-                self._host_failure = CommTimeoutError(
-                    _OP, me, min(recvs), self.err.timeout_s,
-                    "checking a new tokens_per_rank list: the peer did not make this call, or "
-                    "passed a list it had used before while this one is new here")
-                raise self._host_failure
-        MPI.Request.Waitall(sends)  # 8-byte messages: sent eagerly, every peer received ours
-        differ = [p for p in peers if theirs[p] != mine[0]]
+        """Exchange a 64-bit digest of the key with every peer, bounded by the op's timeout
+        (the op's host group: tagged MPI messages, or an allgather on its gloo group)."""
+        me = self.spec.rank
+        mine = call_digest(key)
+        try:
+            theirs = self.comm.exchange_digest(mine, self.err.timeout_s, "argument check",
+                                               CHECK_TAG)
+        except CommTimeoutError as e:
+            self._host_failure = CommTimeoutError(
+                _OP, me, e.peer, self.err.timeout_s,
+                "checking a new tokens_per_rank list: the peer did not make this call, or "
+                "passed a list it had used before while this one is new here")
+            raise self._host_failure
+        peers = [p for p in range(self.spec.world_size) if p != me]
+        differ = [p for p in peers if theirs[p] != mine]
         if differ:
             direction, tokens, batch, mode = key
             raise ValueError(
