@@ -5,9 +5,12 @@ fp8 has no CuPy dtype: fp8 data travels as uint8 storage and the op names the fo
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
-__all__ = ["DType", "dtype_info", "as_cupy", "check_array", "stream_of"]
+__all__ = ["DType", "dtype_info", "as_cupy", "check_array", "stream_of", "framework_of",
+           "is_torch", "to_caller"]
 
 
 class DType:
@@ -137,11 +140,85 @@ def check_array(x, *, name: str, op: str, shape=None, dtype: DType | None = None
     return x
 
 
-def stream_of(stream):
-    """A cupy Stream-like object for `stream=` (CuPy stream, raw handle, torch stream, None)."""
+# ---- the caller's framework: torch in, torch out ---------------------------------------------
+_TORCH_TENSOR: list = []  # [torch.Tensor] once torch is imported (never imported here)
+
+
+def is_torch(x) -> bool:
+    """x is a torch.Tensor. A type test: torch is looked up in sys.modules (a tensor can only
+    exist once the caller imported torch), its Tensor type cached at the first hit."""
+    if _TORCH_TENSOR:
+        return isinstance(x, _TORCH_TENSOR[0])
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(torch, "Tensor"):
+        return False
+    _TORCH_TENSOR.append(torch.Tensor)
+    return isinstance(x, torch.Tensor)
+
+
+def framework_of(x) -> str:
+    """"torch" for a torch.Tensor, else "cupy" (CuPy, or any array taken through DLPack /
+    __cuda_array_interface__: its outputs are CuPy arrays)."""
+    return "torch" if is_torch(x) else "cupy"
+
+
+def to_caller(out, like, given=None):
+    """out (a CuPy array, a tuple of them, or None) in the framework of `like`, the call's
+    input: for a torch tensor, torch tensors sharing out's memory (torch.from_dlpack, no copy),
+    or `given` itself, the caller's own out= tensor, when there is one (for a tuple out, a
+    tuple of them). Else out as it is."""
+    if not is_torch(like):
+        return out
+    if isinstance(out, tuple):  # given: a tuple of the caller's outputs (None: not given)
+        given = given if isinstance(given, tuple) else (given,) + (None,) * (len(out) - 1)
+        return tuple(g if g is not None and is_torch(g) else _to_torch(o, like)
+                     for o, g in zip(out, given))
+    if given is not None and is_torch(given):
+        return given
+    return _to_torch(out, like)
+
+
+def _to_torch(a, like):
+    if a is None:
+        return None
+    torch = sys.modules["torch"]
+    try:
+        return torch.from_dlpack(a)
+    except Exception:
+        # A dtype DLPack cannot name on one side (fp8 stored as uint8): the same bytes, viewed.
+        if a.dtype.itemsize != like.element_size():
+            raise
+        return torch.from_dlpack(a.view(f"u{a.dtype.itemsize}")).view(like.dtype)
+
+
+_TORCH_STREAMS: dict = {}  # (torch stream handle, device) -> its cupy ExternalStream
+
+
+def _torch_current_stream(like):
+    """torch's current stream on like's device, as a CuPy ExternalStream (cached by handle)."""
+    torch = sys.modules["torch"]
+    dev = like.device.index
+    handle = torch.cuda.current_stream(dev).cuda_stream
+    s = _TORCH_STREAMS.get((handle, dev))
+    if s is None:
+        import cupy
+
+        if len(_TORCH_STREAMS) > 256:
+            _TORCH_STREAMS.clear()
+        s = _TORCH_STREAMS[handle, dev] = cupy.cuda.ExternalStream(handle, dev)
+    return s
+
+
+def stream_of(stream, like=None):
+    """A cupy Stream-like object for `stream=` (CuPy stream, raw handle, torch stream, None).
+
+    None: the current stream of the caller's framework: torch's (torch.cuda.current_stream)
+    when `like` (the call's input) is a torch tensor, else CuPy's."""
     import cupy
 
     if stream is None:
+        if like is not None and is_torch(like):
+            return _torch_current_stream(like)
         return cupy.cuda.get_current_stream()
     if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, cupy.cuda.ExternalStream):
         return stream

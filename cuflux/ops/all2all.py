@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from cuflux import kernels
-from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of
+from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, CaptureError,
                            CommTimeoutError, CufluxError)
 from cuflux.launch import capturing as _capturing
@@ -422,6 +422,7 @@ class All2AllHeads(CommOp):
         self._raise_if_failed()
         spec = self.spec
         name = "y" if gather else "x"
+        a_in, given = a, (out, out_scale)  # the caller's: torch in, torch out
         a = as_cupy(a, name, _OP)
         plan = self._plan(tokens_per_rank)
         tokens = plan.tokens
@@ -435,7 +436,7 @@ class All2AllHeads(CommOp):
         if out_scale is not None and not mode:
             raise ValueError(f"{_OP}: out_scale given without scale")
         h = self._agree((gather, tokens, B, mode))
-        s = stream_of(stream)
+        s = stream_of(stream, a_in)
         capturing = spec.world_size > 1 and _capturing(s)
         if view and (capturing or self._captured):
             raise CaptureError(
@@ -463,13 +464,12 @@ class All2AllHeads(CommOp):
                 check_no_alias(_OP, out, input=a, scale=scale)
             if given[1] and mode:
                 check_no_alias(_OP, out_scale, input=a, scale=scale)
-        result = (out, out_scale) if mode else out
         S = plan.total
-        if B * S == 0:  # nothing moves anywhere (every rank knows: the list is the same)
-            return result
-        self.epoch += 1
-        self._launch(gather, a, scale, out, out_scale, plan, B, mode, h, parity, view, s)
-        return result
+        if B * S:  # else nothing moves anywhere (every rank knows: the list is the same)
+            self.epoch += 1
+            self._launch(gather, a, scale, out, out_scale, plan, B, mode, h, parity, view, s)
+        return to_caller((out, out_scale), a_in, given) if mode else to_caller(out, a_in,
+                                                                              given[0])
 
     def _launch(self, gather, a, scale, out, out_scale, plan, B, mode, h, parity, view, s):
         import cupy

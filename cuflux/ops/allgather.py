@@ -36,7 +36,7 @@ import numpy as np
 
 from cuflux.resource import Closeable
 from cuflux import driver
-from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+from cuflux.arrays import as_cupy, check_array, dtype_info, is_torch, stream_of, to_caller
 from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, refuse_capture
 from cuflux.ops.signal import wait_flags
@@ -194,23 +194,28 @@ class AllGather(Closeable):
         import cupy
         from cupy.cuda import runtime
 
+        x_in, out_in = x, out  # the caller's: torch in, torch out
         x, rows, s = self._check_call(x, stream)
         W = self.world.size
         if W > 1:
             refuse_capture(self.name, s, _NO_CAPTURE)
         if out is None:
-            out = cupy.empty((W * rows, self.cols), dtype=self.dtype.storage)
+            if is_torch(x_in):  # from the pool of the call's stream (torch's): reused in order
+                with s:
+                    out = cupy.empty((W * rows, self.cols), dtype=self.dtype.storage)
+            else:
+                out = cupy.empty((W * rows, self.cols), dtype=self.dtype.storage)
         else:
             out = as_cupy(out, "out", self.name)
             check_array(out, name="out", op=self.name, shape=(W * rows, self.cols),
                         dtype=self.dtype, device=self.world.device)
         nbytes = rows * self.row_bytes
         if rows == 0:  # every rank has 0 rows (rows must agree): no exchange, no epoch
-            return out
+            return to_caller(out, x_in, out_in)
         if W == 1:  # nothing to exchange: one copy, no flags
             self.epoch += 1
             runtime.memcpyAsync(out.data.ptr, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
-            return out
+            return to_caller(out, x_in, out_in)
         e = self.begin(x, out.data.ptr, s)
         self.send_peers(x, out.data.ptr, s)
         if self.mode == "push":  # the gathered rows are in our data region: copy them out
@@ -220,14 +225,14 @@ class AllGather(Closeable):
             runtime.memcpyAsync(out.data.ptr, self.buf.ptr(self.world.rank, "data"), W * nbytes,
                                 _MEMCPY_DEFAULT, s.ptr)
             self.release(s)
-        return out
+        return to_caller(out, x_in, out_in)
 
     def _check_call(self, x, stream):
         """Validate x (before anything is queued); returns (x, rows, stream)."""
         if self._closed:
             raise CufluxError(f"{self.name}: the op is closed")
         self.err.check()
-        x = as_cupy(x, "x", self.name)
+        x_in, x = x, as_cupy(x, "x", self.name)
         check_array(x, name="x", op=self.name, ndim=2, dtype=self.dtype,
                     device=self.world.device)
         rows = x.shape[0]
@@ -237,7 +242,7 @@ class AllGather(Closeable):
         if rows > self.max_rows:
             raise ValueError(f"{self.name}: x has {rows} rows, more than "
                              f"max_rows={self.max_rows}")
-        return x, rows, stream_of(stream)
+        return x, rows, (stream_of(stream, x_in) if is_torch(x_in) else stream_of(stream))
 
     def _fork(self, s):
         import cupy

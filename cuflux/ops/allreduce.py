@@ -20,7 +20,7 @@ import math
 import numpy as np
 
 from cuflux import kernels
-from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+from cuflux.arrays import as_cupy, check_array, dtype_info, is_torch, stream_of, to_caller
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, sm_count
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
@@ -309,6 +309,7 @@ class AllReduce(_P2PReduce):
             with self.world.device_context():
                 return self(x, out, stream, algo)
         self._check_open()
+        x_in, out_in = x, out  # the caller's: torch in, torch out
         x = as_cupy(x, "x", self.op)
         check_array(x, name="x", op=self.op, dtype=self.dtype, device=self.world.device)
         if x.size > self.max_elems:
@@ -316,20 +317,20 @@ class AllReduce(_P2PReduce):
                              f"max_elems={self.max_elems}")
         if algo is not None and algo not in ALGOS:
             raise ValueError(f"{self.op}: algo must be one of {ALGOS}, got {algo!r}")
-        s = stream_of(stream)
+        s = stream_of(stream, x_in)
         if out is None:
-            out = _empty(x.shape, self.dtype.storage)
+            out = _empty(x.shape, self.dtype.storage, s if is_torch(x_in) else None)
         else:
             out = as_cupy(out, "out", self.op)
             check_array(out, name="out", op=self.op, shape=x.shape, dtype=self.dtype,
                         device=self.world.device)
         if self.world.size > 1 and (x.size, algo) not in self._agreed:
             self._agree((x.size, algo), "x.size and algo of the call")
-        if x.size == 0:
-            return out
-        plan = self._plan(x.size, None, algo or self.algo, not (x.data.ptr | out.data.ptr) & 15)
-        self._launch(plan, x, out, None, None, self._eps, s)
-        return out
+        if x.size:
+            plan = self._plan(x.size, None, algo or self.algo,
+                              not (x.data.ptr | out.data.ptr) & 15)
+            self._launch(plan, x, out, None, None, self._eps, s)
+        return to_caller(out, x_in, out_in)
 
 
 class AllReduceRMSNorm(_P2PReduce):
@@ -383,20 +384,21 @@ class AllReduceRMSNorm(_P2PReduce):
             with self.world.device_context():
                 return self(x, residual, weight, out, stream, algo)
         self._check_open()
+        x_in, out_in = x, out  # the caller's: torch in, torch out
         x, residual, weight, out = check_norm_call(self, x, residual, weight, out, algo)
-        s = stream_of(stream)
+        s = stream_of(stream, x_in)
         if out is None:
-            out = _empty((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage)
+            out = _empty((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage,
+                         s if is_torch(x_in) else None)
         else:
             check_no_alias(self.op, out, x=x, residual=residual, weight=weight)
         if self.world.size > 1 and (x.shape[0], algo) not in self._agreed:
             self._agree((x.shape[0], algo), "token count and algo of the call")
-        if x.shape[0] == 0:
-            return out
-        aligned = not (x.data.ptr | out.data.ptr | residual.data.ptr | weight.data.ptr) & 15
-        plan = self._plan(x.size, self.hidden, algo or self.algo, aligned)
-        self._launch(plan, x, out, residual, weight, self._eps, s)
-        return out
+        if x.shape[0]:
+            aligned = not (x.data.ptr | out.data.ptr | residual.data.ptr | weight.data.ptr) & 15
+            plan = self._plan(x.size, self.hidden, algo or self.algo, aligned)
+            self._launch(plan, x, out, residual, weight, self._eps, s)
+        return to_caller(out, x_in, out_in)
 
 
 def check_norm_call(op, x, residual, weight, out, algo):
@@ -431,11 +433,15 @@ def _kernel(module, plan: LaunchPlan):
     return fn
 
 
-def _empty(shape, dtype):
-    """cupy.empty on the current device and stream's pool (2.8 us on the H200 machine)."""
+def _empty(shape, dtype, stream=None):
+    """cupy.empty on the current device and stream's pool (2.8 us on the H200 machine), or on
+    `stream`'s pool (the call's stream when it is torch's: the block is reused in its order)."""
     import cupy
 
-    return cupy.empty(shape, dtype=dtype)
+    if stream is None:
+        return cupy.empty(shape, dtype=dtype)
+    with stream:
+        return cupy.empty(shape, dtype=dtype)
 
 
 # ---- local fused residual add + RMSNorm (the unfused baseline's second kernel) --------------
@@ -448,6 +454,7 @@ def rmsnorm_residual(x, residual, weight, eps: float = 1e-6, out=None, stream=No
     import cupy
 
     op = "rmsnorm_residual"
+    x_in, out_in = x, out  # the caller's: torch in, torch out
     x = as_cupy(x, "x", op)
     d = dtype_info(x.dtype, DTYPES, op)
     dev = x.device.id
@@ -459,22 +466,24 @@ def rmsnorm_residual(x, residual, weight, eps: float = 1e-6, out=None, stream=No
                          dtype=d, device=dev)
     if not eps > 0:
         raise ValueError(f"{op}: eps must be > 0, got {eps}")
+    s = stream_of(stream, x_in)
     if out is None:
-        out = cupy.empty((T, H), dtype=d.storage)
+        with cupy.cuda.Device(dev):
+            out = _empty((T, H), d.storage, s if is_torch(x_in) else None)
     else:
         out = check_array(as_cupy(out, "out", op), name="out", op=op, shape=(T, H), dtype=d,
                           device=dev)
     if T == 0:
-        return out
+        return to_caller(out, x_in, out_in)
     with cupy.cuda.Device(dev):
         plan = plan_launch("replicated", d, T * H, H, 1, "one_shot",
                            _aligned(x, out, residual, weight), 1, sm_count(dev))
         fn = _kernel(kernels.load(_SRC, dev), plan)
         kernels.launch(fn, plan.grid, plan.block,
                        (x, out, residual, weight, np.int32(plan.rows), np.int32(plan.cols),
-                        np.float32(eps)), stream_of(stream), op=op, name=plan.kernel,
+                        np.float32(eps)), s, op=op, name=plan.kernel,
                        shared_mem=plan.shared_mem)
-    return out
+    return to_caller(out, x_in, out_in)
 
 
 # ---- NumPy float64 golden models -----------------------------------------------------------
