@@ -42,6 +42,12 @@ def _stream():
     return torch.cuda.current_stream()
 
 
+def _plain(t):
+    """What a cuflux op takes: contiguous, detached (DLPack refuses tensors that require
+    grad; autograd is this module's business)."""
+    return None if t is None else t.detach().contiguous()
+
+
 def _torch(a):
     """A CuPy array (the GEMM ops' outputs) as a torch tensor, no copy."""
     return a if isinstance(a, torch.Tensor) else torch.from_dlpack(a)
@@ -120,9 +126,8 @@ def _device(world):
 class _ColumnFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_shard, weight, bias, layer):
-        s = _stream()
-        x_shard = x_shard.contiguous()
-        out, gathered = layer.ag_gemm(x_shard, weight, bias=bias, return_gathered=True, stream=s)
+        out, gathered = layer.ag_gemm(_plain(x_shard), _plain(weight), bias=_plain(bias),
+                                      return_gathered=True, stream=_stream())
         ctx.layer = layer
         ctx.has_bias = bias is not None
         gathered = _torch(gathered)
@@ -136,7 +141,7 @@ class _ColumnFn(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:  # reduce-scatter(grad_y [T, out/W] @ W_r [out/W, in])
-            grad_x = _torch(layer.gemm_rs(grad_y, weight, stream=_stream()))
+            grad_x = _torch(layer.gemm_rs(grad_y, _plain(weight), stream=_stream()))
         if ctx.needs_input_grad[1]:
             grad_w = grad_y.t() @ gathered
         if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -193,7 +198,7 @@ class ColumnParallelLinear(_Layer):
 class _RowFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
-        out = layer.gemm_rs(x.contiguous(), weight, bias=bias, stream=_stream())
+        out = layer.gemm_rs(_plain(x), _plain(weight), bias=_plain(bias), stream=_stream())
         ctx.layer = layer
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
@@ -203,7 +208,7 @@ class _RowFn(torch.autograd.Function):
     def backward(ctx, grad_y_shard):
         layer = ctx.layer
         x, weight = ctx.saved_tensors
-        grad_y = _torch(layer.all_gather(grad_y_shard.contiguous(), stream=_stream()))
+        grad_y = _torch(layer.all_gather(_plain(grad_y_shard), stream=_stream()))
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             grad_x = grad_y @ weight
@@ -274,7 +279,7 @@ class _NormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, layer):
         new_residual = residual.detach().clone()  # the op updates it in place
-        out = layer.op(x.contiguous(), new_residual, weight, stream=_stream())
+        out = layer.op(_plain(x), new_residual, _plain(weight), stream=_stream())
         ctx.layer = layer
         ctx.save_for_backward(new_residual, weight)
         return out, new_residual
@@ -325,12 +330,12 @@ class _HeadsFn(torch.autograd.Function):
     def forward(ctx, a, op, tokens, gather: bool):
         ctx.op, ctx.tokens, ctx.gather = op, tokens, gather
         run = op.gather_heads if gather else op.scatter_heads
-        return run(a.contiguous(), tokens, stream=_stream())
+        return run(_plain(a), tokens, stream=_stream())
 
     @staticmethod
     def backward(ctx, grad):
         run = ctx.op.scatter_heads if ctx.gather else ctx.op.gather_heads
-        return run(grad.contiguous(), ctx.tokens, stream=_stream()), None, None, None
+        return run(_plain(grad), ctx.tokens, stream=_stream()), None, None, None
 
 
 def _sdpa(q, k, v, **kwargs):
