@@ -35,7 +35,7 @@ from cuflux.resource import Closeable
 from cuflux import gemm_core as core
 from cuflux import gemm_tuner as tuner
 from cuflux import kernels
-from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import OP_CODES, CufluxError
 from cuflux.ops.allgather import AllGather, arrival_order
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, ranks_on_my_gpu, refuse_capture, \
@@ -404,8 +404,9 @@ class AllGatherGemm(Closeable):
         import cupy
 
         self._check_open()
+        a_in, out_in = a_shard, out  # the caller's: torch in, torch out
         a, b, bias, out, rows = self._check_call(a_shard, b, bias, out)
-        s = stream_of(stream)
+        s = stream_of(stream, a_in)
         W, M = self.world.size, self.world.size * rows
         refuse_capture(_OP, s, _NO_CAPTURE_AG)
         pull = self.mode == "pull" or W == 1
@@ -418,11 +419,13 @@ class AllGatherGemm(Closeable):
             if return_gathered or (pull and W > 1):
                 gathered = cupy.empty((M, self.k), dtype=self.dtype.storage)
         if rows == 0:  # every rank has 0 rows (rows must agree): nothing to do, no epoch
-            return (out, gathered) if return_gathered else out
+            return (to_caller((out, gathered), a_in, (out_in, None)) if return_gathered
+                    else to_caller(out, a_in, out_in))
         if pull and gathered is None:  # W = 1, nothing asked back: the GEMM reads a_shard
             gathered = a
         self._issue(a, rows, gathered, b, bias, out, s)
-        return (out, gathered) if return_gathered else out
+        return (to_caller((out, gathered), a_in, (out_in, None)) if return_gathered
+                    else to_caller(out, a_in, out_in))
 
     def _issue(self, a, rows: int, gathered, b, bias, out, s) -> int:
         """Queue one call (arguments checked, rows >= 1); returns its epoch. gathered: where

@@ -21,7 +21,7 @@ configuration cuflux/gemm_tuner.py; their public names used here are re-exported
 """
 from __future__ import annotations
 
-from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import CaptureError
 from cuflux.gemm_core import (CUDA_TYPE, FAMILY, IN_DTYPES, OUT_KIND, SM80, SM80_CONFIG,
                               SM90_CONFIGS, SM90_DEFAULT, WORKSPACE_BYTES, Sm80Config,
@@ -109,10 +109,11 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     K and N must be multiples of 8 (16-byte rows). Capturable in a CUDA graph once the shape
     class has been tuned (under capture an untuned shape takes the heuristic: no timing).
     """
+    a_in, out_in = a, out  # the caller's: torch in, torch out
     a, b, bias, out, dt, odt, M, N, K = _check_args(a, b, bias, out, out_dtype, b_layout, impl)
     if M == 0:
-        return out
-    s = stream_of(stream)
+        return to_caller(out, a_in, out_in)
+    s = stream_of(stream, a_in)
     under_capture = capturing(s)
     arch = device_props()[1]
     hopper = arch == "sm_90a"
@@ -126,14 +127,14 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     if impl == CUBLAS or (impl == "auto" and not hopper and config is None
                           and M < CUBLAS_BELOW_M):
         if launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s, under_capture):
-            return out
+            return to_caller(out, a_in, out_in)
         if impl == CUBLAS:
             raise CaptureError(f"{_OP}: impl='cublas' under capture needs one call on this "
                                f"stream outside the capture first (it sets up cuBLAS's "
                                f"workspace for the stream)")
     if impl == "sm80" or (impl == "auto" and not hopper):
         launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, s, group_m)
-        return out
+        return to_caller(out, a_in, out_in)
 
     def run(name):
         if name == CUBLAS:
@@ -148,4 +149,4 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
         if config == CUBLAS and impl == "sm90":  # the caller asked for our core
             config = core_heuristic(M, N, K)
     run(config)
-    return out
+    return to_caller(out, a_in, out_in)

@@ -26,7 +26,7 @@ import numpy as np
 
 from cuflux import gemm_core as core
 from cuflux import kernels
-from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of
+from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
                              require_world_device)
 from cuflux.ops.gemm import gemm
@@ -384,6 +384,7 @@ class GemmReduceScatter(CommOp):
             with self.world.device_context():
                 return self(a, b, bias, out, stream)
         self._check_open()
+        a_in, out_in = a, out  # the caller's: torch in, torch out
         given = out is not None
         a, b, bias, out, M = self.check_call(a, b, bias, out)
         if given:
@@ -391,15 +392,15 @@ class GemmReduceScatter(CommOp):
         if self.world.size > 1 and M not in self._agreed:
             self._agree(M, "M of the call")
         if M == 0:  # every rank has M = 0 (M must agree): nothing to do, no epoch
-            return out
-        s = stream_of(stream)
+            return to_caller(out, a_in, out_in)
+        s = stream_of(stream, a_in)
         if self.world.size == 1 and self.w1 == "gemm":
             gemm(a, b, bias=bias, out=out, b_layout=self.b_layout, impl=self.impl, stream=s,
                  config=self.config if self.impl == "sm90" and self._config_given else None)
-            return out
+            return to_caller(out, a_in, out_in)
         self._no_capture(s, _NO_CAPTURE)
         self._launch_fused(a, b, bias, out, M, s)
-        return out
+        return to_caller(out, a_in, out_in)
 
     def reduce_scatter(self, partial, bias=None, out=None, stream=None):
         """The comm-only reduce-scatter: partial [M, n] (this rank's C, in out_dtype, e.g. from
@@ -409,6 +410,7 @@ class GemmReduceScatter(CommOp):
             with self.world.device_context():
                 return self.reduce_scatter(partial, bias, out, stream)
         self._check_open()
+        p_in, out_in = partial, out  # the caller's: torch in, torch out
         given = out is not None
         partial, bias, out, M = self.check_partial(partial, bias, out)
         if given:
@@ -416,12 +418,12 @@ class GemmReduceScatter(CommOp):
         if self.world.size > 1 and M not in self._agreed:
             self._agree(M, "M of the call")
         if M == 0:
-            return out
+            return to_caller(out, p_in, out_in)
         odt = self.out_dtype
         name = copy_kernel(self.dtype.cuda_type, odt.cuda_type, self.atomic)
         tiles = -(-M // COPY_TILE[0]) * -(-self.n // COPY_TILE[1])
-        self._no_capture(stream_of(stream), _NO_CAPTURE)
+        self._no_capture(stream_of(stream, p_in), _NO_CAPTURE)
         args = (partial, np.int32(M), np.int32(self.n)) + self._tail(out, bias, M, COPY_TILE[0])
         kernels.launch(self.module[name], (min(tiles, self.max_ctas["copy"]),), (COPY_THREADS,),
-                       args, stream_of(stream), op=_OP, name=name)
-        return out
+                       args, stream_of(stream, p_in), op=_OP, name=name)
+        return to_caller(out, p_in, out_in)
