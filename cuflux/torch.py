@@ -31,6 +31,7 @@ except ImportError as _e:  # pragma: no cover - exercised by the CPU test in a s
                       "pip install torch") from _e
 
 import cuflux
+from cuflux.ops.base import DEFAULT_TIMEOUT_S
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelRMSNorm", "UlyssesAttention",
            "check_linear_args", "shard_rows"]
@@ -107,6 +108,23 @@ class _Layer(nn.Module):
         self._ops.append(op)
         return op
 
+    def _linear(self, split, in_features, out_features, max_tokens, bias, dtype):
+        """Check a tensor-parallel linear layer's arguments, split its weight along `split`
+        ("out": column parallel, "in": row parallel), make this rank's shard (Kaiming-uniform,
+        as nn.Linear) and bias (zeros: [out/W] column parallel, [out] row parallel); returns
+        (the dtype's cuflux name, in features here, out features here)."""
+        kind = type(self).__name__
+        local_in, local_out = check_linear_args(kind, self.world.size, in_features,
+                                                out_features, max_tokens, dtype, split)
+        self.in_features, self.out_features = in_features, out_features
+        self.max_tokens = max_tokens
+        dev = _device(self.world)
+        self.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=dtype, device=dev))
+        self.bias = (nn.Parameter(torch.zeros(local_out, dtype=dtype, device=dev)) if bias
+                     else None)
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        return dtype_name(dtype), local_in, local_out
+
     def close(self) -> None:
         while self._ops:
             self._ops.pop().close()
@@ -159,19 +177,12 @@ class ColumnParallelLinear(_Layer):
     """
 
     def __init__(self, world, in_features: int, out_features: int, max_tokens: int,
-                 bias: bool = False, dtype=torch.bfloat16, timeout_s: float = 30.0):
-        local_in, local_out = check_linear_args("ColumnParallelLinear", world.size, in_features,
-                                                out_features, max_tokens, dtype, "out")
+                 bias: bool = False, dtype=torch.bfloat16,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         super().__init__(world)
-        self.in_features, self.out_features, self.max_tokens = in_features, out_features, \
-            max_tokens
+        name, _, local_out = self._linear("out", in_features, out_features, max_tokens, bias,
+                                          dtype)
         self.out_per_rank = local_out
-        dev = _device(world)
-        self.weight = nn.Parameter(torch.empty(local_out, in_features, dtype=dtype, device=dev))
-        self.bias = nn.Parameter(torch.zeros(local_out, dtype=dtype, device=dev)) if bias \
-            else None
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
-        name = dtype_name(dtype)
         self.ag_gemm = self._own(cuflux.AllGatherGemm(
             world, max_m=max_tokens, n=local_out, k=in_features, dtype=name, b_layout="nk",
             timeout_s=timeout_s))
@@ -229,19 +240,12 @@ class RowParallelLinear(_Layer):
     """
 
     def __init__(self, world, in_features: int, out_features: int, max_tokens: int,
-                 bias: bool = False, dtype=torch.bfloat16, timeout_s: float = 30.0):
-        local_in, _ = check_linear_args("RowParallelLinear", world.size, in_features,
-                                        out_features, max_tokens, dtype, "in")
+                 bias: bool = False, dtype=torch.bfloat16,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         super().__init__(world)
-        self.in_features, self.out_features, self.max_tokens = in_features, out_features, \
-            max_tokens
+        name, local_in, _ = self._linear("in", in_features, out_features, max_tokens, bias,
+                                         dtype)
         self.in_per_rank = local_in
-        dev = _device(world)
-        self.weight = nn.Parameter(torch.empty(out_features, local_in, dtype=dtype, device=dev))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=dev)) if bias \
-            else None
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
-        name = dtype_name(dtype)
         self.gemm_rs = self._own(cuflux.GemmReduceScatter(
             world, max_m=max_tokens, n=out_features, k=local_in, dtype=name, b_layout="nk",
             timeout_s=timeout_s))
@@ -310,7 +314,8 @@ class ParallelRMSNorm(_Layer):
     """
 
     def __init__(self, world, hidden: int, max_tokens: int, eps: float = 1e-6,
-                 dtype=torch.bfloat16, output: str = "replicated", timeout_s: float = 30.0):
+                 dtype=torch.bfloat16, output: str = "replicated",
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         super().__init__(world)
         self.hidden, self.eps, self.output = hidden, eps, output
         self.weight = nn.Parameter(torch.ones(hidden, dtype=dtype, device=_device(world)))
@@ -357,7 +362,8 @@ class UlyssesAttention(_Layer):
     """
 
     def __init__(self, world, num_heads: int, head_dim: int, max_tokens_per_rank: int,
-                 batch: int = 1, dtype=torch.bfloat16, attn_fn=None, timeout_s: float = 30.0):
+                 batch: int = 1, dtype=torch.bfloat16, attn_fn=None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         super().__init__(world)
         self.attn_fn = attn_fn or _sdpa
         self.op = self._own(cuflux.All2AllHeads(world, max_tokens_per_rank, num_heads,

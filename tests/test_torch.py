@@ -16,26 +16,15 @@ pytestmark = [
 WS = [1, 2]
 
 
-@pytest.mark.parametrize("W", WS)
-def test_column_and_row_parallel_linear_forward_backward(W):
-    assert run_ranks(W, "tests.cases_torch:linear_layers", timeout_s=300) == [True] * W
+# Each case runs at W = 1 and 2 and returns True on every rank when its checks passed.
+CASES = {"column_and_row_parallel_linear_forward_backward": "linear_layers",
+         "parallel_rmsnorm_forward_backward": "norm_layer",
+         "ulysses_attention_forward_backward": "ulysses",
+         "torch_in_torch_out_on_torch_current_stream": "torch_in_torch_out",
+         "init_on_a_torch_distributed_group": "torch_route"}
 
 
 @pytest.mark.parametrize("W", WS)
-def test_parallel_rmsnorm_forward_backward(W):
-    assert run_ranks(W, "tests.cases_torch:norm_layer", timeout_s=300) == [True] * W
-
-
-@pytest.mark.parametrize("W", WS)
-def test_ulysses_attention_forward_backward(W):
-    assert run_ranks(W, "tests.cases_torch:ulysses", timeout_s=300) == [True] * W
-
-
-@pytest.mark.parametrize("W", WS)
-def test_torch_in_torch_out_on_torch_current_stream(W):
-    assert run_ranks(W, "tests.cases_torch:torch_in_torch_out", timeout_s=300) == [True] * W
-
-
-@pytest.mark.parametrize("W", WS)
-def test_init_on_a_torch_distributed_group(W):
-    assert run_ranks(W, "tests.cases_torch:torch_route", timeout_s=300) == [True] * W
+@pytest.mark.parametrize("what", list(CASES))
+def test_torch_route(what, W):
+    assert run_ranks(W, f"tests.cases_torch:{CASES[what]}", timeout_s=300) == [True] * W
