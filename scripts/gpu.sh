@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The project's one GPU runner (the lent machines): capped groups of GPU tests, then their
+# benchmarks with the GPU to themselves, logs and JSON under $OUT (packed in $OUT/logs.tgz).
+#   bash scripts/gpu.sh GROUP...           tests of the groups one after the other, then benches
+#   bash scripts/gpu.sh all [-k EXPR]      every GPU test at W = 1, 2, 4, 8, then quick benches
+#   bash scripts/gpu.sh multi              ranks on distinct GPUs (W = GPU count): benches with
+#                                          NCCL baselines first, then the tests at that W
+# Groups (tests; the benches of the groups named run after all tests):
+#   runtime   World, symmetric memory, AllGather, watchdog, reliability  | bench: allgather W=1,2,8
+#   comm      AllReduce(+RMSNorm), All2AllHeads                          | allreduce, all2all W=1
+#   a2a       All2AllHeads alone
+#   gemm      cuflux.gemm (both cores, cuBLAS route, tuner, graphs)     | gemm W=1
+#   rs / rs2  GemmReduceScatter: most telling first / the rest           | gemm_rs W=1
+#   ag / ag2  AllGatherGemm: most telling first / the rest               | ag_gemm W=1
+#   graphs    CUDA-graph capture of every op, and the op base (CommOp)
+#   torch     cuflux.torch layers, torch in / torch out, init over gloo; the MLP example
+#   probe     the host-path probes (scripts/probe_host.py, scripts/probe_launch.py)
+#   quick     the README quick start at W = 2 (scripts/quickstart.py)
+#   multi2    W = 2 benches with ranks sharing the GPU (the paths run; no speed measured)
+# Environment: CUFLUX_BENCH_GROUPS="rs ag" benches only those ("none": no benches);
+# CUFLUX_TEST_BUDGET_S (default 360) bounds the tests of all groups together;
+# CUFLUX_TEST_WORLD_SIZES (default 1,2,4,8) the world sizes of the tests.
+# A cubin cache compiled elsewhere with the same NVRTC (bash scripts/precompile.sh) can be
+# carried in .cubins/; cubins compiled here come back in $OUT/logs.tgz under cubins/.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 1 ] || { sed -n 2,26p "$0"; exit 2; }
+OUT="${OUT:-$(pwd)/out}"; L="$OUT/logs"; mkdir -p "$L"; B="$L/bench.log"
+export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
+export CUFLUX_TEST_WORLD_SIZES="${CUFLUX_TEST_WORLD_SIZES:-1,2,4,8}"
+export CUFLUX_FAIL_LOG="$L/failures.log"  # tests/mpi.py writes each failure there at once
+mkdir -p "$CUFLUX_CACHE_DIR"; chmod 700 "$CUFLUX_CACHE_DIR"
+[ -d .cubins ] && cp -n .cubins/* "$CUFLUX_CACHE_DIR"/ 2>/dev/null
+MPI=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
+step() { local log=$1 cap=$2; shift 2; echo "=== [$cap s] $*" >>"$log"; local t0=$SECONDS
+         timeout "$cap" "$@" >>"$log" 2>&1; echo "=== rc=$? in $((SECONDS - t0)) s" >>"$log"; }
+TEST_END=$((SECONDS + ${CUFLUX_TEST_BUDGET_S:-360}))
+tests() { local g=$1 ws=$2 cap=$3; shift 3; cap=$(( cap < TEST_END - SECONDS ? cap : TEST_END - SECONDS ))
+          [ "$cap" -gt 5 ] || { echo "=== skipped (test budget spent): $*" >>"$L/tests-$g.log"; return; }
+          CUFLUX_TEST_WORLD_SIZES=$ws step "$L/tests-$g.log" "$cap" python -m pytest -q -rf --durations=5 "$@"; }
+bench() { step "$B" "$1" "${MPI[@]}" -np "$2" python -m cuflux.bench "$3" --quick --outdir "$L" "${@:4}"; }
+WS=$CUFLUX_TEST_WORLD_SIZES
+
+tests_runtime() { tests runtime "$WS" 400 tests/test_gpu_runtime.py tests/test_reliability.py; }
+tests_a2a() { tests comm "$WS" 200 tests/test_all2all.py; }
+tests_comm() { tests comm "$WS" 220 tests/test_allreduce.py; tests_a2a; }
+tests_gemm() { tests gemm 1,2,4 300 tests/test_gemm.py; }
+tests_rs() {  # most telling first: bit-exact routing names the first wrong element
+  tests rs 1,2 90 -x tests/test_gemm_rs.py -k "exact_routing or reduce_scatter_only"
+  tests rs 2 60 tests/test_gemm_rs.py -k "timeout or bad_input"; }
+tests_rs2() { tests rs "$WS" 300 tests/test_gemm_rs.py -k "float_sweep or back_to_back or exact_routing"; }
+tests_ag() { tests ag 2 120 -x tests/test_ag_gemm.py -k "late_peer or (matches and sm90) or timeout"; }
+tests_ag2() { tests ag "$WS" 300 tests/test_ag_gemm.py -k "not late_peer"; }
+tests_graphs() { tests graphs "$WS" 300 tests/test_graphs.py tests/test_base.py; }
+tests_torch() { tests torch 1,2 120 tests/test_torch.py tests/test_all2all.py tests/test_gpu_runtime.py -k torch
+  step "$L/tests-torch.log" 60 "${MPI[@]}" -np 2 python scripts/examples/mlp_tp_sp.py \
+    --tokens 1024 --hidden 1024 --ffn 4096 --iters 5; }
+tests_probe() { step "$L/probe.log" 120 python scripts/probe_host.py
+                step "$L/probe.log" 120 python scripts/probe_launch.py; }
+tests_quick() { step "$L/quick.log" 60 "${MPI[@]}" -np 2 python scripts/quickstart.py; }
+tests_multi2() { :; }
+bench_runtime() { for W in 1 2 8; do bench 40 "$W" allgather; done; }
+bench_comm() { bench 45 1 allreduce; bench 45 1 all2all; }
+bench_a2a() { bench 45 1 all2all; }
+bench_gemm() { step "$B" 150 "${MPI[@]}" -np 1 python -m cuflux.bench gemm --iters 20 --outdir "$L"; }
+# W = 1 fused-vs-GEMM-only bars: 3-4x the default iterations (50 left a 2-3 % spread between runs)
+bench_rs() { bench 150 1 gemm_rs --iters 150; }
+bench_ag() { bench 120 1 ag_gemm --iters 200; }
+bench_multi2() { bench 150 2 ag_gemm; bench 120 2 gemm_rs; bench 60 2 allreduce; }
+
+finish() {
+  mkdir -p "$L/cubins"; for f in "$CUFLUX_CACHE_DIR"/*; do
+    [ -e ".cubins/$(basename "$f")" ] || cp "$f" "$L/cubins/" 2>/dev/null; done
+  tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$L/cubins"
+  for f in "$L"/tests-*.log "$L"/failures.log "$L"/probe.log "$L"/quick.log; do
+    [ -e "$f" ] || continue; echo "##### $f"
+    grep -E "^=== |passed|failed|FAILED|Error| us$" "$f" | tail -30; done
+  [ -e "$B" ] && { echo "##### bench"; grep -vE "^\s*$" "$B" | cut -c1-220 | tail -70; }
+}
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >>"$B" 2>&1
+python -c "from cuda.bindings import nvrtc; print('NVRTC', nvrtc.nvrtcVersion()[1:])" >>"$B" 2>&1
+# One compile of everything missing from the cache, before ranks wait on each other for it.
+step "$B" 240 python -c "from cuflux import kernels; [kernels.load(f) for f in kernels.families()]"
+
+case $1 in
+  all)
+    shift
+    step "$L/tests-all.log" 3000 python -m pytest -q -rf --durations=12 "$@" tests
+    for W in 1 2 4 8; do bench 60 "$W" allgather; done
+    bench_comm; finish ;;
+  multi)
+    W=$(nvidia-smi -L | wc -l)
+    nvidia-smi topo -m >"$L/topo.txt" 2>&1
+    for op in all2all allreduce; do bench 60 "$W" "$op"; done
+    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 90 python -m pytest -q -rf \
+      tests/test_all2all.py tests/test_allreduce.py
+    bench 90 "$W" gemm_rs; bench 90 "$W" ag_gemm; bench 60 "$W" allgather
+    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 120 python -m pytest -q -rf \
+      tests/test_gpu_runtime.py tests/test_gemm_rs.py tests/test_ag_gemm.py
+    finish ;;
+  *)
+    for g in "$@"; do
+      declare -F "tests_$g" >/dev/null || { echo "unknown group $g"; exit 2; }
+      "tests_$g"
+    done
+    for g in ${CUFLUX_BENCH_GROUPS:-$@}; do declare -F "bench_$g" >/dev/null && "bench_$g"; done
+    finish ;;
+esac
