@@ -34,6 +34,25 @@ def gpu_available() -> bool:
         return False
 
 
+def hopper() -> bool:
+    """A GPU with the Hopper core's instructions (sm_90a) is present."""
+    if not gpu_available():
+        return False
+    from cuflux import kernels
+
+    return kernels.device_arch() == "sm_90a"
+
+
+def core_impls() -> list[str]:
+    """The GEMM cores this machine runs: the portable one everywhere, Hopper's where present."""
+    return ["sm90", "sm80"] if hopper() else ["sm80"]
+
+
+def fresh_seed() -> int:
+    """A new random seed per test run (the failing case's message prints it)."""
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
 def world_sizes() -> list[int]:
     """W values for GPU tests: CUFLUX_TEST_WORLD_SIZES="1,2,4,8" (default 1,2,4)."""
     return [int(w) for w in os.environ.get("CUFLUX_TEST_WORLD_SIZES", "1,2,4").split(",") if w]

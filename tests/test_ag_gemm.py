@@ -2,33 +2,18 @@
 CUFLUX_TEST_WORLD_SIZES (1, 2, 4 by default; 8 on the GPU machine). The rank bodies are in
 tests/cases_ag_gemm.py: float64 reference, poisoned outputs, the gathered A bit for bit, and the
 output bit for bit against cuflux.gemm with the same core and configuration."""
-import os
 
 import pytest
 
-from tests.mpi import gpu_available, run_ranks, world_sizes
+from tests.mpi import gpu_available, run_ranks, world_sizes, core_impls, fresh_seed
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
 WS = world_sizes()
 
 
-def _hopper() -> bool:
-    from cuflux import kernels
-
-    return gpu_available() and kernels.device_arch() == "sm_90a"
-
-
-def _impls():
-    return ["sm90", "sm80"] if _hopper() else ["sm80"]
-
-
 def _skip_push_at_one(W, mode):
     if W == 1 and mode == "push":  # saves GPU time: at W = 1 both modes run the same path
         pytest.skip("W = 1 has no gather: mode='push' runs the pull path")
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,16 +35,16 @@ def _compiled_once():
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("impl", ["sm90", "sm80"])
 def test_matches_float64_and_the_plain_gemm(W, mode, impl):
-    if impl not in _impls():
+    if impl not in core_impls():
         pytest.skip("the Hopper core needs an sm_90a device")
     _skip_push_at_one(W, mode)
-    run_ranks(W, "tests.cases_ag_gemm:sweep", timeout_s=300, mode=mode, impl=impl, seed=_seed())
+    run_ranks(W, "tests.cases_ag_gemm:sweep", timeout_s=300, mode=mode, impl=impl, seed=fresh_seed())
 
 
 @pytest.mark.parametrize("W", [w for w in WS if w <= 2])
 def test_every_configuration(W):
     assert run_ranks(W, "tests.cases_ag_gemm:every_config", timeout_s=300,
-                     seed=_seed())[0] >= 1
+                     seed=fresh_seed())[0] >= 1
 
 
 @pytest.mark.parametrize("W", WS)
@@ -74,7 +59,7 @@ def test_back_to_back_calls_with_changing_rows(W, mode):
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("impl", ["sm90", "sm80"])
 def test_late_peer_is_waited_for(W, mode, impl):
-    if impl not in _impls():
+    if impl not in core_impls():
         pytest.skip("the Hopper core needs an sm_90a device")
     waited = run_ranks(W, "tests.cases_ag_gemm:late_peer", timeout_s=180, mode=mode, impl=impl)
     assert waited[-1] is None and all(w > 0.5 for w in waited[:-1])

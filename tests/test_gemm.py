@@ -4,33 +4,18 @@ Every check: fresh random data (seed in the message), outputs poisoned with NaN 
 element must be written), float64 NumPy reference, relative Frobenius error under a tolerance
 that fits the output dtype, plus a bound on the worst element.
 """
-import os
 
 import numpy as np
 import pytest
 
 from tests.checks import check_close, f64
-from tests.mpi import gpu_available, run_ranks, world_sizes
+from tests.mpi import gpu_available, run_ranks, world_sizes, hopper, core_impls, fresh_seed
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
 WS = world_sizes()
 
 # relative Frobenius error allowed per output dtype (bf16 rounding is 2^-9 relative)
 SHAPES = [(1000, 1000, 1000), (8, 4096, 4096), (4096, 8, 4096), (777, 1536, 2048), (130, 264, 72)]
-
-
-def _hopper() -> bool:
-    from cuflux import kernels
-
-    return gpu_available() and kernels.device_arch() == "sm_90a"
-
-
-def _impls():
-    return ["sm90", "sm80"] if gpu_available() and _hopper() else ["sm80"]
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(4), "little")
 
 
 def _rand(shape, dtype, seed, scale=1.0):
@@ -49,7 +34,7 @@ def _run(impl, M, N, K, layout="kn", dtype="bfloat16", out_dtype=None, bias=Fals
     import cuflux.ops.gemm as G
     from cuflux.arrays import dtype_info
 
-    seed = _seed() if seed is None else seed
+    seed = fresh_seed() if seed is None else seed
     a = _rand((M, K), dtype, seed)
     b = _rand((K, N) if layout == "kn" else (N, K), dtype, seed + 1)
     bv = _rand((N,), dtype, seed + 2, scale=4.0) if bias else None
@@ -90,7 +75,7 @@ def test_identity_operand_is_exact(impl, layout, which):
     """A @ I == A and I @ B == B bit for bit (products with 1, sums with 0 are exact); on a
     failure the message says where each output column (or row) came from, which points at a
     swizzle or descriptor error."""
-    if impl not in _impls():
+    if impl not in core_impls():
         pytest.skip("the Hopper core needs an sm_90a device")
     import cupy
 
@@ -98,7 +83,7 @@ def test_identity_operand_is_exact(impl, layout, which):
     from cuflux.arrays import dtype_info
 
     bf = dtype_info("bfloat16").storage
-    n, seed = 512, _seed()
+    n, seed = 512, fresh_seed()
     x = _rand((n, n), "bfloat16", seed)
     eye = cupy.eye(n, dtype=cupy.float32).astype(bf)
     if which == "a":  # A = x, B = I: C = x
@@ -121,7 +106,7 @@ def test_identity_operand_is_exact(impl, layout, which):
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_float64(impl, layout, shape):
-    if impl not in _impls():
+    if impl not in core_impls():
         pytest.skip("the Hopper core needs an sm_90a device")
     _run(impl, *shape, layout=layout)
 
@@ -131,7 +116,7 @@ def test_matches_float64(impl, layout, shape):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
 def test_bias_and_out_dtypes(impl, layout, dtype, out_dtype):
-    if impl not in _impls():
+    if impl not in core_impls():
         pytest.skip("the Hopper core needs an sm_90a device")
     _run(impl, 777, 1536, 2048, layout=layout, dtype=dtype, out_dtype=out_dtype, bias=True)
 
@@ -152,7 +137,7 @@ HOPPER_CONFIGS = _hopper_configs()
 @pytest.mark.parametrize("shape", [(1100, 1000, 1000), (4096, 2048, 512), (8, 264, 8),
                                    (4096, 4096, 2048)], ids=lambda s: "x".join(map(str, s)))
 def test_every_hopper_config(config, layout, shape):
-    if not _hopper():
+    if not hopper():
         pytest.skip("the Hopper core needs an sm_90a device")
     _run("sm90", *shape, layout=layout, config=config, bias=shape[0] == 1100)
 
@@ -160,7 +145,7 @@ def test_every_hopper_config(config, layout, shape):
 @pytest.mark.parametrize("config", HOPPER_CONFIGS)
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
 def test_every_hopper_config_out_dtypes(config, out_dtype):
-    if not _hopper():
+    if not hopper():
         pytest.skip("the Hopper core needs an sm_90a device")
     _run("sm90", 3000, 1032, 520, layout="nk", out_dtype=out_dtype, config=config, bias=True)
 
@@ -184,7 +169,7 @@ def test_auto_small_m_runs_what_plan_says(monkeypatch):
         pytest.skip("needs a GPU")
     monkeypatch.setenv("CUFLUX_GEMM_TUNE", "0")
     assert G.plan(16, 2048, 1024) == G.CUBLAS
-    if _hopper():
+    if hopper():
         assert G.plan(4096, 2048, 1024) in G.SM90_CONFIGS
     _run("auto", 16, 2048, 1024, layout="nk", bias=True)
 
@@ -222,13 +207,13 @@ def test_graph_capture_and_replay_with_new_inputs(monkeypatch, M):
 @pytest.mark.parametrize("impl", ["sm90", "sm80"])
 @pytest.mark.parametrize("group_m", [1, 3, 64])
 def test_tile_orders(impl, group_m):
-    if impl not in _impls():
+    if impl not in core_impls():
         pytest.skip("the Hopper core needs an sm_90a device")
     _run(impl, 3000, 2056, 256, group_m=group_m)
 
 
 def test_tuner_caches_its_choice(monkeypatch, tmp_path):
-    if not _hopper():
+    if not hopper():
         pytest.skip("the tuner serves the Hopper core")
     import json
 
@@ -259,7 +244,7 @@ def test_other_stream_and_default_output():
     import cuflux.ops.gemm as G
 
     s = cupy.cuda.Stream(non_blocking=True)
-    seed = _seed()
+    seed = fresh_seed()
     a = _rand((300, 512), "bfloat16", seed)
     b = _rand((256, 512), "bfloat16", seed + 1)
     c = G.gemm(a, b, b_layout="nk", stream=s, out_dtype="float32")
@@ -396,9 +381,9 @@ def hooks_reduce_scatter(world, impl, seed, rows_per_rank=200, N=520, K=264):
 @pytest.mark.parametrize("W", WS)
 @pytest.mark.parametrize("impl", ["sm90", "sm80"])
 def test_hooks_reduce_scatter(W, impl):
-    if impl not in _impls():
+    if impl not in core_impls():
         pytest.skip("the Hopper core needs an sm_90a device")
-    run_ranks(W, "tests.test_gemm:hooks_reduce_scatter", timeout_s=240, impl=impl, seed=_seed())
+    run_ranks(W, "tests.test_gemm:hooks_reduce_scatter", timeout_s=240, impl=impl, seed=fresh_seed())
 
 
 def hooks_timeout(world, impl):
@@ -439,7 +424,7 @@ def hooks_timeout(world, impl):
 
 @pytest.mark.parametrize("impl", ["sm90", "sm80"])
 def test_hooks_wait_is_bounded(impl):
-    if impl not in _impls():
+    if impl not in core_impls():
         pytest.skip("the Hopper core needs an sm_90a device")
     took, = run_ranks(1, "tests.test_gemm:hooks_timeout", timeout_s=120, impl=impl)
     assert took < 10

@@ -1,29 +1,14 @@
 """GPU tests of GemmReduceScatter: ranks share the GPU under mpiexec (W from
 CUFLUX_TEST_WORLD_SIZES; 8 included on the GPU machine). Skipped without a GPU. The rank bodies
 are in tests/cases_gemm_rs.py."""
-import os
 
 import pytest
 
-from tests.mpi import gpu_available, run_ranks, world_sizes
+from tests.mpi import gpu_available, run_ranks, world_sizes, core_impls, fresh_seed
 
 pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
 WS = world_sizes()
 MODES = ["deterministic", "atomic"]
-
-
-def _hopper() -> bool:
-    from cuflux import kernels
-
-    return gpu_available() and kernels.device_arch() == "sm_90a"
-
-
-def _impls() -> list[str]:
-    return ["sm90", "sm80"] if _hopper() else ["sm80"]
-
-
-def _seed() -> int:
-    return int.from_bytes(os.urandom(3), "little")
 
 
 @pytest.fixture(autouse=True)
@@ -34,17 +19,17 @@ def _no_gemm_tuning(monkeypatch):
 
 @pytest.mark.parametrize("W", WS)
 def test_exact_routing_every_core_mode_layout(W):
-    count = run_ranks(W, "tests.cases_gemm_rs:exact_routing", timeout_s=300, seed=_seed(),
-                      impls=_impls())
+    count = run_ranks(W, "tests.cases_gemm_rs:exact_routing", timeout_s=300, seed=fresh_seed(),
+                      impls=core_impls())
     assert count == [count[0]] * W and count[0] >= 20
 
 
 @pytest.mark.parametrize("W", WS)
 @pytest.mark.parametrize("impl", ["sm90", "sm80"])
 def test_float_sweep_against_float64_and_ring(W, impl):
-    if impl not in _impls():
+    if impl not in core_impls():
         pytest.skip("the Hopper core needs an sm_90a device")
-    ratios = run_ranks(W, "tests.cases_gemm_rs:float_sweep", timeout_s=300, seed=_seed(),
+    ratios = run_ranks(W, "tests.cases_gemm_rs:float_sweep", timeout_s=300, seed=fresh_seed(),
                        impl=impl)
     # the bf16 comparison with the ring baseline ran for both modes on every rank
     assert all(r[m] > 0 for r in ratios for m in MODES)
@@ -53,13 +38,13 @@ def test_float_sweep_against_float64_and_ring(W, impl):
 @pytest.mark.parametrize("W", WS)
 def test_reduce_scatter_only_matches_rank_order_bits(W):
     assert run_ranks(W, "tests.cases_gemm_rs:reduce_scatter_exact", timeout_s=200,
-                     seed=_seed()) == [True] * W
+                     seed=fresh_seed()) == [True] * W
 
 
 @pytest.mark.parametrize("W", WS)
 @pytest.mark.parametrize("reduce", MODES)
 def test_back_to_back_calls_with_changing_m(W, reduce):
-    issued = run_ranks(W, "tests.cases_gemm_rs:back_to_back", timeout_s=400, seed=_seed(),
+    issued = run_ranks(W, "tests.cases_gemm_rs:back_to_back", timeout_s=400, seed=fresh_seed(),
                        reduce=reduce)
     assert issued == [1000] * W
 
