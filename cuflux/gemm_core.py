@@ -157,15 +157,35 @@ def check_bias(op: str, bias, n: int, dtype, device):
 
 
 _PROPS: dict[int, tuple] = {}
+_GET_DEVICE: list = []
+
+
+def _get_device() -> int:
+    """The current device (cudaGetDevice, looked up once: no import per call)."""
+    if not _GET_DEVICE:
+        from cupy.cuda import runtime
+
+        _GET_DEVICE.append(runtime.getDevice)
+    return _GET_DEVICE[0]()
+
+
+_GEMM_FNS: dict = {}
+
+
+def _gemm_fn(name: str):
+    """gemm.cu's kernel `name` on the current device (kernels.load once per device)."""
+    dev = _get_device()
+    fn = _GEMM_FNS.get((dev, name))
+    if fn is None:
+        fn = _GEMM_FNS[(dev, name)] = kernels.load("gemm.cu", dev)[name]
+    return fn
 
 
 def device_props(dev: int | None = None):
     """(device id, NVRTC arch, SM count, GPU name) of the current device, queried once per
     device: getDeviceProperties alone costs 0.7 ms (it was 1.4 ms of every call)."""
     if dev is None:
-        from cupy.cuda import runtime
-
-        dev = runtime.getDevice()
+        dev = _get_device()
     props = _PROPS.get(dev)
     if props is None:
         from cupy.cuda import runtime
@@ -272,7 +292,7 @@ def launch_sm90(cfg: Sm90Config, a, b, bias, out, dt, odt, M, N, K, b_layout, st
     sm_count = device_props()[2]
     transposed = b_layout == "kn"
     name = cfg.kernel(dt.cuda_type, transposed)
-    fn = kernels.load("gemm.cu")[name]
+    fn = _gemm_fn(name)
     prepare(fn, cfg.smem_bytes)
     tma_a = tensor_map(a.data.ptr, M, K, 64, cfg.bm, dt)
     if transposed:
@@ -300,7 +320,7 @@ def launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, group_m: in
     """The plain GEMM on the portable core (arguments already checked)."""
     sm_count = device_props()[2]
     name = sm80_kernel(dt.cuda_type, b_layout == "kn")
-    fn = kernels.load("gemm.cu")[name]
+    fn = _gemm_fn(name)
     prepare(fn, SM80.smem_bytes)
     tiles = -(-M // SM80.bm) * -(-N // SM80.bn)
     grid = min(tiles, SM80.ctas_per_sm * sm_count)
@@ -388,13 +408,20 @@ class _Cublas:
                     return 0
                 ws = self.workspaces[(dev, stream_ptr)] = _CUPY[0].empty(WORKSPACE_BYTES,
                                                                          _CUPY[0].uint8)
-            self.lib.cublasSetStream_v2(h, stream_ptr)
-            self.lib.cublasSetWorkspace_v2(h, ws.data.ptr, WORKSPACE_BYTES)
+            for what, err in (("cublasSetStream", self.lib.cublasSetStream_v2(h, stream_ptr)),
+                              ("cublasSetWorkspace", self.lib.cublasSetWorkspace_v2(
+                                  h, ws.data.ptr, WORKSPACE_BYTES))):
+                if err:
+                    self.current.pop(dev, None)
+                    from cuflux.errors import CudaError
+
+                    raise CudaError(f"{_OP}: {what} failed (cublasStatus {err})")
             self.current[dev] = stream_ptr
         return h
 
 
 _CUBLAS: list = []
+_CUBLAS_LOCK = threading.Lock()
 
 
 def _cublas() -> _Cublas:
@@ -412,19 +439,23 @@ def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
     (no transpose, ld N), "nk" column-major [K, N] (transposed, ld K); a is column-major
     [K, M] (ld K). A bias is broadcast into C first and kept with beta = 1."""
     cb = _cublas()
-    handle = cb.handle(a.data.device_id, stream.ptr, under_capture)
-    if not handle:
-        return False
-    beta = _ZERO
-    if bias is not None:
-        with stream:
-            out[...] = bias
-        beta = _ONE
-    kn = b_layout == "kn"
-    err = cb.lib.cublasGemmEx(
-        handle, _OP_N if kn else _OP_T, _OP_N, N, M, K, _ONE_PTR, b.data.ptr, _CUDA_R[dt.name],
-        N if kn else K, a.data.ptr, _CUDA_R[dt.name], K, _ONE_PTR if beta is _ONE else _ZERO_PTR,
-        out.data.ptr, _CUDA_R[odt.name], N, _COMPUTE_32F, _ALGO_DEFAULT)
+    # One handle per device, shared by every thread (torch runs backward on a thread of its
+    # own): setting its stream and calling it is one critical section.
+    with _CUBLAS_LOCK:
+        handle = cb.handle(a.data.device_id, stream.ptr, under_capture)
+        if not handle:
+            return False
+        beta = _ZERO
+        if bias is not None:
+            with stream:
+                out[...] = bias
+            beta = _ONE
+        kn = b_layout == "kn"
+        err = cb.lib.cublasGemmEx(
+            handle, _OP_N if kn else _OP_T, _OP_N, N, M, K, _ONE_PTR, b.data.ptr,
+            _CUDA_R[dt.name], N if kn else K, a.data.ptr, _CUDA_R[dt.name], K,
+            _ONE_PTR if beta is _ONE else _ZERO_PTR, out.data.ptr, _CUDA_R[odt.name], N,
+            _COMPUTE_32F, _ALGO_DEFAULT)
     if err:
         from cuflux.errors import CudaError
 

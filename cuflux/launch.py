@@ -155,8 +155,8 @@ def kernel(fn, grid, block, args, stream, *, op: str, name: str, shared_mem: int
         vals = args
     func = fn if isinstance(fn, int) else fn.kernel.ptr
     s = stream if isinstance(stream, int) else stream.ptr
-    g = grid if isinstance(grid, int) else grid[0]
-    b = block if isinstance(block, int) else block[0]
+    g = grid if isinstance(grid, int) else _one_dim(grid, "grid", name)
+    b = block if isinstance(block, int) else _one_dim(block, "block", name)
     lib = _lib or driver_lib()
     with p.lock:
         try:
@@ -173,6 +173,13 @@ def kernel(fn, grid, block, args, stream, *, op: str, name: str, shared_mem: int
 
         raise CudaError(f"{op}: launching kernel {name} (grid {g}, block {b}, {shared_mem} "
                         f"bytes of shared memory) failed: {error_name(err)}")
+
+
+def _one_dim(dims, what: str, name: str) -> int:
+    """cuflux's kernels are launched on 1-D grids and blocks; anything else is a caller bug."""
+    if len(dims) != 1:
+        raise ValueError(f"launching {name}: {what} must be one-dimensional, got {tuple(dims)}")
+    return dims[0]
 
 
 def _pdl_capable(func: int) -> bool:

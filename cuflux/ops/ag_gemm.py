@@ -38,8 +38,8 @@ from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import OP_CODES, CufluxError
 from cuflux.ops.allgather import AllGather, arrival_order
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, ranks_on_my_gpu, refuse_capture, \
-    sm_count
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_timeout, on_op_device, on_world_device,
+                             ranks_on_my_gpu, refuse_capture, sm_count)
 from cuflux.sizes import count, optional_count
 from cuflux.world import NoDeviceError, require_device
 
@@ -260,6 +260,7 @@ class AllGatherGemm(Closeable):
     "AllGatherGemm: max_m must be an integer in [2, 2147483647] (...), got 4096.0 (float)".
     """
 
+    @on_world_device
     def __init__(self, world, max_m: int | None = None, n: int | None = None,
                  k: int | None = None, dtype=None, out_dtype=None, b_layout: str = "kn",
                  mode: str = "pull", chunk_rows: int | None = None,
@@ -299,7 +300,8 @@ class AllGatherGemm(Closeable):
         # no rank's grid waits for SMs another rank's waiting grid holds.
         self.num_sms = sm_count(world.device)
         self.max_ctas = max(1, self.num_sms // ranks_on_my_gpu(world))
-        self.module = kernels.load(_SRC)  # eager: nothing may load while a stream waits
+        # eager: nothing may load while a stream waits
+        self.module = kernels.load(_SRC, world.device)
         self._side = cupy.cuda.Stream(non_blocking=True)    # push: copy-out of the gathered A
         self._upload = cupy.cuda.Stream(non_blocking=True)  # visit orders, once per shape
         # Last: the collective resources (symmetric buffer, flags, copy lanes).
@@ -396,6 +398,7 @@ class AllGatherGemm(Closeable):
                 raise ValueError(f"{_OP}: out must start at a 16-byte aligned address")
         return a, b, bias, out, rows
 
+    @on_op_device
     def __call__(self, a_shard, b, bias=None, return_gathered: bool = False, stream=None,
                  out=None):
         """a_shard [rows, k] (rows <= max_m // W, the same on every rank), b [k, n] / [n, k],
@@ -501,6 +504,7 @@ class AllGatherGemm(Closeable):
         s.wait_event(done)
 
     # ---- lifetime --------------------------------------------------------------------------------
+    @on_op_device
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's work on `stream` (and the op's own streams); raise
         CommTimeoutError if a wait failed."""

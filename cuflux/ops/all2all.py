@@ -18,7 +18,6 @@ import collections
 import dataclasses
 import hashlib
 import operator
-import time
 
 import numpy as np
 
@@ -313,7 +312,7 @@ class All2AllHeads(CommOp):
         self._captured = False  # once captured, the host no longer knows the device's epoch
         self._row_bytes = self.spec.row_bytes
         self._plans: collections.OrderedDict = collections.OrderedDict()
-        self._agreed: dict = {}
+        self._hashes: dict = {}
         self._host_failure: Exception | None = None
         # The op's own communicator for the argument checks: a check abandoned on timeout
         # leaves its messages there, not in the caller's communicator.
@@ -355,7 +354,9 @@ class All2AllHeads(CommOp):
             tokens = check_tokens(tokens_per_rank, spec.world_size, spec.max_tokens)
             plan = self._plans.get(tokens)
             if plan is None:
-                if len(self._plans) >= CACHE_MAX:
+                # A captured graph holds its plans' device prefix arrays: once the op has been
+                # captured nothing is evicted (the cache grows instead of freeing them).
+                if len(self._plans) >= CACHE_MAX and not self._captured:
                     self._forget()
                 prefix = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32)
                 plan = _Plan(tokens, prefix)
@@ -369,9 +370,9 @@ class All2AllHeads(CommOp):
 
         cupy.cuda.Device(self.spec.device).synchronize()
         self._plans.clear()
-        self._agreed.clear()
+        self._hashes.clear()
 
-    def _agree(self, key) -> int:
+    def _call_hash(self, key) -> int:
         """The call's hash; the first time a key is seen, check it against every peer.
 
         Ranks that pass the same calls have the same cache, so either all of them check or none
@@ -380,11 +381,11 @@ class All2AllHeads(CommOp):
         hash each sender stored beside its flag (ValueError at the next call or synchronize).
         When one rank's key is new and another's old, the check times out instead of hanging.
         """
-        h = self._agreed.get(key)
+        h = self._hashes.get(key)
         if h is None:
             if self.spec.world_size > 1:
                 self._compare_with_peers(key)
-            h = self._agreed[key] = call_hash(key)
+            h = self._hashes[key] = call_hash(key)
         return h
 
     def _compare_with_peers(self, key) -> None:
@@ -435,7 +436,7 @@ class All2AllHeads(CommOp):
             raise ValueError(f"{_OP}: pass either view=True or out=/out_scale=, not both")
         if out_scale is not None and not mode:
             raise ValueError(f"{_OP}: out_scale given without scale")
-        h = self._agree((gather, tokens, B, mode))
+        h = self._call_hash((gather, tokens, B, mode))
         s = stream_of(stream, a_in)
         capturing = spec.world_size > 1 and _capturing(s)
         if view and (capturing or self._captured):
@@ -579,7 +580,7 @@ class All2AllHeads(CommOp):
     def _free(self) -> None:
         """Views of the slots die with the buffer (the base closes it after this)."""
         self._plans.clear()
-        self._agreed.clear()
+        self._hashes.clear()
         self._comm = None  # freed with the op's communicator
 
 

@@ -38,7 +38,8 @@ from cuflux.resource import Closeable
 from cuflux import driver
 from cuflux.arrays import as_cupy, check_array, dtype_info, is_torch, stream_of, to_caller
 from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, check_timeout, refuse_capture
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_timeout, on_op_device, on_world_device,
+                             refuse_capture)
 from cuflux.ops.signal import wait_flags
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
@@ -111,6 +112,7 @@ class AllGather(Closeable):
     Errors of device-side waits surface at the next call or at `synchronize()`.
     """
 
+    @on_world_device
     def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
                  chunk_rows: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, wait: str = "stream",
                  name: str = _OP):
@@ -157,7 +159,7 @@ class AllGather(Closeable):
         self.epoch = 0
         from cuflux import kernels
 
-        kernels.load("signal.cu")  # eager: nothing may load a module while a stream spins
+        kernels.load("signal.cu", world.device)  # eager: nothing may load while a stream spins
         self._closed = False
 
     # ---- addresses ---------------------------------------------------------------------------
@@ -189,6 +191,7 @@ class AllGather(Closeable):
                                  first_peer + g, i)
 
     # ---- call ----------------------------------------------------------------------------------
+    @on_op_device
     def __call__(self, x, out=None, stream=None):
         """x [rows, cols] (rows <= max_rows, the same on every rank) -> [W * rows, cols]."""
         import cupy
@@ -369,6 +372,7 @@ class AllGather(Closeable):
                 driver.stream_write_value32(stream, self._flag(p, "free", me), self.epoch)
 
     # ---- lifetime ------------------------------------------------------------------------------
+    @on_op_device
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's work on `stream` and raise CommTimeoutError if a wait failed."""
         stream_of(stream).synchronize()

@@ -255,6 +255,7 @@ class _P2PReduce(CommOp):
 
     def _launch(self, plan_entry, x, out, residual, weight, eps, stream):
         plan, fn, shape_args = plan_entry
+        self._last_stream = stream
         if plan.local:
             args = (x, out, residual, weight) + shape_args[:2] + (eps,)
         else:

@@ -15,6 +15,8 @@ claim word, timeout in ns, op code); they never change, so they are built once h
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import warnings
 
@@ -25,7 +27,8 @@ from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError
 from cuflux.resource import Closeable
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
-           "sm_count"]
+           "sm_count", "on_world_device", "on_op_device", "require_world_device",
+           "check_no_alias"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
 # peer that is compiling kernels on first use (up to ~40 s a file, once per machine) to be
@@ -81,6 +84,30 @@ def refuse_capture(op: str, stream, why: str) -> None:
         raise CaptureError(f"{op}: cannot be captured in a CUDA graph: {why}")
 
 
+def on_world_device(init):
+    """Constructor decorator: the body runs with the World's GPU current (the caller's current
+    device restored after), so every stream, module and allocation lands on the op's device."""
+    @functools.wraps(init)
+    def wrapper(self, world, *args, **kwargs):
+        ctx = getattr(world, "device_context", None)  # test doubles of a World have none
+        with ctx() if ctx is not None else contextlib.nullcontext():
+            return init(self, world, *args, **kwargs)
+    return wrapper
+
+
+def on_op_device(method):
+    """Call decorator: where the caller's current device is not the op's, the call runs with the
+    op's device current (0.1 us to ask when it already is)."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        world = self.world
+        if getattr(world, "device_context", None) is not None and _get_device() != world.device:
+            with world.device_context():
+                return method(self, *args, **kwargs)
+        return method(self, *args, **kwargs)
+    return wrapper
+
+
 def require_world_device(world, op: str) -> int:
     """world.device, or NoDeviceError "{op}: needs a CUDA device; <why>": the one message every
     op gives on a machine (or a rank) without a GPU."""
@@ -119,13 +146,18 @@ class CommOp(Closeable):
         self.timeout_s = timeout_s
         self.buf = None
         self.comm = world.sub_comm(op, timeout_s)  # the op's own communicator, agreed id
-        with world.device_context():
-            self.err = ErrorRecord(op, world.rank, timeout_s)
+        try:
+            with world.device_context():
+                self.err = ErrorRecord(op, world.rank, timeout_s)
+        except BaseException:
+            self.comm.free()
+            raise
         self.err_args = (np.uint64(self.err.ptr), self.err.claim, np.uint64(self.err.timeout_ns),
                          np.uint32(OP_CODES[op]))
         self.num_sms = sm_count(world.device)
         self.sharers = ranks_on_my_gpu(world)
         self._agreed: set = set()
+        self._last_stream = None  # where this rank's latest call was queued (abort, close)
 
     def _alloc(self, layout):
         """The op's symmetric buffer, agreed over its own communicator (bounded); on failure
@@ -177,7 +209,8 @@ class CommOp(Closeable):
         CommTimeoutError if a wait of this op failed."""
         from cuflux.arrays import stream_of
 
-        stream_of(stream).synchronize()
+        with self.world.device_context():  # the op's device: its calls ran there
+            stream_of(stream).synchronize()
         self.err.check()
 
     def _free(self) -> None:
@@ -221,7 +254,9 @@ class CommOp(Closeable):
             self.comm.free()
             # The error record stays allocated: a kernel still queued may write it.
 
-    def _streams(self) -> tuple:
-        """Streams this op's work may still be queued on (abort closes peer mappings only when
-        they are idle)."""
-        return ()
+    def _streams(self):
+        """Streams this op's work may still be queued on: abort closes the peers' mappings only
+        when every one of them is idle. None (unknown): they stay open (leaked), never unmapped
+        under a kernel that may still be spinning on them."""
+        last = getattr(self, "_last_stream", None)
+        return None if last is None else (last,)

@@ -21,6 +21,8 @@ configuration cuflux/gemm_tuner.py; their public names used here are re-exported
 """
 from __future__ import annotations
 
+import contextlib
+
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import CaptureError
 from cuflux.gemm_core import (CUDA_TYPE, FAMILY, IN_DTYPES, OUT_KIND, SM80, SM80_CONFIG,
@@ -45,7 +47,7 @@ IMPLS = ("auto", "sm90", "sm80", CUBLAS)
 
 
 # ---- argument checks ------------------------------------------------------------------------------
-def _check_args(a, b, bias, out, out_dtype, b_layout, impl):
+def _check_args(a, b, bias, out, out_dtype, b_layout, impl, alloc_stream=None):
     cupy = cupy_module()
     if b_layout not in _LAYOUTS:
         raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [K, N]) or 'nk' (b is [N, K]), "
@@ -85,7 +87,10 @@ def _check_args(a, b, bias, out, out_dtype, b_layout, impl):
             raise ValueError(f"{_OP}: out must start at a 16-byte aligned address")
     else:
         odt = dtype_info(out_dtype if out_dtype is not None else dt.name, OUT_KIND, _OP)
-        out = cupy.empty((M, N), dtype=odt.storage)
+        # From the pool arena of the stream that writes it (torch's stream may not be CuPy's
+        # current one): a block is only reused after the work queued on its stream.
+        with alloc_stream() if alloc_stream is not None else contextlib.nullcontext():
+            out = cupy.empty((M, N), dtype=odt.storage)
     return a, b, bias, out, dt, odt, M, N, K
 
 
@@ -110,7 +115,8 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     class has been tuned (under capture an untuned shape takes the heuristic: no timing).
     """
     a_in, out_in = a, out  # the caller's: torch in, torch out
-    a, b, bias, out, dt, odt, M, N, K = _check_args(a, b, bias, out, out_dtype, b_layout, impl)
+    a, b, bias, out, dt, odt, M, N, K = _check_args(a, b, bias, out, out_dtype, b_layout, impl,
+                                                    lambda: stream_of(stream, a_in))
     if M == 0:
         return to_caller(out, a_in, out_in)
     s = stream_of(stream, a_in)

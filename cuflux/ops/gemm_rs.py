@@ -276,7 +276,7 @@ class GemmReduceScatter(CommOp):
         if M > self.max_m:
             raise ValueError(f"{_OP}: {what} has M={M} rows, more than max_m={self.max_m}")
 
-    def _check_common(self, M, bias, out):
+    def _check_common(self, M, bias, out, stream=None):
         op, dev, W = _OP, self.world.device, self.world.size
         if bias is not None:
             bias = as_cupy(bias, "bias", op)
@@ -285,9 +285,13 @@ class GemmReduceScatter(CommOp):
                 raise ValueError(f"{op}: bias must start at a 16-byte aligned address "
                                  f"(got {bias.data.ptr:#x})")
         if out is None:
+            import contextlib
+
             import cupy
 
-            out = cupy.empty((M // W, self.n), dtype=self.out_dtype.storage)
+            # From the pool arena of the stream that writes it (see gemm._check_args).
+            with stream if stream is not None else contextlib.nullcontext():
+                out = cupy.empty((M // W, self.n), dtype=self.out_dtype.storage)
         else:
             out = as_cupy(out, "out", op)
             check_array(out, name="out", op=op, shape=(M // W, self.n), dtype=self.out_dtype,
@@ -297,7 +301,7 @@ class GemmReduceScatter(CommOp):
                                  f"(got {out.data.ptr:#x})")
         return bias, out
 
-    def check_call(self, a, b, bias=None, out=None):
+    def check_call(self, a, b, bias=None, out=None, stream=None):
         """Validate a call's arguments (before any launch); return (a, b, bias, out, M)."""
         op, dev = _OP, self.world.device
         a = as_cupy(a, "a", op)
@@ -314,10 +318,10 @@ class GemmReduceScatter(CommOp):
                              f"{tuple(b.shape)}")
         self._check_rows(M, "a")
         core.check_aligned(op, a=a, b=b)
-        bias, out = self._check_common(M, bias, out)
+        bias, out = self._check_common(M, bias, out, stream)
         return a, b, bias, out, M
 
-    def check_partial(self, partial, bias=None, out=None):
+    def check_partial(self, partial, bias=None, out=None, stream=None):
         """Validate reduce_scatter's arguments; return (partial, bias, out, M)."""
         partial = as_cupy(partial, "partial", _OP)
         check_array(partial, name="partial", op=_OP, ndim=2, dtype=self.out_dtype,
@@ -328,7 +332,7 @@ class GemmReduceScatter(CommOp):
         self._check_rows(M, "partial")
         if partial.data.ptr % 16:
             raise ValueError(f"{_OP}: partial must start at a 16-byte aligned address")
-        bias, out = self._check_common(M, bias, out)
+        bias, out = self._check_common(M, bias, out, stream)
         return partial, bias, out, M
 
     # ---- launches -------------------------------------------------------------------------------
@@ -386,14 +390,15 @@ class GemmReduceScatter(CommOp):
         self._check_open()
         a_in, out_in = a, out  # the caller's: torch in, torch out
         given = out is not None
-        a, b, bias, out, M = self.check_call(a, b, bias, out)
+        s = stream_of(stream, a_in)
+        a, b, bias, out, M = self.check_call(a, b, bias, out, s)
         if given:
             check_no_alias(_OP, out, a=a, b=b, bias=bias)
         if self.world.size > 1 and M not in self._agreed:
             self._agree(M, "M of the call")
         if M == 0:  # every rank has M = 0 (M must agree): nothing to do, no epoch
             return to_caller(out, a_in, out_in)
-        s = stream_of(stream, a_in)
+        self._last_stream = s
         if self.world.size == 1 and self.w1 == "gemm":
             gemm(a, b, bias=bias, out=out, b_layout=self.b_layout, impl=self.impl, stream=s,
                  config=self.config if self.impl == "sm90" and self._config_given else None)
@@ -412,7 +417,8 @@ class GemmReduceScatter(CommOp):
         self._check_open()
         p_in, out_in = partial, out  # the caller's: torch in, torch out
         given = out is not None
-        partial, bias, out, M = self.check_partial(partial, bias, out)
+        s = stream_of(stream, p_in)
+        partial, bias, out, M = self.check_partial(partial, bias, out, s)
         if given:
             check_no_alias(_OP, out, partial=partial, bias=bias)
         if self.world.size > 1 and M not in self._agreed:
@@ -422,8 +428,9 @@ class GemmReduceScatter(CommOp):
         odt = self.out_dtype
         name = copy_kernel(self.dtype.cuda_type, odt.cuda_type, self.atomic)
         tiles = -(-M // COPY_TILE[0]) * -(-self.n // COPY_TILE[1])
-        self._no_capture(stream_of(stream, p_in), _NO_CAPTURE)
+        self._last_stream = s
+        self._no_capture(s, _NO_CAPTURE)
         args = (partial, np.int32(M), np.int32(self.n)) + self._tail(out, bias, M, COPY_TILE[0])
         kernels.launch(self.module[name], (min(tiles, self.max_ctas["copy"]),), (COPY_THREADS,),
-                       args, stream_of(stream, p_in), op=_OP, name=name)
+                       args, s, op=_OP, name=name)
         return to_caller(out, p_in, out_in)
