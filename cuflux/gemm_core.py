@@ -22,6 +22,7 @@ import threading
 import numpy as np
 
 from cuflux import kernels
+from cuflux.launch import current_device
 from cuflux.arrays import as_cupy, check_array
 
 __all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "SM80_CONFIG",
@@ -157,16 +158,7 @@ def check_bias(op: str, bias, n: int, dtype, device):
 
 
 _PROPS: dict[int, tuple] = {}
-_GET_DEVICE: list = []
 
-
-def _get_device() -> int:
-    """The current device (cudaGetDevice, looked up once: no import per call)."""
-    if not _GET_DEVICE:
-        from cupy.cuda import runtime
-
-        _GET_DEVICE.append(runtime.getDevice)
-    return _GET_DEVICE[0]()
 
 
 _GEMM_FNS: dict = {}
@@ -174,7 +166,7 @@ _GEMM_FNS: dict = {}
 
 def _gemm_fn(name: str):
     """gemm.cu's kernel `name` on the current device (kernels.load once per device)."""
-    dev = _get_device()
+    dev = current_device()
     fn = _GEMM_FNS.get((dev, name))
     if fn is None:
         fn = _GEMM_FNS[(dev, name)] = kernels.load("gemm.cu", dev)[name]
@@ -185,7 +177,7 @@ def device_props(dev: int | None = None):
     """(device id, NVRTC arch, SM count, GPU name) of the current device, queried once per
     device: getDeviceProperties alone costs 0.7 ms (it was 1.4 ms of every call)."""
     if dev is None:
-        dev = _get_device()
+        dev = current_device()
     props = _PROPS.get(dev)
     if props is None:
         from cupy.cuda import runtime

@@ -24,6 +24,7 @@ import numpy as np
 
 from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError, ErrorRecord,
                            NoDeviceError)
+from cuflux.launch import current_device
 from cuflux.resource import Closeable
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
@@ -36,15 +37,7 @@ __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ra
 DEFAULT_TIMEOUT_S = 30.0
 
 _SM_COUNTS: dict[int, int] = {}
-_GET_DEVICE: list = []
 
-
-def _get_device() -> int:
-    if not _GET_DEVICE:
-        from cupy.cuda import runtime
-
-        _GET_DEVICE.append(runtime.getDevice)
-    return _GET_DEVICE[0]()
 
 
 def sm_count(device: int) -> int:
@@ -101,7 +94,8 @@ def on_op_device(method):
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         world = self.world
-        if getattr(world, "device_context", None) is not None and _get_device() != world.device:
+        if (getattr(world, "device_context", None) is not None
+                and current_device() != world.device):
             with world.device_context():
                 return method(self, *args, **kwargs)
         return method(self, *args, **kwargs)
@@ -198,7 +192,7 @@ class CommOp(Closeable):
     def _off_device(self) -> bool:
         """True when the caller's current device is not this op's: the call must then run
         inside `with self.world.device_context():` (0.1 us to ask)."""
-        return _get_device() != self.world.device
+        return current_device() != self.world.device
 
     def _no_capture(self, stream, why: str) -> None:
         refuse_capture(self.op, stream, why)
