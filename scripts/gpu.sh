@@ -3,8 +3,9 @@
 # benchmarks with the GPU to themselves, logs and JSON under $OUT (packed in $OUT/logs.tgz).
 #   bash scripts/gpu.sh GROUP...           tests of the groups one after the other, then benches
 #   bash scripts/gpu.sh all [-k EXPR]      every GPU test at W = 1, 2, 4, 8, then quick benches
-#   bash scripts/gpu.sh multi              ranks on distinct GPUs (W = GPU count): benches with
-#                                          NCCL baselines first, then the tests at that W
+#   bash scripts/gpu.sh multi              ranks on distinct GPUs (W = GPU count): every bench
+#                                          with its NCCL baseline, then the comm tests at that W
+#   bash scripts/gpu.sh multi-tests        the other GPU tests at W = GPU count (a second call)
 # Groups (tests; the benches of the groups named run after all tests):
 #   runtime   World, symmetric memory, AllGather, watchdog, reliability  | bench: allgather W=1,2,8
 #   comm      AllReduce(+RMSNorm), All2AllHeads                          | allreduce, all2all W=1
@@ -90,15 +91,19 @@ case $1 in
     step "$L/tests-all.log" 3000 python -m pytest -q -rf --durations=12 "$@" tests
     for W in 1 2 4 8; do bench 60 "$W" allgather; done
     bench_comm; finish ;;
-  multi)
+  multi)  # one device call (< 10 minutes): every benchmark, ranks on distinct GPUs
     W=$(nvidia-smi -L | wc -l)
     nvidia-smi topo -m >"$L/topo.txt" 2>&1
     for op in all2all allreduce; do bench 60 "$W" "$op"; done
+    bench 120 "$W" gemm_rs; bench 120 "$W" ag_gemm; bench 60 "$W" allgather
     CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 90 python -m pytest -q -rf \
       tests/test_all2all.py tests/test_allreduce.py
-    bench 90 "$W" gemm_rs; bench 90 "$W" ag_gemm; bench 60 "$W" allgather
-    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 120 python -m pytest -q -rf \
-      tests/test_gpu_runtime.py tests/test_gemm_rs.py tests/test_ag_gemm.py
+    finish ;;
+  multi-tests)  # a second device call: every GPU test at W = GPU count, a rank per GPU
+    W=$(nvidia-smi -L | wc -l)
+    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 540 python -m pytest -q -rf \
+      tests/test_gpu_runtime.py tests/test_reliability.py tests/test_graphs.py tests/test_base.py \
+      tests/test_gemm_rs.py tests/test_ag_gemm.py tests/test_torch.py
     finish ;;
   *)
     for g in "$@"; do
