@@ -22,3 +22,19 @@ class FakeArray:
         self.strides = (0,) * len(shape)
         self.device = SimpleNamespace(id=device)
         self.data = SimpleNamespace(ptr=ptr, device_id=device)
+
+
+class FakeErrorRecord:
+    """What the stream-wait watchdog reads and writes of an ErrorRecord: its words, timeout
+    and rank (no pinned memory, no GPU)."""
+
+    def __init__(self, timeout_s, rank=0):
+        from cuflux import errors as E
+
+        self.words = np.zeros(E.NUM_WORDS, dtype=np.uint32)
+        self.timeout_s, self.rank = timeout_s, rank
+
+    def failed(self):
+        from cuflux import errors as E
+
+        return int(self.words[E.STATUS]) != 0

@@ -18,6 +18,7 @@ from cuflux import errors as E
 from cuflux import symmetric, watchdog
 from cuflux import world as world_mod
 from cuflux.errors import CommTimeoutError, CufluxError
+from tests.fakes import FakeErrorRecord
 from tests.mpi import ROOT, run_ranks
 
 SLACK_S = 1.5  # scheduling slack on a loaded 2-core machine (ranks share the cores)
@@ -261,15 +262,6 @@ class BrokenEvent(FakeEvent):
         pass
 
 
-class FakeErr:
-    def __init__(self, timeout_s):
-        self.words = np.zeros(E.NUM_WORDS, dtype=np.uint32)
-        self.timeout_s, self.rank = timeout_s, 3
-
-    def failed(self):
-        return int(self.words[E.STATUS]) != 0
-
-
 def _waiter(monkeypatch, timeout_s, host_flags, event=FakeEvent):
     """A StreamWaiter without CUDA: fake events, no stream wait; the flags in `host_flags` (a
     NumPy uint32 array standing for host-mapped memory) are known to be host-mapped."""
@@ -282,7 +274,8 @@ def _waiter(monkeypatch, timeout_s, host_flags, event=FakeEvent):
                         lambda p: base + (p - 0x9000) if 0x9000 <= p < 0x9000 + 4 * host_flags.size
                         else None)
     w = watchdog.StreamWaiter.__new__(watchdog.StreamWaiter)
-    w.err, w.device, w.op_code = FakeErr(timeout_s), None, E.OP_CODES["AllGather"]
+    w.err, w.device = FakeErrorRecord(timeout_s, rank=3), None
+    w.op_code = E.OP_CODES["AllGather"]
     w._pending, w._lock, w._thread, w._stop = {}, threading.Lock(), None, threading.Event()
     w._host_words = {}
 

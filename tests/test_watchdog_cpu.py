@@ -2,10 +2,9 @@
 import threading
 import time
 
-import numpy as np
-
 from cuflux import errors as E
 from cuflux import watchdog
+from tests.fakes import FakeErrorRecord
 
 
 class FakeEvent:
@@ -16,22 +15,13 @@ class FakeEvent:
         pass
 
 
-class FakeErr:
-    def __init__(self, timeout_s):
-        self.words = np.zeros(E.NUM_WORDS, dtype=np.uint32)
-        self.timeout_s, self.rank = timeout_s, 0
-
-    def failed(self):
-        return int(self.words[E.STATUS]) != 0
-
-
 def _waiter(monkeypatch, timeout_s):
     import cupy
 
     monkeypatch.setattr(cupy.cuda, "Event", FakeEvent)
     monkeypatch.setattr(watchdog.driver, "stream_wait_value32", lambda *a, **k: None)
     w = watchdog.StreamWaiter.__new__(watchdog.StreamWaiter)
-    w.err, w.device, w.op_code = FakeErr(timeout_s), None, 1
+    w.err, w.device, w.op_code = FakeErrorRecord(timeout_s, rank=0), None, 1
     w._pending, w._lock, w._thread, w._stop = {}, threading.Lock(), None, threading.Event()
     w.expired = []
 
