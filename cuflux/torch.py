@@ -108,23 +108,6 @@ class _Layer(nn.Module):
         self._ops.append(op)
         return op
 
-    def _linear(self, split, in_features, out_features, max_tokens, bias, dtype):
-        """Check a tensor-parallel linear layer's arguments, split its weight along `split`
-        ("out": column parallel, "in": row parallel), make this rank's shard (Kaiming-uniform,
-        as nn.Linear) and bias (zeros: [out/W] column parallel, [out] row parallel); returns
-        (the dtype's cuflux name, in features here, out features here)."""
-        kind = type(self).__name__
-        local_in, local_out = check_linear_args(kind, self.world.size, in_features,
-                                                out_features, max_tokens, dtype, split)
-        self.in_features, self.out_features = in_features, out_features
-        self.max_tokens = max_tokens
-        dev = _device(self.world)
-        self.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=dtype, device=dev))
-        self.bias = (nn.Parameter(torch.zeros(local_out, dtype=dtype, device=dev)) if bias
-                     else None)
-        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
-        return dtype_name(dtype), local_in, local_out
-
     def close(self) -> None:
         while self._ops:
             self._ops.pop().close()
@@ -138,6 +121,34 @@ class _Layer(nn.Module):
 
 def _device(world):
     return torch.device("cuda", world.device)
+
+
+class _ParallelLinear(_Layer):
+    """A tensor-parallel nn.Linear: the arguments, this rank's weight shard and bias; the
+    subclass says how the weight is split (SPLIT) and builds its ops (_build)."""
+
+    SPLIT = ""  # "out": column parallel, "in": row parallel
+
+    def __init__(self, world, in_features: int, out_features: int, max_tokens: int,
+                 bias: bool = False, dtype=torch.bfloat16,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
+        super().__init__(world)
+        kind = type(self).__name__
+        local_in, local_out = check_linear_args(kind, world.size, in_features, out_features,
+                                                max_tokens, dtype, self.SPLIT)
+        self.in_features, self.out_features = in_features, out_features
+        self.max_tokens = max_tokens
+        dev = _device(world)
+        # This rank's shard (Kaiming-uniform, as nn.Linear) and bias (zeros: [out/W] column
+        # parallel, [out] row parallel).
+        self.weight = nn.Parameter(torch.empty(local_out, local_in, dtype=dtype, device=dev))
+        self.bias = (nn.Parameter(torch.zeros(local_out, dtype=dtype, device=dev)) if bias
+                     else None)
+        nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
+        self._build(dtype_name(dtype), local_in, local_out, timeout_s)
+
+    def _build(self, dtype: str, local_in: int, local_out: int, timeout_s: float) -> None:
+        raise NotImplementedError
 
 
 # ---- ColumnParallelLinear ------------------------------------------------------------------------
@@ -167,7 +178,7 @@ class _ColumnFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-class ColumnParallelLinear(_Layer):
+class ColumnParallelLinear(_ParallelLinear):
     """y [T, out/W] = gather_ranks(x_shard) @ W_r^T (+ b_r), the gather hidden in the GEMM.
 
     Args: world (cuflux.World), in_features, out_features (the full layer's; out_features is
@@ -176,19 +187,17 @@ class ColumnParallelLinear(_Layer):
     or float16), timeout_s (of the ops' waits). x_shard: [T/W, in], this rank's tokens.
     """
 
-    def __init__(self, world, in_features: int, out_features: int, max_tokens: int,
-                 bias: bool = False, dtype=torch.bfloat16,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(world)
-        name, _, local_out = self._linear("out", in_features, out_features, max_tokens, bias,
-                                          dtype)
+    SPLIT = "out"
+
+    def _build(self, dtype, local_in, local_out, timeout_s):
+        world, max_tokens = self.world, self.max_tokens
         self.out_per_rank = local_out
         self.ag_gemm = self._own(cuflux.AllGatherGemm(
-            world, max_m=max_tokens, n=local_out, k=in_features, dtype=name, b_layout="nk",
+            world, max_m=max_tokens, n=local_out, k=local_in, dtype=dtype, b_layout="nk",
             timeout_s=timeout_s))
         # backward: grad_x_shard [T/W, in] = reduce-scatter(grad_y [T, out/W] @ W_r [out/W, in])
         self.gemm_rs = self._own(cuflux.GemmReduceScatter(
-            world, max_m=max_tokens, n=in_features, k=local_out, dtype=name, b_layout="kn",
+            world, max_m=max_tokens, n=local_in, k=local_out, dtype=dtype, b_layout="kn",
             timeout_s=timeout_s))
 
     @torch.no_grad()
@@ -230,7 +239,7 @@ class _RowFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None
 
 
-class RowParallelLinear(_Layer):
+class RowParallelLinear(_ParallelLinear):
     """y_shard [T/W, out] = rows of this rank of sum_ranks(x @ W_r^T) (+ b), in one kernel.
 
     Args: world, in_features, out_features (the full layer's; in_features is divided between
@@ -239,18 +248,16 @@ class RowParallelLinear(_Layer):
     x: [T, in/W] (e.g. a ColumnParallelLinear's output after an activation).
     """
 
-    def __init__(self, world, in_features: int, out_features: int, max_tokens: int,
-                 bias: bool = False, dtype=torch.bfloat16,
-                 timeout_s: float = DEFAULT_TIMEOUT_S):
-        super().__init__(world)
-        name, local_in, _ = self._linear("in", in_features, out_features, max_tokens, bias,
-                                         dtype)
+    SPLIT = "in"
+
+    def _build(self, dtype, local_in, local_out, timeout_s):
+        world, max_tokens = self.world, self.max_tokens
         self.in_per_rank = local_in
         self.gemm_rs = self._own(cuflux.GemmReduceScatter(
-            world, max_m=max_tokens, n=out_features, k=local_in, dtype=name, b_layout="nk",
+            world, max_m=max_tokens, n=local_out, k=local_in, dtype=dtype, b_layout="nk",
             timeout_s=timeout_s))
         self.all_gather = self._own(cuflux.AllGather(
-            world, max_rows=max_tokens // world.size, cols=out_features, dtype=name,
+            world, max_rows=max_tokens // world.size, cols=local_out, dtype=dtype,
             timeout_s=timeout_s))
 
     @torch.no_grad()
