@@ -153,7 +153,7 @@ def kernel(fn, grid, block, args, stream, *, op: str, name: str, shared_mem: int
             vals[i] = vals[i].tobytes()
     else:
         vals = args
-    func = fn if isinstance(fn, int) else fn.kernel.ptr
+    func = fn if isinstance(fn, int) else _function(fn)
     s = stream if isinstance(stream, int) else stream.ptr
     g = grid if isinstance(grid, int) else _one_dim(grid, "grid", name)
     b = block if isinstance(block, int) else _one_dim(block, "block", name)
@@ -180,6 +180,20 @@ def _one_dim(dims, what: str, name: str) -> int:
     if len(dims) != 1:
         raise ValueError(f"launching {name}: {what} must be one-dimensional, got {tuple(dims)}")
     return dims[0]
+
+
+_FUNCTIONS: dict = {}  # id(kernel object) -> (the object, its CUfunction)
+
+
+def _function(fn) -> int:
+    """The CUfunction of a loaded kernel, resolved once: CuPy's `.kernel` asks the current
+    device and looks its module up on every access. A kernel object is used on the device it
+    was loaded for (kernels.load is per device); the entry keeps the object, so its id cannot
+    be reused by another."""
+    entry = _FUNCTIONS.get(id(fn))
+    if entry is None or entry[0] is not fn:
+        entry = _FUNCTIONS[id(fn)] = (fn, fn.kernel.ptr)
+    return entry[1]
 
 
 def _pdl_capable(func: int) -> bool:
