@@ -5,8 +5,19 @@ import numpy as np
 
 from cuflux import kernels
 from cuflux.errors import OP_CODES
+from cuflux.launch import current_device
 
 FAMILY = kernels.register("signal.cu", ["cuflux_wait_flags"])
+_WAIT: dict = {}  # device -> cuflux_wait_flags loaded there
+
+
+def _wait_kernel():
+    """cuflux_wait_flags on the current device (kernels.load once per device, not per wait)."""
+    dev = current_device()
+    fn = _WAIT.get(dev)
+    if fn is None:
+        fn = _WAIT[dev] = kernels.load("signal.cu", dev)["cuflux_wait_flags"]
+    return fn
 
 
 def wait_flags(flags_ptr: int, expected_epoch: int, err, stream, *, op: str, num_groups: int = 1,
@@ -23,10 +34,9 @@ def wait_flags(flags_ptr: int, expected_epoch: int, err, stream, *, op: str, num
     num_flags = num_groups * per_group
     if num_flags == 0:
         return
-    mod = kernels.load("signal.cu")
     threads = min(256, 32 * ((num_flags + 31) // 32))
     kernels.launch(
-        mod["cuflux_wait_flags"], (1,), (threads,),
+        _wait_kernel(), (1,), (threads,),
         (np.uint64(flags_ptr), np.uint32(num_groups), np.uint32(per_group),
          np.uint32(group_stride_words), np.uint32(first_peer),
          np.uint32(expected_epoch & 0xFFFFFFFF), np.uint64(err.ptr), err.claim,
