@@ -34,8 +34,11 @@ export CUFLUX_FAIL_LOG="$L/failures.log"  # tests/mpi.py writes each failure the
 mkdir -p "$CUFLUX_CACHE_DIR"; chmod 700 "$CUFLUX_CACHE_DIR"
 [ -d .cubins ] && cp -n .cubins/* "$CUFLUX_CACHE_DIR"/ 2>/dev/null
 MPI=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
+# Ranks left by an earlier step or call (a warm machine is reused) hold GPU memory: sweep them.
+sweep() { pkill -9 -f "tests.rank_main|cuflux.bench|scripts/(examples/)?[a-z_]+\.py" 2>/dev/null; }
 step() { local log=$1 cap=$2; shift 2; echo "=== [$cap s] $*" >>"$log"; local t0=$SECONDS
-         timeout "$cap" "$@" >>"$log" 2>&1; echo "=== rc=$? in $((SECONDS - t0)) s" >>"$log"; }
+         timeout -k 10 "$cap" "$@" >>"$log" 2>&1; echo "=== rc=$? in $((SECONDS - t0)) s" >>"$log"
+         sweep; }
 TEST_END=$((SECONDS + ${CUFLUX_TEST_BUDGET_S:-360}))
 tests() { local g=$1 ws=$2 cap=$3; shift 3; cap=$(( cap < TEST_END - SECONDS ? cap : TEST_END - SECONDS ))
           [ "$cap" -gt 5 ] || { echo "=== skipped (test budget spent): $*" >>"$L/tests-$g.log"; return; }
@@ -80,7 +83,8 @@ finish() {
   [ -e "$B" ] && { echo "##### bench"; grep -vE "^\s*$" "$B" | cut -c1-220 | tail -70; }
 }
 
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv >>"$B" 2>&1
+sweep
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv >>"$B" 2>&1
 python -c "from cuda.bindings import nvrtc; print('NVRTC', nvrtc.nvrtcVersion()[1:])" >>"$B" 2>&1
 # One compile of everything missing from the cache, before ranks wait on each other for it.
 step "$B" 240 python -c "from cuflux import kernels; [kernels.load(f) for f in kernels.families()]"

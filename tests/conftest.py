@@ -1,5 +1,24 @@
 """pytest hooks for the rank pools that tests/mpi.py keeps between tests."""
 
+import os
+import signal
+
+
+def _kill_pools_then_die(signum, frame):
+    """A pytest ended by `timeout` (SIGTERM) or a closed terminal (SIGHUP) takes its rank pools
+    with it: each pool runs in its own session, so without this its ranks outlive pytest and
+    hold the GPU (on a reused machine the next run's W = 8 ranks then failed to allocate)."""
+    from tests.mpi import kill_pools
+
+    kill_pools()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def pytest_configure(config):
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _kill_pools_then_die)
+
 
 def pytest_collection_modifyitems(session, config, items):
     """Within each test module, run the cases of one world size W together (stable otherwise),

@@ -172,6 +172,12 @@ def close_pools() -> None:
         _POOLS.popitem()[1].close()
 
 
+def kill_pools() -> None:
+    """No goodbye: every pool's process group killed at once (pytest itself is being ended)."""
+    while _POOLS:
+        _kill(_POOLS.popitem()[1].proc)
+
+
 def _run_once(world_size: int, target: str, kwargs: dict, outdir: str, timeout_s: float):
     cmd = mpiexec() + ["-n", str(world_size), sys.executable, "-m", "tests.rank_main", target,
                        json.dumps(kwargs), outdir]
