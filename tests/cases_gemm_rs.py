@@ -36,6 +36,7 @@ def _op(world, *args, **kwargs):
     already in the next collective, and a collective close would wait for them until the test's
     deadline. The rank exits instead (tests/rank_main.py) and mpiexec ends the others at once."""
     kwargs.setdefault("timeout_s", WAIT_S)
+    kwargs.setdefault("route", "fused")  # the fused kernel even at small M (not cuBLAS + RS)
     op = GemmReduceScatter(world, *args, **kwargs)
     yield op
     op.close()
@@ -195,11 +196,13 @@ def _run_exact(world, op, case, seed):
                 f"[{i}, {j}]: got {float(got[i, j])}, want {float(ref[i, j])} (seed {seed})")
 
 
-def _exact_case(world, impl, reduce, layout, case, config, seed, w1="gemm"):
+def _exact_case(world, impl, reduce, layout, case, config, seed, w1="gemm", route="fused"):
     rows, n, k, dtype, out_dtype, _ = case
     W = world.size
     with _op(world, (rows + 2) * W, n, k, dtype, out_dtype=out_dtype, b_layout=layout,
-             reduce=reduce, impl=impl, config=config, w1=w1) as op:
+             reduce=reduce, impl=impl, config=config, w1=w1, route=route) as op:
+        if W > 1:
+            assert op.plan(rows * W) == route, (route, op.plan(rows * W))
         _run_exact(world, op, case, seed)
 
 
@@ -208,7 +211,8 @@ def exact_routing(world, seed, impls):
     output equals the float64 reference bit for bit, for both cores, both reduce modes, both
     b layouts, both Hopper configurations, odd shapes (rows per rank 1, 37, 64, 129, 300:
     tiles shared by several owners), with and without bias; at W = 1 also the fused kernel
-    itself (not only the plain GEMM the op uses there)."""
+    itself (not only the plain GEMM the op uses there); at W > 1 also the unfused route
+    (cuflux.gemm into a partial, then the op's reduce-scatter) with the first core."""
     count = 0
     for impl in impls:
         for reduce in REDUCE_MODES:
@@ -219,6 +223,10 @@ def exact_routing(world, seed, impls):
                         config = ("256x128s4c1", "128x256s4c1")[(i + len(layout)) % 2]
                     for w1 in (W1_MODES if world.size == 1 else ["gemm"]):
                         _exact_case(world, impl, reduce, layout, case, config, seed + i, w1)
+                        count += 1
+                    if world.size > 1 and impl == impls[0]:
+                        _exact_case(world, impl, reduce, layout, case, None, seed + i,
+                                    route="unfused")
                         count += 1
     return count
 
@@ -314,13 +322,14 @@ def reduce_scatter_exact(world, seed):
 
 # ---- back to back -------------------------------------------------------------------------------
 def back_to_back(world, seed, reduce, calls=1000):
-    """`calls` calls without a host sync, M changing every call (rows per rank 1..64), bias on
-    every third, a comm-only reduce_scatter every tenth (sharing the op's epochs); then every
+    """`calls` calls without a host sync, M changing every call (rows per rank 1..160), bias on
+    every third, a comm-only reduce_scatter every tenth (sharing the op's epochs), route="auto"
+    (M on both sides of UNFUSED_BELOW_M at W > 1: fused and unfused calls interleave); then every
     result is checked."""
     import cupy as cp
 
     W, me = world.size, world.rank
-    n, k, max_rows, sets = 136, 64, 64, 3
+    n, k, max_rows, sets = 136, 64, 160, 3
     max_m = max_rows * W
     dtype = "bfloat16"
     ops_in, totals, partials, part_sums = [], [], [], []
@@ -335,7 +344,9 @@ def back_to_back(world, seed, reduce, calls=1000):
     issued = []
     cp.cuda.Device().synchronize()
     world.barrier()  # every rank's operands ready: the waits' bound is for the protocol
-    with _op(world, max_m, n, k, dtype, b_layout="nk", reduce=reduce) as op:
+    with _op(world, max_m, n, k, dtype, b_layout="nk", reduce=reduce, route="auto") as op:
+        if W > 1:  # both routes are exercised
+            assert {op.plan(r * W) for r in range(1, max_rows + 1)} == {"fused", "unfused"}
         for i in range(calls):
             rows = 1 + (i * 37) % max_rows
             M, st, with_bias = rows * W, i % sets, i % 3 == 0

@@ -49,3 +49,16 @@ def test_capture_refusal_names_the_op_and_why(monkeypatch):
         base.refuse_capture("Op", 0, "because")
     monkeypatch.setattr(launch, "capturing", lambda s: False)
     base.refuse_capture("Op", 0, "because")
+
+
+def test_unfused_below_m_is_gemms_cublas_boundary():
+    """route="auto" runs a fused op unfused exactly where cuflux.gemm's untuned rule takes
+    cuBLAS: below that the fused kernel (cuflux's GEMM core) loses to cuBLAS."""
+    from cuflux.gemm_tuner import CUBLAS, CUBLAS_BELOW_M, heuristic
+
+    assert base.UNFUSED_BELOW_M == CUBLAS_BELOW_M
+    for M in (1, 16, 255, 256, 257, 4096):
+        assert (base.fused_route("auto", M) == "unfused") == (heuristic(M, 8192, 8192) == CUBLAS)
+    assert base.fused_route("fused", 1) == "fused" and base.fused_route("unfused", 8192) == "unfused"
+    with pytest.raises(ValueError, match="Op: route must be one of"):
+        base.check_route("Op", "sometimes")

@@ -250,6 +250,7 @@ def _fake_world(W=2, rank=0, device=None, kind="nvlink", peer_values=None):
     (dict(impl="cuda"), ValueError, "impl must be"),
     (dict(config="128x128s6c1"), ValueError, "config must be one of"),
     (dict(w1="plain"), ValueError, r"w1 must be one of \('gemm', 'fused'\)"),
+    (dict(route="cublas"), ValueError, r"route must be one of \('auto', 'fused', 'unfused'\)"),
     (dict(timeout_s=0), ValueError, "timeout_s must be a finite number of seconds > 0"),
     (dict(max_m=0), ValueError, "max_m must be an int"),
     (dict(max_m=1.5), ValueError, "max_m must be an int"),
@@ -265,6 +266,25 @@ def test_constructor_checks(kwargs, exc, text):
     with pytest.raises(exc, match=text) as e:
         GemmReduceScatter(_fake_world(), **args)
     assert "GemmReduceScatter" in str(e.value)
+
+
+@pytest.mark.parametrize("W,w1,route,M,want", [
+    (4, "gemm", "auto", 252, "unfused"),  # a GEMM of 252 rows: cuBLAS's side
+    (2, "gemm", "auto", 254, "unfused"),
+    (2, "gemm", "auto", 256, "fused"),
+    (8, "gemm", "auto", 8, "unfused"),
+    (8, "gemm", "auto", 4096, "fused"),
+    (2, "gemm", "fused", 2, "fused"),
+    (2, "gemm", "unfused", 8192, "unfused"),
+    (1, "gemm", "fused", 4096, "gemm"),    # W = 1: w1 decides, nothing to reduce
+    (1, "fused", "unfused", 8, "fused"),
+])
+def test_plan_is_a_function_of_m_and_the_agreed_arguments(W, w1, route, M, want):
+    """Every rank must take the same route (the two use different flag protocols): plan(M)
+    reads nothing but M, the world size, w1 and route (no tuner table, no timing)."""
+    op = object.__new__(GemmReduceScatter)
+    op.world, op.w1, op.route = SimpleNamespace(size=W), w1, route
+    assert op.plan(M) == want
 
 
 def test_mismatched_arguments_between_ranks_found_at_construction():

@@ -17,7 +17,7 @@ Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
   fused_kernel_ms  W = 1: the fused kernel itself (an op built with w1="fused"; the default
                    w1="gemm" runs the plain GEMM there), i.e. what the RS epilogue costs
                    without any peer
-The JSON's knobs record the op's w1 per timed column (knobs.op_args).
+The JSON's knobs record the op's w1 and route per timed column (knobs.op_args).
 Shapes: Flux's 4096 x 12288 x 49152 (K split over the ranks), Llama-70B row-parallel layers
 (8192 x 8192 x 8192 and 8192 x 8192 x 28672), and n <= 4096 cases. Inputs rotate through sets
 larger than three times the L2. With ranks sharing one GPU, times measure time-slicing, not
@@ -66,8 +66,9 @@ def cases(world_size: int, quick: bool) -> list[tuple[str, int, int, int]]:
 
 def op_args(world_size: int, rows) -> dict:
     """The op's constructor knobs per timed column (the JSON's knobs.op_args): w1, what
-    GemmReduceScatter runs at W = 1 (ignored at W > 1)."""
-    args = {"cuflux_ms": {"w1": "gemm"}}
+    GemmReduceScatter runs at W = 1 (ignored at W > 1), and route (every shape here has
+    M >= UNFUSED_BELOW_M: "auto" runs the fused kernel)."""
+    args = {"cuflux_ms": {"w1": "gemm", "route": "auto"}}
     if world_size == 1 and any("fused_kernel_ms" in r for r in rows):
         args["fused_kernel_ms"] = {"w1": "fused"}
     return args

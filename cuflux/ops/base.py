@@ -29,7 +29,7 @@ from cuflux.resource import Closeable
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
-           "check_no_alias"]
+           "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
 # peer that is compiling kernels on first use (up to ~40 s a file, once per machine) to be
@@ -37,6 +37,17 @@ __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ra
 DEFAULT_TIMEOUT_S = 30.0
 
 _SM_COUNTS: dict[int, int] = {}
+
+# A fused GEMM + collective op (GemmReduceScatter, AllGatherGemm) runs one of two routes:
+# "fused" (its own kernel: the GEMM core with the communication in its prologue or epilogue) or
+# "unfused" (cuflux.gemm, which takes cuBLAS at small M, then the op's own collective through the
+# same buffers). route="auto" runs unfused below UNFUSED_BELOW_M rows of the GEMM: there cuflux's
+# GEMM core loses to cuBLAS (gemm's own untuned rule, CUBLAS_BELOW_M) and there is too little GEMM
+# time to hide the communication under. The rule is a function of M alone (agreed by every rank),
+# never of the tuner's per-machine table: the two routes use different flag protocols, so every
+# rank must take the same one without asking.
+ROUTES = ("auto", "fused", "unfused")
+UNFUSED_BELOW_M = 256  # = cuflux.gemm_tuner.CUBLAS_BELOW_M (tests/test_base_cpu.py checks it)
 
 
 
@@ -67,6 +78,19 @@ def check_timeout(op: str, timeout_s) -> float:
         raise ValueError(f"{op}: timeout_s must be a finite number of seconds > 0, "
                          f"got {timeout_s!r}")
     return float(timeout_s)
+
+
+def check_route(op: str, route) -> str:
+    if route not in ROUTES:
+        raise ValueError(f"{op}: route must be one of {ROUTES}, got {route!r}")
+    return route
+
+
+def fused_route(route: str, M: int) -> str:
+    """"fused" or "unfused": what a call whose GEMM has M rows runs (see ROUTES)."""
+    if route != "auto":
+        return route
+    return "unfused" if M < UNFUSED_BELOW_M else "fused"
 
 
 def refuse_capture(op: str, stream, why: str) -> None:

@@ -16,6 +16,10 @@ the owner's accumulator (NVLink or one shared GPU only: peer atomics fail over P
 At W = 1 nothing moves: the op is the plain GEMM (cuflux.gemm) writing out directly, unless it
 was built with w1="fused" (the fused kernel itself, for tests and benchmarks).
 
+Small M runs unfused (route="auto", `op.plan(M)` says which): cuflux.gemm (cuBLAS there) into a
+partial, then `reduce_scatter` — the fused kernel is cuflux's GEMM core, which loses to cuBLAS
+below UNFUSED_BELOW_M rows (cuflux.ops.base.ROUTES says why the rule depends on M alone).
+
 `GemmReduceScatter.reduce_scatter(partial)` is the same reduce-scatter on an already computed
 partial (e.g. cuBLAS's): the unfused baseline, through the same buffers, flags and order.
 `reference_gemm_rs` is the float64 golden model.
@@ -27,8 +31,8 @@ import numpy as np
 from cuflux import gemm_core as core
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
-                             require_world_device)
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_route,
+                             check_timeout, fused_route, require_world_device)
 from cuflux.ops.gemm import gemm
 from cuflux.sizes import count
 from cuflux.symmetric import Layout
@@ -184,6 +188,9 @@ class GemmReduceScatter(CommOp):
         cuflux.gemm, with the tuner's choice unless config is given) or "fused" (the fused
         kernel itself, flags and all; tests and benchmarks compare it with the plain GEMM).
         Ignored at W > 1.
+      route: at W > 1, "auto" (default: unfused below UNFUSED_BELOW_M rows, fused from
+        there), "fused" (always the fused kernel) or "unfused" (always cuflux.gemm into a
+        partial, then reduce_scatter). `plan(M)` says what a call with M rows runs.
 
     Calls of one op must be ordered on each rank (one stream, or streams the caller orders),
     every rank must make the same calls with the same M, and the epoch is a launch argument,
@@ -193,7 +200,8 @@ class GemmReduceScatter(CommOp):
     def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
                  b_layout: str = "kn", reduce: str = "deterministic",
                  timeout_s: float = DEFAULT_TIMEOUT_S,
-                 impl: str = "auto", config: str | None = None, w1: str = "gemm"):
+                 impl: str = "auto", config: str | None = None, w1: str = "gemm",
+                 route: str = "auto"):
         dt = dtype_info(dtype, _IN, _OP)
         odt = dtype_info(out_dtype if out_dtype is not None else dt.name,
                          (dt.name, "float32"), _OP)
@@ -209,6 +217,7 @@ class GemmReduceScatter(CommOp):
             raise ValueError(f"{_OP}: config must be one of {SM90_RS_CONFIGS}, got {config!r}")
         if w1 not in W1_MODES:
             raise ValueError(f"{_OP}: w1 must be one of {W1_MODES}, got {w1!r}")
+        check_route(_OP, route)
         check_timeout(_OP, timeout_s)
         max_m = count(_OP, "max_m", max_m, W, MAX_DIM,
                       f"the GEMM's M: world size {W} * the rows each rank receives")
@@ -217,9 +226,10 @@ class GemmReduceScatter(CommOp):
         k = count(_OP, "k", k, 8, MAX_DIM // 8 * 8,
                   "this rank's slice of K; rows move in 16-byte pieces", 8)
         require_world_device(world, _OP)
-        world.check_same((int(max_m), int(n), dt.name, odt.name, b_layout, reduce, impl, config),
+        world.check_same((int(max_m), int(n), dt.name, odt.name, b_layout, reduce, impl, config,
+                          route),
                          f"{_OP} arguments (max_m, n, dtype, out_dtype, b_layout, reduce, impl, "
-                         f"config)")
+                         f"config, route)")
         # Decided together, so that every rank raises (or none does) before the collective
         # allocation, and every rank runs kernels of one tile geometry (tile flags are indexed
         # by it): the Hopper core only where every rank is on sm_90a.
@@ -240,9 +250,10 @@ class GemmReduceScatter(CommOp):
         self.max_m, self.n, self.k = int(max_m), int(n), int(k)
         self.b_layout, self.reduce, self.atomic = b_layout, reduce, reduce == "atomic"
         self.impl = "sm90" if all(h for _, h in everyone) else "sm80"
+        self._impl_arg = impl  # the unfused route's GEMM: "auto" lets cuflux.gemm take cuBLAS
         self.config = config or SM90_RS_DEFAULT
         self._config_given = config is not None  # W = 1: else the GEMM's tuner picks
-        self.w1 = w1
+        self.w1, self.route = w1, route
         self._closed = True  # until the buffers exist
         super().__init__(world, _OP, timeout_s)
         sms, sharing = self.num_sms, self.sharers
@@ -261,10 +272,18 @@ class GemmReduceScatter(CommOp):
         self._alloc(self.layout)
         # Eager: nothing may load a module while a peer's kernel waits on this rank.
         self.module = kernels.load(_SRC, world.device)
-        if W == 1:
+        if W == 1 or route != "fused":
             kernels.load("gemm.cu", world.device)
         self.epoch = 0
         self._closed = False
+
+    def plan(self, M: int) -> str:
+        """What a call whose a has M rows runs: "gemm" (W = 1, w1="gemm": the plain GEMM),
+        "fused" (the fused kernel) or "unfused" (cuflux.gemm into a partial, then
+        reduce_scatter). The same on every rank (a function of M and the agreed route)."""
+        if self.world.size == 1:
+            return "fused" if self.w1 == "fused" else "gemm"
+        return fused_route(self.route, M)
 
     # ---- checks -------------------------------------------------------------------------------
     def _check_rows(self, M: int, what: str) -> None:
@@ -399,12 +418,20 @@ class GemmReduceScatter(CommOp):
         if M == 0:  # every rank has M = 0 (M must agree): nothing to do, no epoch
             return to_caller(out, a_in, out_in)
         self._last_stream = s
-        if self.world.size == 1 and self.w1 == "gemm":
+        route = self.plan(M)
+        if route == "gemm":
             gemm(a, b, bias=bias, out=out, b_layout=self.b_layout, impl=self.impl, stream=s,
                  config=self.config if self.impl == "sm90" and self._config_given else None)
             return to_caller(out, a_in, out_in)
         self._no_capture(s, _NO_CAPTURE)
-        self._launch_fused(a, b, bias, out, M, s)
+        if route == "fused":
+            self._launch_fused(a, b, bias, out, M, s)
+        else:  # cuflux.gemm's own choice (cuBLAS at small M), then the op's reduce-scatter
+            # The partial comes from the pool arena of s (gemm allocates on its stream), and
+            # only this rank reads it: freed when it goes out of scope, reused after the copy.
+            partial = gemm(a, b, out_dtype=self.out_dtype.name, b_layout=self.b_layout,
+                           impl=self._impl_arg, stream=s)
+            self._reduce_scatter(partial, bias, out, M, s)
         return to_caller(out, a_in, out_in)
 
     def reduce_scatter(self, partial, bias=None, out=None, stream=None):
@@ -425,12 +452,14 @@ class GemmReduceScatter(CommOp):
             self._agree(M, "M of the call")
         if M == 0:
             return to_caller(out, p_in, out_in)
-        odt = self.out_dtype
-        name = copy_kernel(self.dtype.cuda_type, odt.cuda_type, self.atomic)
-        tiles = -(-M // COPY_TILE[0]) * -(-self.n // COPY_TILE[1])
         self._last_stream = s
         self._no_capture(s, _NO_CAPTURE)
+        self._reduce_scatter(partial, bias, out, M, s)
+        return to_caller(out, p_in, out_in)
+
+    def _reduce_scatter(self, partial, bias, out, M: int, s) -> None:
+        name = copy_kernel(self.dtype.cuda_type, self.out_dtype.cuda_type, self.atomic)
+        tiles = -(-M // COPY_TILE[0]) * -(-self.n // COPY_TILE[1])
         args = (partial, np.int32(M), np.int32(self.n)) + self._tail(out, bias, M, COPY_TILE[0])
         kernels.launch(self.module[name], (min(tiles, self.max_ctas["copy"]),), (COPY_THREADS,),
                        args, s, op=_OP, name=name)
-        return to_caller(out, p_in, out_in)
