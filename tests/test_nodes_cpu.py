@@ -1,0 +1,202 @@
+"""CPU tests of cuflux.nodes: nodes found from hosts and P2P rows, and every cross-node plan
+played on NumPy arrays over fake layouts (2 x 1, 2 x 2, 2 x 4, 4 x 2, ranks interleaved over
+hosts), checked against the op's definition. A plan that sends a row twice, misses one, uses
+NCCL inside a node or IPC across nodes fails here."""
+
+import numpy as np
+import pytest
+
+from cuflux.errors import CufluxError
+from cuflux.nodes import (NodeLayout, all2all_plan, allgather_plan, allreduce_plan, gemm_rs_plan,
+                          node_layout, row_shards)
+
+
+def _p2p_by_host(hosts):
+    return [[hosts[r] == hosts[p] for p in range(len(hosts))] for r in range(len(hosts))]
+
+
+def _layout(num_nodes, node_size, interleaved=False):
+    W = num_nodes * node_size
+    hosts = [f"h{(r % num_nodes) if interleaved else (r // node_size)}" for r in range(W)]
+    return node_layout(hosts, _p2p_by_host(hosts))
+
+
+LAYOUTS = [(2, 1, False), (2, 2, False), (2, 4, False), (4, 2, False), (2, 2, True),
+           (4, 2, True), (1, 4, False)]
+
+
+def _ids(v):
+    return "x".join(str(x) for x in v[:2]) + ("-interleaved" if v[2] else "")
+
+
+# ---- node discovery ----------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", LAYOUTS, ids=_ids)
+def test_nodes_follow_hosts(shape):
+    n, k, inter = shape
+    lay = _layout(n, k, inter)
+    assert lay.num_nodes == n and lay.node_size == k and lay.world_size == n * k
+    for r in range(n * k):
+        assert r in lay.node_peers(r)
+        rail = lay.rail(r)
+        assert r in rail and len(rail) == n
+        assert len({lay.node_of(p) for p in rail}) == n            # one per node
+        assert {lay.local_index(p) for p in rail} == {lay.local_index(r)}
+
+
+def test_node_size_splits_one_host_into_emulated_nodes():
+    hosts = ["a"] * 8
+    lay = node_layout(hosts, _p2p_by_host(hosts), node_size=4)
+    assert lay.nodes == ((0, 1, 2, 3), (4, 5, 6, 7))
+    assert node_layout(hosts[:2], _p2p_by_host(hosts[:2]), node_size=1).nodes == ((0,), (1,))
+
+
+@pytest.mark.parametrize("hosts,node_size,text", [
+    (["a", "a", "a", "b"], None, "same number of ranks"),
+    (["a", "a", "b", "b", "b", "b"], None, "same number of ranks"),
+    (["a"] * 4, 3, "node_size=3 does not divide"),
+    (["a"] * 4, 0, "node_size must be an int >= 1"),
+])
+def test_uneven_nodes_are_refused(hosts, node_size, text):
+    with pytest.raises((CufluxError, ValueError), match=text):
+        node_layout(hosts, _p2p_by_host(hosts), node_size)
+
+
+def test_p2p_islands_inside_one_host():
+    # two PCIe switches without P2P between them: two nodes on one host
+    hosts = ["a"] * 4
+    p2p = [[(r < 2) == (p < 2) for p in range(4)] for r in range(4)]
+    assert node_layout(hosts, p2p).nodes == ((0, 1), (2, 3))
+    # 0 reaches 1 and 2, but 1 and 2 do not reach each other: no node holds all three
+    p2p = [[True, True, True], [True, True, False], [True, False, True]]
+    with pytest.raises(CufluxError, match="not each other"):
+        node_layout(["a"] * 3, p2p)
+
+
+def test_a_layout_must_hold_every_rank_once():
+    with pytest.raises(CufluxError, match="every rank once"):
+        NodeLayout(((0, 1), (1, 2)))
+
+
+def test_row_shards_cover_rows_once():
+    for rows in (0, 1, 7, 8, 1023):
+        for parts in (1, 2, 3, 8):
+            sh = row_shards(rows, parts)
+            assert sh[0][0] == 0 and sh[-1][1] == rows and len(sh) == parts
+            assert all(a[1] == b[0] for a, b in zip(sh, sh[1:]))
+            assert max(h - l for l, h in sh) - min(h - l for l, h in sh) <= 1
+
+
+# ---- plans played on arrays ----------------------------------------------------------------------
+def _check_groups(lay, rank, steps):
+    """IPC only inside the node, NCCL only across the rail."""
+    for st in steps:
+        if st.via == "ipc":
+            assert set(st.group) <= set(lay.node_peers(rank)), (rank, st)
+        else:
+            assert st.via == "nccl" and st.group == lay.rail(rank), (rank, st)
+
+
+@pytest.mark.parametrize("shape", LAYOUTS, ids=_ids)
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_allreduce_plan_sums_every_rank(shape, rows):
+    lay = _layout(*shape)
+    W = lay.world_size
+    rng = np.random.default_rng(rows * 31 + W)
+    x = [rng.standard_normal((rows, 3)) for _ in range(W)]
+    plans = [allreduce_plan(lay, r, rows) for r in range(W)]
+    for r in range(W):
+        _check_groups(lay, r, plans[r])
+    want = sum(x)
+    if lay.num_nodes == 1:
+        assert all(p[0].what == "allreduce" and p[0].group == lay.nodes[0] for p in plans)
+        return
+    shards = row_shards(rows, lay.node_size)
+    # step 1: local rank i gets its node's sum of shard i
+    node_sum = {}
+    for r in range(W):
+        lo, hi = shards[lay.local_index(r)]
+        assert plans[r][1].rows == (lo, hi)
+        node_sum[r] = sum(x[p][lo:hi] for p in plans[r][0].group)
+    # step 2: across the rail, the node sums of shard i are summed
+    full = {r: sum(node_sum[p] for p in plans[r][1].group) for r in range(W)}
+    # step 3: every rank gathers the shards of its node peers
+    for r in range(W):
+        got = np.zeros_like(want)
+        for p in plans[r][2].group:
+            lo, hi = shards[lay.local_index(p)]
+            got[lo:hi] = full[p]
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", LAYOUTS, ids=_ids)
+@pytest.mark.parametrize("rows_per_rank", [1, 3])
+def test_gemm_rs_plan_gives_each_owner_its_rows_summed(shape, rows_per_rank):
+    lay = _layout(*shape)
+    W = lay.world_size
+    M = rows_per_rank * W
+    rng = np.random.default_rng(M)
+    c = [rng.standard_normal((M, 4)) for _ in range(W)]
+    plans = [gemm_rs_plan(lay, r, M) for r in range(W)]
+    partial = {}  # (rank, owner) -> the rank's node sum of the owner's rows
+    for r in range(W):
+        _check_groups(lay, r, plans[r])
+        node_steps = [s for s in plans[r] if s.what == "reduce_node_rows"]
+        assert len(node_steps) == lay.num_nodes
+        for st, owner in zip(node_steps, lay.rail(r)):
+            assert st.rows == (owner * rows_per_rank, (owner + 1) * rows_per_rank)
+            partial[r, owner] = sum(c[p][slice(*st.rows)] for p in st.group)
+    for o in range(W):  # the reduce-scatter across o's rail: every rail member's partial of o
+        got = sum(partial[p, o] for p in lay.rail(o))
+        want = sum(c[p][o * rows_per_rank:(o + 1) * rows_per_rank] for p in range(W))
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    # every owner's rows are summed by exactly one rank per node (no row twice, none missed)
+    for o in range(W):
+        assert sorted(lay.node_of(r) for r in range(W) if (r, o) in partial) == \
+            list(range(lay.num_nodes))
+    with pytest.raises(ValueError, match="not divisible"):
+        gemm_rs_plan(lay, 0, M + 1)  # every layout here has W > 1
+
+
+@pytest.mark.parametrize("shape", LAYOUTS, ids=_ids)
+def test_allgather_plan_brings_every_block_once_from_a_rank_that_has_it(shape):
+    lay = _layout(*shape)
+    W = lay.world_size
+    plans = [allgather_plan(lay, r) for r in range(W)]
+    have = {r: {r} for r in range(W)}
+    copied = {r: [] for r in range(W)}
+
+    def copies(r, phase):
+        steps = plans[r]
+        cut = next((i for i, s in enumerate(steps) if s.via == "nccl"), len(steps))
+        return steps[:cut] if phase == 0 else steps[cut + 1:]
+
+    for r in range(W):
+        _check_groups(lay, r, plans[r])
+    for phase in (0, 1):
+        if phase == 1:  # NCCL all-gather across each rail (all ranks reach it first)
+            for r in range(W):
+                have[r] |= set(lay.rail(r))
+        for r in range(W):
+            for st in copies(r, phase):
+                (p,), (src, _) = st.group, st.rows
+                assert src in have[p], f"rank {r} copies block {src} from {p} before it is there"
+                copied[r].append(src)
+        for r in range(W):
+            have[r] |= set(copied[r])
+    for r in range(W):
+        assert have[r] == set(range(W))
+        received = copied[r] + ([p for p in lay.rail(r) if p != r] if lay.num_nodes > 1 else [])
+        assert sorted(received) == sorted(set(range(W)) - {r}), (r, received)  # each once
+        # node-local blocks are copied before any remote one (a GEMM starts on them)
+        local = [s for s in copied[r] if lay.node_of(s) == lay.node_of(r)]
+        assert copied[r][:len(local)] == local
+
+
+@pytest.mark.parametrize("shape", LAYOUTS, ids=_ids)
+def test_all2all_plan_splits_peers_into_ipc_and_nccl(shape):
+    lay = _layout(*shape)
+    for r in range(lay.world_size):
+        plan = all2all_plan(lay, r)
+        assert set(plan["ipc"]).isdisjoint(plan["nccl"]) and r not in plan["ipc"] + plan["nccl"]
+        assert set(plan["ipc"]) | set(plan["nccl"]) | {r} == set(range(lay.world_size))
+        assert set(plan["ipc"]) == set(lay.node_peers(r)) - {r}
