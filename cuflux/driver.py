@@ -4,7 +4,7 @@ Stream memory operations: `stream_write_value32/64` store a value to a device ad
 or a peer's, through an IPC pointer) once all earlier work on the stream is done, with a
 memory barrier first, so data copied earlier on the stream is visible before the flag;
 `stream_wait_value32/64` hold the stream until a word reaches a value, using no SM. A stream
-wait is unbounded, so cuflux's own paths use the bounded wait kernel (ops/signal.py) and keep
+wait is unbounded, so cuflux's own paths use the bounded wait kernel (signal.py) and keep
 these for callers who want them.
 
 Host-mapped memory (`host_register`, `host_device_pointer`, `host_address`): pinned host pages

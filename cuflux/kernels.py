@@ -92,7 +92,7 @@ class KernelFamily:
 # is asked for, so kernels.py sits below the ops with no import circle. A new .cu needs a line
 # here (tests/test_compile_cpu.py checks that every kernels_cu/*.cu has one).
 _FAMILY_MODULES = {
-    "signal.cu": "cuflux.ops.signal",
+    "signal.cu": "cuflux.signal",
     "allreduce.cu": "cuflux.ops.allreduce",
     "all2all.cu": "cuflux.ops.all2all",
     "gemm.cu": "cuflux.gemm_core",

@@ -1,4 +1,5 @@
-"""Stream-side bounded flag waits (kernels_cu/signal.cu), shared by the host-driven DMA paths."""
+"""Transport, not an op: stream-side bounded flag waits (kernels_cu/signal.cu), shared by the
+host-driven DMA path (AllGather built with wait="kernel")."""
 from __future__ import annotations
 
 import numpy as np

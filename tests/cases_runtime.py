@@ -9,7 +9,7 @@ import numpy as np
 import cuflux
 from cuflux import driver
 from cuflux.errors import CommTimeoutError, ErrorRecord
-from cuflux.ops.signal import wait_flags
+from cuflux.signal import wait_flags
 from cuflux.symmetric import Layout
 
 

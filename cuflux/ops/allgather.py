@@ -40,7 +40,7 @@ from cuflux.arrays import as_cupy, check_array, dtype_info, is_torch, stream_of,
 from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_timeout, on_op_device, on_world_device,
                              refuse_capture)
-from cuflux.ops.signal import wait_flags
+from cuflux.signal import wait_flags
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 from cuflux.topology import transfer_order
