@@ -6,6 +6,7 @@
 #   bash scripts/gpu.sh multi              ranks on distinct GPUs (W = GPU count): every bench
 #                                          with its NCCL baseline, then the comm tests at that W
 #   bash scripts/gpu.sh multi-tests        the other GPU tests at W = GPU count (a second call)
+#   bash scripts/gpu.sh pytest NAME WS CAP ARGS...   one capped pytest run (log tests-NAME.log)
 # Groups (tests; the benches of the groups named run after all tests):
 #   runtime   World, symmetric memory, AllGather, watchdog, reliability  | bench: allgather W=1,2,8
 #   comm      AllReduce(+RMSNorm), All2AllHeads                          | allreduce, all2all W=1
@@ -25,7 +26,7 @@
 # carried in .cubins/; cubins compiled here come back in $OUT/logs.tgz under cubins/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] || { sed -n 2,26p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,27p "$0"; exit 2; }
 OUT="${OUT:-$(pwd)/out}"; L="$OUT/logs"; mkdir -p "$L"; B="$L/bench.log"
 export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
@@ -103,6 +104,8 @@ case $1 in
     CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 90 python -m pytest -q -rf \
       tests/test_all2all.py tests/test_allreduce.py
     finish ;;
+  pytest)  # one capped pytest run of chosen tests: pytest NAME WS CAP PYTEST-ARGS...
+    TEST_END=$((SECONDS + $4)); tests "$2" "$3" "$4" "${@:5}"; finish ;;
   multi-tests)  # a second device call: every GPU test at W = GPU count, a rank per GPU
     W=$(nvidia-smi -L | wc -l)
     CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 540 python -m pytest -q -rf \
