@@ -368,6 +368,26 @@ def back_to_back(world, seed, reduce, calls=1000):
     return len(issued)
 
 
+# ---- epochs near the 32-bit wrap -------------------------------------------------------------------
+def epoch_wrap(world, seed):
+    """An op whose count is past 2^31 (its flags still 0: never-written slots would compare as
+    reached there) re-arms before its next call, and an op crossing EPOCH_REARM_AT mid-run
+    re-arms between two calls: every result stays exact, the count restarts from 1."""
+    from cuflux.ops.base import EPOCH_REARM_AT
+
+    rows, n, k, dtype, out_dtype, _ = case = EXACT_CASES[3]
+    W = world.size
+    with _op(world, (rows + 2) * W, n, k, dtype, out_dtype=out_dtype, reduce="deterministic",
+             route="fused") as op:
+        op.epoch = 2**31 + 8
+        _run_exact(world, op, case, seed)          # re-arm, then epochs 1 and 2
+        assert op.epoch == 2, op.epoch
+        op.epoch = EPOCH_REARM_AT - 1
+        _run_exact(world, op, case, seed + 1)      # epoch EPOCH_REARM_AT, re-arm, epoch 1
+        assert op.epoch == 1, op.epoch
+    return True
+
+
 # ---- failures -----------------------------------------------------------------------------------
 def timeout(world, timeout_s=2.0):
     """The last rank never computes: the others raise CommTimeoutError naming it within the

@@ -62,3 +62,78 @@ def test_unfused_below_m_is_gemms_cublas_boundary():
     assert base.fused_route("fused", 1) == "fused" and base.fused_route("unfused", 8192) == "unfused"
     with pytest.raises(ValueError, match="Op: route must be one of"):
         base.check_route("Op", "sometimes")
+
+
+# ---- epoch re-arm (host-counted ops) --------------------------------------------------------------
+class _Stream:
+    def __init__(self, log):
+        self.log = log
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Comm:
+    def __init__(self, log, silent_peer=None):
+        self.log, self.silent_peer = log, silent_peer
+
+    def barrier(self, timeout_s, what):
+        from cuflux.errors import CommTimeoutError
+
+        if self.silent_peer is not None:
+            raise CommTimeoutError("OpComm", 0, self.silent_peer, timeout_s, what)
+        self.log.append("barrier")
+
+
+class _Record:
+    def __init__(self):
+        self.failures = []
+
+    def check(self):
+        pass
+
+    def record_host_failure(self, code, peer, detail):
+        self.failures.append((peer, detail))
+
+
+def _counting_op(log, silent_peer=None):
+    from types import SimpleNamespace
+
+    op = object.__new__(base.CommOp)
+    op.op, op.timeout_s, op.world = "GemmReduceScatter", 5.0, SimpleNamespace(rank=0)
+    op.comm, op.err = _Comm(log, silent_peer), _Record()
+    flags = {"flags": np.full(16, 7, np.uint32), "chunk_flags": np.full(4, 9, np.uint32)}
+    op.buf = SimpleNamespace(local=lambda name: flags[name])
+    op.epoch, op._epoch_regions = 0, ("flags", "chunk_flags")
+    return op, flags
+
+
+def test_epochs_count_up_then_rearm_before_the_32_bit_wrap():
+    """No flag slot can stay unwritten for 2^31 calls: at EPOCH_REARM_AT calls the op drains,
+    zeroes its flags between two barriers and counts from 1 again."""
+    log = []
+    op, flags = _counting_op(log)
+    assert [op._next_epoch(_Stream(log)) for _ in range(3)] == [1, 2, 3] and log == []
+    op.epoch = base.EPOCH_REARM_AT - 1
+    assert op._next_epoch(_Stream(log)) == base.EPOCH_REARM_AT and log == []
+    assert base.EPOCH_REARM_AT < 2**31  # distances below 2^31 compare correctly in sync.cuh
+    assert op._next_epoch(_Stream(log)) == 1
+    assert log == ["sync", "barrier", "sync", "barrier"]
+    assert not flags["flags"].any() and not flags["chunk_flags"].any()
+
+
+def test_a_silent_peer_at_the_rearm_fails_the_op_naming_it():
+    from cuflux.errors import CommTimeoutError
+
+    op, flags = _counting_op([], silent_peer=3)
+    op.epoch = base.EPOCH_REARM_AT
+    with pytest.raises(CommTimeoutError, match="rank 0 timed out .* waiting for rank 3"):
+        op._next_epoch(_Stream([]))
+    assert op.err.failures and op.err.failures[0][0] == 3
+    assert flags["flags"].all()  # nothing zeroed while a peer may still write

@@ -50,6 +50,12 @@ def test_back_to_back_calls_with_changing_m(W, reduce):
 
 
 @pytest.mark.parametrize("W", [w for w in WS if w > 1])
+def test_epochs_rearm_before_the_32_bit_wrap(W):
+    assert run_ranks(W, "tests.cases_gemm_rs:epoch_wrap", timeout_s=120,
+                     seed=fresh_seed()) == [True] * W
+
+
+@pytest.mark.parametrize("W", [w for w in WS if w > 1])
 def test_timeout_names_the_rank_that_never_computes(W):
     res = run_ranks(W, "tests.cases_gemm_rs:timeout", timeout_s=150)
     assert all(set(r["waited"]) == set(MODES) for r in res[:-1]) and res[-1]["waited"] is None

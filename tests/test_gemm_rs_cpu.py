@@ -434,7 +434,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     assert smem == (G.SM90_CONFIGS[R.SM90_RS_DEFAULT].smem_bytes if impl == "sm90"
                     else G.SM80.smem_bytes)
     # the comm-only kernel takes the same tail after (partial, M, N)
-    full = (arr, np.int32(M), np.int32(op.n)) + op._tail(arr, None, M, R.COPY_TILE[0])
+    full = (arr, np.int32(M), np.int32(op.n)) + op._tail(arr, None, M, R.COPY_TILE[0], None)
     check_args("gemm_rs.cu", "rs_tiles", full)
     assert kernel_names("gemm_rs.cu", "rs_tiles")[3:] == names[3:]
 

@@ -47,6 +47,14 @@ _SM_COUNTS: dict[int, int] = {}
 # never of the tuner's per-machine table: the two routes use different flag protocols, so every
 # rank must take the same one without asking.
 ROUTES = ("auto", "fused", "unfused")
+
+# Host-counted call epochs (GemmReduceScatter, AllGather, AllGatherGemm) reach the kernels as
+# 32-bit flag values compared with wrap-around (sync.cuh epoch_reached): a slot left unwritten
+# for 2^31 calls (a tile or chunk beyond the M of every recent call) would read as reached. Long
+# before that the op re-arms (CommOp._next_epoch): each rank drains its work, zeroes its own
+# flags between two bounded barriers and counts again from 1; every rank makes the same calls,
+# so every rank re-arms at the same call.
+EPOCH_REARM_AT = 1 << 30
 UNFUSED_BELOW_M = 256  # = cuflux.gemm_tuner.CUBLAS_BELOW_M (tests/test_base_cpu.py checks it)
 
 
@@ -176,6 +184,8 @@ class CommOp(Closeable):
         self.sharers = ranks_on_my_gpu(world)
         self._agreed: set = set()
         self._last_stream = None  # where this rank's latest call was queued (abort, close)
+        self.epoch = 0  # host-counted ops: the latest call's epoch (see EPOCH_REARM_AT)
+        self._epoch_regions: tuple[str, ...] = ()  # their flag regions in self.buf
 
     def _alloc(self, layout):
         """The op's symmetric buffer, agreed over its own communicator (bounded); on failure
@@ -205,13 +215,43 @@ class CommOp(Closeable):
             return
         try:
             self.comm.check_same(key, f"{self.op}: {what}")
-        except CommTimeoutError as e:  # the op is failed, as if a kernel's wait had expired
-            detail = f"comparing the call's {what} with every rank: no answer from rank {e.peer}"
-            self.err.record_host_failure(OP_CODES[self.op], e.peer, detail)
-            raise CommTimeoutError(self.op, self.world.rank, e.peer, self.timeout_s,
-                                   detail) from e
+        except CommTimeoutError as e:
+            self._host_failure(e, f"comparing the call's {what} with every rank")
         if len(self._agreed) < 4096:
             self._agreed.add(key)
+
+    def _host_failure(self, e: CommTimeoutError, doing: str):
+        """A bounded host exchange of the op timed out: the op is failed, as if a kernel's wait
+        had expired (every later call raises), and the error names the silent peer."""
+        detail = f"{doing}: no answer from rank {e.peer}"
+        self.err.record_host_failure(OP_CODES[self.op], e.peer, detail)
+        raise CommTimeoutError(self.op, self.world.rank, e.peer, self.timeout_s, detail) from e
+
+    def _next_epoch(self, stream) -> int:
+        """The next call's epoch (1, 2, ...; 32-bit in the kernels), re-arming first when the
+        count reaches EPOCH_REARM_AT (collective: every rank reaches it at the same call)."""
+        if self.epoch >= EPOCH_REARM_AT:
+            self._rearm(stream)
+        self.epoch += 1
+        return self.epoch
+
+    def _rearm(self, stream) -> None:
+        """Every flag of this rank's in self._epoch_regions back to 0, and the count to 0. The
+        first barrier: every rank's earlier calls are done (they write into this rank's flags);
+        the second: no rank starts a call (and writes here) before every rank has zeroed."""
+        what = f"re-arming the call epochs after {self.epoch} calls"
+        stream.synchronize()
+        self.err.check()
+        try:
+            self.comm.barrier(self.timeout_s, f"{self.op}: {what}")
+            with stream:
+                for name in self._epoch_regions:
+                    self.buf.local(name).fill(0)
+            stream.synchronize()
+            self.comm.barrier(self.timeout_s, f"{self.op}: {what}")
+        except CommTimeoutError as e:
+            self._host_failure(e, what)
+        self.epoch = 0
 
     def _off_device(self) -> bool:
         """True when the caller's current device is not this op's: the call must then run

@@ -274,7 +274,7 @@ class GemmReduceScatter(CommOp):
         self.module = kernels.load(_SRC, world.device)
         if W == 1 or route != "fused":
             kernels.load("gemm.cu", world.device)
-        self.epoch = 0
+        self._epoch_regions = ("flags",)  # the data slots need no reset: flags guard them
         self._closed = False
 
     def plan(self, M: int) -> str:
@@ -355,11 +355,10 @@ class GemmReduceScatter(CommOp):
         return partial, bias, out, M
 
     # ---- launches -------------------------------------------------------------------------------
-    def _tail(self, out, bias, M: int, bm: int) -> tuple:
+    def _tail(self, out, bias, M: int, bm: int, stream) -> tuple:
         """The kernels' trailing arguments (gemm_rs.cu RsArgs) for the next call."""
         W, me = self.world.size, self.world.rank
-        self.epoch += 1
-        e = self.epoch & 0xFFFFFFFF
+        e = self._next_epoch(stream)
         own_lo, own_hi = own_tile_rows(M, W, me, bm)
         return (out, np.int32(self.out_dtype.name == "float32"),
                 bias if bias is not None else np.uint64(0), self.buf.ptrs_dev,
@@ -382,7 +381,7 @@ class GemmReduceScatter(CommOp):
                      else core.tensor_map(b.data.ptr, n, k, 64, cfg.bn, dt))
             tiles = -(-M // cfg.bm) * -(-n // cfg.bn)
             args = (tma_a, tma_b, np.int32(M), np.int32(n), np.int32(k)) + \
-                self._tail(out, bias, M, cfg.bm)
+                self._tail(out, bias, M, cfg.bm, stream)
             kernels.launch(fn, (min(tiles, self.max_ctas["sm90"]),), (384,), args, stream,
                            op=_OP, name=name, shared_mem=cfg.smem_bytes)
         else:
@@ -392,7 +391,7 @@ class GemmReduceScatter(CommOp):
             core.prepare(fn, sm80.smem_bytes)
             tiles = -(-M // sm80.bm) * -(-n // sm80.bn)
             args = (a, b, np.int32(M), np.int32(n), np.int32(k)) + \
-                self._tail(out, bias, M, sm80.bm)
+                self._tail(out, bias, M, sm80.bm, stream)
             kernels.launch(fn, (min(tiles, self.max_ctas["sm80"]),), (sm80.threads,), args,
                            stream, op=_OP, name=name, shared_mem=sm80.smem_bytes)
 
@@ -460,6 +459,6 @@ class GemmReduceScatter(CommOp):
     def _reduce_scatter(self, partial, bias, out, M: int, s) -> None:
         name = copy_kernel(self.dtype.cuda_type, self.out_dtype.cuda_type, self.atomic)
         tiles = -(-M // COPY_TILE[0]) * -(-self.n // COPY_TILE[1])
-        args = (partial, np.int32(M), np.int32(self.n)) + self._tail(out, bias, M, COPY_TILE[0])
+        args = (partial, np.int32(M), np.int32(self.n)) + self._tail(out, bias, M, COPY_TILE[0], s)
         kernels.launch(self.module[name], (min(tiles, self.max_ctas["copy"]),), (COPY_THREADS,),
                        args, s, op=_OP, name=name)
