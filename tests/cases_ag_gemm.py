@@ -329,7 +329,7 @@ def bad_input(world):
     for fn, err, match in bad:
         with pytest.raises(err, match=match):
             fn()
-    assert op.ag.epoch == 0  # nothing was queued
+    assert op.epoch == 0  # nothing was queued
     b_host = _host([3, 1000 + me], (64, 64), "bfloat16")
     rel = _one_call(world, op, 3, 0, 0, 64, b_host, cupy.asarray(b_host), None, None, True,
                     f"rank {me}: good call after bad ones")

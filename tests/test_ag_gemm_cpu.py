@@ -1,10 +1,12 @@
 """CPU tests of AllGather + GEMM: the kernels compile and wait before they load; the pure
 helpers the kernel mirrors (chunks of a row range, visit order, block size, default chunk);
-argument checks; the float64 reference; and the host protocol itself (AllGather.begin /
-send_peers / release and AllGatherGemm._issue), run for several ranks on a simulated GPU:
-streams executing their queues in random interleavings over a byte-addressed memory, with a
-model GEMM that reads each tile's rows after waiting on their chunk flags."""
+argument checks; the float64 reference; and the host protocol itself (CopyGather.begin /
+send_peers / release, AllGatherGemm._issue), run for several ranks on a simulated GPU: streams executing their queues in
+random interleavings over a byte-addressed memory, with a model GEMM that reads each tile's
+rows after waiting on their chunk flags; and the ops' lifetime on CommOp (one communicator,
+everything freed once, by close() or abort())."""
 import collections
+import contextlib
 import itertools
 import random
 from types import SimpleNamespace
@@ -14,14 +16,16 @@ import pytest
 
 import cuflux.ops.ag_gemm as AGG
 import cuflux.ops.allgather as AGM
+from cuflux import errors as E
 from cuflux import kernels, topology
-from cuflux.errors import CufluxError
+from cuflux.errors import CommTimeoutError, CufluxError
+from cuflux.ops import base as op_base
 from cuflux.ops.ag_gemm import (AllGatherGemm, block_tiles_for, check_build_args,
                                 chunks_for_rows, default_chunk_rows, reference_ag_gemm,
                                 visit_order)
 from cuflux.ops.allgather import arrival_order, arrival_stages
 from cuflux.topology import PeerLink, Topology
-from tests.fakes import FakeArray
+from tests.fakes import FakeArray, FakeErrorRecord
 
 
 # ---- kernels -------------------------------------------------------------------------------------
@@ -238,8 +242,12 @@ class _Stream:
     def wait_event(self, ev):
         self.q.append(("wait_event", ev, ev.version))
 
-    def synchronize(self):
-        pass
+    @property
+    def done(self):
+        return not self.q
+
+    def synchronize(self):  # every stream runs (in a random interleaving) until all are idle
+        self.sim.run()
 
 
 class _Array:  # what the host code touches of a device array
@@ -255,6 +263,7 @@ class _Sim:
         self.rng = random.Random(seed)
         self.streams, self.allocs, self.next_base = [], [], 1 << 32
         self.sym = collections.defaultdict(list)  # rank -> symmetric bases, in allocation order
+        self.log = []  # (rank, what): the collective and lifetime calls of the ops
 
     def alloc(self, nbytes):
         base = self.next_base
@@ -319,9 +328,9 @@ class _Kernel:
 
     def __init__(self, sim, op, a_ptr, rows, e, order, plan, expected):
         self.sim, self.a_ptr, self.R, self.e, self.expected = sim, a_ptr, rows, e, expected
-        self.flags, self.max_chunks, self.chunk_rows = op.ag.chunk_flags_ptr(), \
-            op.ag.max_chunks, op.chunk_rows
-        self.row_bytes = op.ag.row_bytes
+        self.flags, self.max_chunks, self.chunk_rows = op.chunk_flags_ptr(), \
+            op.max_chunks, op.chunk_rows
+        self.row_bytes = op.row_bytes
         M, T = op.world.size * rows, plan.tile_rows
         tiles_m = -(-M // T)
         self.tiles = [(tm * T, min(M, (tm + 1) * T)) for b in order
@@ -366,12 +375,13 @@ def _fake_env(monkeypatch, sim):
                                                                                n)))
     monkeypatch.setattr(driver, "stream_write_value32",
                         lambda st, addr, v: st.q.append(("write", addr, v & 0xFFFFFFFF)))
-    waiter = SimpleNamespace(wait=lambda st, addr, v, peer, index=0: st.q.append(
-        ("wait", addr, v & 0xFFFFFFFF)), close=lambda: None)
-    monkeypatch.setattr(AGM, "StreamWaiter", lambda err, dev, code: waiter)
-    monkeypatch.setattr(AGM, "ErrorRecord", lambda name, rank, timeout_s: SimpleNamespace(
-        check=lambda: None, close=lambda: None, failed=lambda: False))
+    monkeypatch.setattr(AGM, "StreamWaiter", lambda err, dev, code: _Waiter(sim, err.rank))
+    monkeypatch.setattr(op_base, "ErrorRecord", lambda op, rank, timeout_s: _Err(sim, op, rank,
+                                                                              timeout_s))
+    monkeypatch.setattr(op_base, "sm_count", lambda device: 132)
+    monkeypatch.setattr(op_base, "current_device", lambda: 0)  # the op's device (world.device)
     monkeypatch.setattr(kernels, "load", lambda *a, **k: None)
+    monkeypatch.setattr(kernels, "device_arch", lambda device=None: "sm_90a")
     for name in ("as_cupy", "check_array"):
         monkeypatch.setattr(AGM, name, lambda x, *a, **k: x)
     monkeypatch.setattr(AGM, "stream_of", lambda s: s)
@@ -386,22 +396,71 @@ def _world_topo(W, rank, kind):
     return Topology(rank, links, W // 2 if kind == "pcie_numa" else 0)
 
 
+class _Err(FakeErrorRecord):
+    """An op's error record (base.ErrorRecord): words the watchdog and abort() write."""
+
+    def __init__(self, sim, op, rank, timeout_s):
+        super().__init__(timeout_s, rank)
+        self.sim, self.op = sim, op
+        self.ptr, self.claim, self.timeout_ns = 1 << 40, np.zeros(1, np.uint32), 10**9
+
+    def check(self):
+        if self.failed():
+            raise CommTimeoutError(self.op, self.rank, int(self.words[E.PEER]), self.timeout_s)
+
+    def abort(self):
+        self.sim.log.append((self.rank, "err.abort"))
+        self.words[E.ABORT] = 1
+
+    def close(self):
+        self.sim.log.append((self.rank, "err.close"))
+
+
+class _Waiter:
+    """StreamWaiter: a stream wait on the flag (the simulator runs it when the flag is there)."""
+
+    def __init__(self, sim, rank):
+        self.sim, self.rank = sim, rank
+
+    def wait(self, st, addr, v, peer, index=0):
+        st.q.append(("wait", addr, v & 0xFFFFFFFF))
+
+    def close(self):
+        self.sim.log.append((self.rank, "waiter.close"))
+
+
 def _world(sim, W, rank, kind):
     topo = _world_topo(W, rank, kind)
+    log = sim.log
 
-    def alloc_layout(layout):
+    def alloc_layout(layout, group=None):
+        assert group is not None and group.rank == rank  # over the op's own communicator
+        log.append((rank, f"alloc {group.tag}"))
         sim.sym[rank].append(sim.alloc(layout.num_bytes))
         idx = len(sim.sym[rank]) - 1
-        return SimpleNamespace(ptr=lambda r, name, off=0: sim.sym[r][idx]
-                               + layout.regions[name].offset + off, close=lambda: None)
 
-    def allgather(obj):  # the one collective AllGather makes: every rank's transfer order
-        assert obj == topology.transfer_order(topo, W)
+        def close(abort=False, streams=None):
+            log.append((rank, ("buf.close", abort, streams)))
+
+        return SimpleNamespace(ptr=lambda r, name, off=0: sim.sym[r][idx]
+                               + layout.regions[name].offset + off, close=close)
+
+    def allgather(obj, timeout_s=None, what=""):  # the transfer orders of every rank
+        assert obj == topology.transfer_order(topo, W), what
         return [topology.transfer_order(_world_topo(W, p, kind), W)
                 for p in range(W)]
 
+    def sub_comm(tag, timeout_s=None):
+        log.append((rank, f"sub_comm {tag}"))
+        return SimpleNamespace(
+            rank=rank, tag=tag, allgather=allgather,
+            check_same=lambda value, what, timeout_s=None: log.append((rank, f"agree {value}")),
+            check_close=lambda timeout_s=None: log.append((rank, f"check_close {tag}")),
+            free=lambda: log.append((rank, f"comm.free {tag}")))
+
     return SimpleNamespace(rank=rank, size=W, device=0, topology=topo, alloc_layout=alloc_layout,
-                           check_same=lambda v, what: None, allgather=allgather)
+                           check_same=lambda v, what: None, sub_comm=sub_comm,
+                           device_context=contextlib.nullcontext)
 
 
 def _shard(sim, rank, call, rows, row_bytes):
@@ -411,7 +470,19 @@ def _shard(sim, rank, call, rows, row_bytes):
     return x, data
 
 
+def _rank_log(sim, rank):
+    return [what for r, what in sim.log if r == rank]
+
+
 CALLS = [[77, 1, 130, 64, 129], [5, 5, 3, 8, 1]]
+
+
+def _ag_gemm_ops(monkeypatch, sim, W, kind, mode, max_rows, row_bytes, chunk_rows, **kwargs):
+    """One AllGatherGemm per simulated rank, built by its constructor."""
+    _fake_env(monkeypatch, sim)
+    return [AllGatherGemm(_world(sim, W, rank, kind), n=8, k=row_bytes // 2, dtype="bfloat16",
+                          mode=mode, chunk_rows=chunk_rows, timeout_s=1,
+                          max_rows_per_rank=max_rows, **kwargs) for rank in range(W)]
 
 
 @pytest.mark.parametrize("W,kind", [(1, "nvlink"), (2, "nvlink"), (3, "nvlink"), (4, "nvlink"),
@@ -426,18 +497,10 @@ def test_fused_protocol_on_simulated_streams(monkeypatch, W, kind, mode, chunk_r
     max_rows, row_bytes = max(rows_seq), 16
     for seed in range(3 if W < 8 else 1):
         sim = _Sim(seed)
-        _fake_env(monkeypatch, sim)
-        ops = []
-        for rank in range(W):
-            world = _world(sim, W, rank, kind)
-            op = object.__new__(AllGatherGemm)
-            op.world, op.mode, op.k, op.n = world, mode, row_bytes // 2, 8
-            op.max_rows, op.chunk_rows = max_rows, chunk_rows or max_rows
-            op.ag = AGM.AllGather(world, max_rows, op.k, "bfloat16", mode=mode,
-                                  chunk_rows=op.chunk_rows, timeout_s=1, name="AllGatherGemm")
-            op._side, op._closed = _Stream(sim), False
+        ops = _ag_gemm_ops(monkeypatch, sim, W, kind, mode, max_rows, row_bytes, chunk_rows)
+        for op in ops:
+            assert op.chunk_rows == (chunk_rows or max_rows)
             op.test_stream = _Stream(sim)  # calls of one op are ordered on each rank
-            ops.append(op)
         checks = []
         for call, rows in enumerate(rows_seq):
             shards = [_shard(sim, r, call, rows, row_bytes) for r in range(W)]
@@ -448,7 +511,7 @@ def test_fused_protocol_on_simulated_streams(monkeypatch, W, kind, mode, chunk_r
                     W, rows, op.chunk_rows, tile))
                 op.plan_for = lambda r, plan=plan: plan
                 op._order = lambda r, plan, op=op: visit_order(
-                    W, op.world.rank, op.ag.arrival_stages, r, op.chunk_rows, tile,
+                    W, op.world.rank, op.arrival_stages, r, op.chunk_rows, tile,
                     plan.block_tiles)
                 op._launch = (lambda plan, a_ptr, b, bias, out, r, e, order, s, op=op,
                               exp=expected: s.q.append(("kernel", _Kernel(
@@ -461,7 +524,7 @@ def test_fused_protocol_on_simulated_streams(monkeypatch, W, kind, mode, chunk_r
                 if pull and gathered is None:
                     gathered = shards[rank][0]
                 e = op._issue(shards[rank][0], rows, gathered, None, None, None, s)
-                assert e == call + 1
+                assert e == call + 1 and op._last_stream is s
                 if want_back:
                     checks.append((rank, call, gathered, expected))
         sim.run()
@@ -473,7 +536,7 @@ def test_fused_protocol_on_simulated_streams(monkeypatch, W, kind, mode, chunk_r
 @pytest.mark.parametrize("W,kind", [(2, "nvlink"), (4, "pcie"), (4, "pcie_numa"), (8, "nvlink")])
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_plain_allgather_still_gathers_on_simulated_streams(monkeypatch, W, kind, mode):
-    """AllGather.__call__ (now built on begin / send_peers / release) on the same simulator."""
+    """AllGather.__call__ (gather_into: begin / send_peers / release) on the same simulator."""
     row_bytes = 16
     for seed in range(3):
         sim = _Sim(seed)
@@ -492,6 +555,111 @@ def test_plain_allgather_still_gathers_on_simulated_streams(monkeypatch, W, kind
         sim.run()
         for out, expected in checks:
             assert np.array_equal(sim.view(out.data.ptr, expected.size), expected)
+        for r in range(W):  # each row count compared across ranks once, before its call
+            assert [w for w in _rank_log(sim, r) if w.startswith("agree")] == [
+                "agree 130", "agree 1", "agree 77", "agree 0", "agree 64"]
+
+
+# ---- lifetime on CommOp -----------------------------------------------------------------------
+def _build(cls, world, mode="pull", **kwargs):
+    if cls == "AllGather":
+        return AGM.AllGather(world, 130, 8, "bfloat16", mode=mode, chunk_rows=37, timeout_s=1,
+                             **kwargs)
+    return AllGatherGemm(world, max_rows_per_rank=130, n=8, k=8, dtype="bfloat16", mode=mode,
+                         chunk_rows=37, timeout_s=1, **kwargs)
+
+
+def test_each_op_is_one_comm_op_in_construction_order(monkeypatch):
+    """AllGather and AllGatherGemm are CommOps: each takes one communicator of its own
+    (World.sub_comm, so the ranks' construction order is checked) and allocates its one
+    buffer over it; an AllGatherGemm holds no second op. The error record and the kernels'
+    error arguments carry the op's own name and code."""
+    sim = _Sim(0)
+    _fake_env(monkeypatch, sim)
+    W = 2
+    for rank in range(W):
+        world = _world(sim, W, rank, "nvlink")
+        ops = [_build("AllGather", world), _build("AllGatherGemm", world),
+               AGM.AllGather(world, 8, 8, "bfloat16", timeout_s=1, name="AllGatherGemm")]
+        assert all(isinstance(op, op_base.CommOp) and not op.closed for op in ops)
+        assert [(op.op, op.err.op, int(op.err_args[3])) for op in ops] == [
+            (n, n, E.OP_CODES[n]) for n in ("AllGather", "AllGatherGemm", "AllGatherGemm")]
+    for rank in range(W):
+        assert _rank_log(sim, rank) == ["sub_comm AllGather", "alloc AllGather",
+                                        "sub_comm AllGatherGemm", "alloc AllGatherGemm",
+                                        "sub_comm AllGatherGemm", "alloc AllGatherGemm"]
+
+
+def _queue_call(op, sim, rows=77):
+    """One gather of the op on a stream of the test's (its whole protocol, not run yet)."""
+    x, _ = _shard(sim, op.world.rank, 0, rows, op.row_bytes)
+    s = _Stream(sim)
+    op.gather_into(x, _Array(sim, op.world.size * rows, op.row_bytes).data.ptr, s)
+    return s
+
+
+@pytest.mark.parametrize("cls", ["AllGather", "AllGatherGemm"])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_close_frees_everything_once(monkeypatch, cls, mode):
+    """close() (collective): the ranks agree they close this op, this rank's streams finish
+    while the watchdog still bounds their waits, then the watchdog stops and the buffer, the
+    communicator and the error record are freed, each once; a second close does nothing and a
+    closed op refuses to run."""
+    sim = _Sim(1)
+    _fake_env(monkeypatch, sim)
+    W = 2
+    ops = [_build(cls, _world(sim, W, r, "nvlink"), mode) for r in range(W)]
+    streams = [_queue_call(op, sim) for op in ops]
+    if cls == "AllGatherGemm":
+        ops[0]._orders[(77, 64, 1)] = "a visit order on the device"
+    sim.log.clear()
+    for op in ops:
+        op.close()
+        op.close()
+    assert all(st.done for st in sim.streams)
+    for rank, op in enumerate(ops):
+        assert _rank_log(sim, rank) == [f"check_close {cls}", "waiter.close",
+                                        ("buf.close", False, None), f"comm.free {cls}",
+                                        "err.close"]
+        assert op.closed and op._last_stream is streams[rank]
+        with pytest.raises(CufluxError, match=f"^{cls}: the op is closed$"):
+            op(None) if cls == "AllGather" else op(None, None)
+    assert cls == "AllGather" or not ops[0]._orders
+
+
+@pytest.mark.parametrize("cls", ["AllGather", "AllGatherGemm"])
+def test_abort_keeps_what_queued_work_may_touch(monkeypatch, cls):
+    """abort() (local, at once) while this rank's call waits for a peer that never comes: the
+    record's abort word is set (waits give up), the buffer is closed as an abort with every
+    stream the op's work is queued on (the call's, the copy lanes, AllGatherGemm's side
+    stream), the communicator is freed; the watchdog keeps running (it releases the waits as
+    their streams reach them) and the record stays allocated. Once only."""
+    sim = _Sim(2)
+    _fake_env(monkeypatch, sim)
+    W = 2
+    ops = [_build(cls, _world(sim, W, r, "nvlink")) for r in range(W)]
+    s = _queue_call(ops[0], sim)  # rank 1 never calls: rank 0's lanes wait for its ready flag
+    if cls == "AllGatherGemm":
+        ops[0]._orders[(77, 64, 1)] = "a visit order a queued kernel may read"
+    sim.log.clear()
+    ops[0].abort()
+    own = ops[0].lanes + ([ops[0]._side] if cls == "AllGatherGemm" else [])
+    assert len(ops[0].lanes) == 1 and not all(st.done for st in [s] + own)
+    assert _rank_log(sim, 0) == ["err.abort", ("buf.close", True, (s, *own)),
+                                 f"comm.free {cls}"]
+    assert ops[0].closed and int(ops[0].err.words[E.ABORT]) == 1
+    assert cls == "AllGather" or ops[0]._orders
+    ops[0].abort()
+    ops[0].close()
+    assert len(_rank_log(sim, 0)) == 3
+    # Rank 1 leaves a `with` block on a CommTimeoutError: abort, and with nothing queued its
+    # streams are idle, so its watchdog stops.
+    with pytest.raises(CommTimeoutError):
+        with ops[1]:
+            raise CommTimeoutError(cls, 1, 0, 1.0)
+    own = ops[1].lanes + ([ops[1]._side] if cls == "AllGatherGemm" else [])
+    assert _rank_log(sim, 1) == ["err.abort", "waiter.close", ("buf.close", True, tuple(own)),
+                                 f"comm.free {cls}"]
 
 
 # ---- benchmark shapes ---------------------------------------------------------------------------
@@ -527,8 +695,9 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, b_layout, w
     op.n, op.k, op.group_m, op.chunk_rows, op.b_layout = 256, 512, 8, 64, b_layout
     op.dtype = op.out_dtype = dtype_info("bfloat16")
     op.module = {n: n for n in AGG.FAMILY.names}
-    op.ag = SimpleNamespace(err=SimpleNamespace(ptr=1 << 40, claim=DeviceArray(), timeout_ns=10**9),
-                            chunk_flags_ptr=lambda: 1 << 41, max_chunks=2)
+    op.err_args = (np.uint64(1 << 40), DeviceArray(), np.uint64(10**9),
+                   np.uint32(E.OP_CODES["AllGatherGemm"]))  # CommOp's
+    op.buf, op.max_chunks = SimpleNamespace(ptr=lambda rank, region, off=0: 1 << 41), 2
     t, transposed = "__nv_bfloat16", b_layout == "kn"
     if impl == "sm90":
         cfg = AGG.AG_SM90_CONFIGS["256x128s4c1"]

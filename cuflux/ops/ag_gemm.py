@@ -31,17 +31,14 @@ import dataclasses
 
 import numpy as np
 
-from cuflux.resource import Closeable
 from cuflux import gemm_core as core
 from cuflux import gemm_tuner as tuner
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
-from cuflux.errors import OP_CODES, CufluxError
-from cuflux.ops.allgather import AllGather, arrival_order
+from cuflux.ops.allgather import CopyGather, arrival_order
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_timeout, on_op_device, on_world_device,
-                             ranks_on_my_gpu, refuse_capture, sm_count)
+                             require_world_device)
 from cuflux.sizes import count, optional_count
-from cuflux.world import NoDeviceError, require_device
 
 __all__ = ["AllGatherGemm", "reference_ag_gemm", "visit_order", "chunks_for_rows",
            "default_chunk_rows", "block_tiles_for", "check_build_args", "AG_SM90_CONFIGS"]
@@ -233,7 +230,7 @@ class _Plan:
     smem: int
 
 
-class AllGatherGemm(Closeable):
+class AllGatherGemm(CopyGather):
     """out [M, n] = gather_ranks(a_shard) @ b (+ bias), the gather hidden behind the GEMM.
 
     Args:
@@ -258,6 +255,10 @@ class AllGatherGemm(Closeable):
     Sizes (max_m / max_rows_per_rank, n, k, chunk_rows, group_m) are ints (Python or NumPy
     integers; no bools, floats or strings), checked by cuflux.sizes.count with one message:
     "AllGatherGemm: max_m must be an integer in [2, 2147483647] (...), got 4096.0 (float)".
+
+    Every rank must make the same calls with the same rows (compared across ranks, bounded,
+    the first time a row count is seen). Calls cannot be captured in a CUDA graph
+    (CaptureError).
     """
 
     @on_world_device
@@ -267,10 +268,7 @@ class AllGatherGemm(Closeable):
                  timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto",
                  config: str | None = None, group_m: int = 8, *,
                  max_rows_per_rank: int | None = None):
-        if world.device is None:  # first: without a GPU, this is the one error to see
-            require_device(_OP)  # raises NoDeviceError: this machine has none, and why
-            raise NoDeviceError(f"{_OP}: needs a CUDA device; rank {world.rank}'s World has "
-                                "none (it was built when CUDA saw no device)")
+        require_world_device(world, _OP)  # first: without a GPU, this is the one error to see
         missing = [name for name, v in (("n", n), ("k", k), ("dtype", dtype)) if v is None]
         if missing:  # None defaults only so that max_m may be left out for max_rows_per_rank
             raise TypeError(f"{_OP}: missing required argument(s): {', '.join(missing)}")
@@ -279,34 +277,32 @@ class AllGatherGemm(Closeable):
                                              max_rows_per_rank=max_rows_per_rank)
         import cupy
 
-        self.world, self.n, self.k, self.mode = world, int(n), int(k), mode
-        self.dtype, self.out_dtype, self.b_layout = dt, odt, b_layout
-        self.max_rows, self.group_m, self.config = max_rows, int(group_m), config
-        self.max_m = world.size * max_rows  # the largest M a call can have
-        self.chunk_rows = int(chunk_rows) if chunk_rows is not None else \
-            default_chunk_rows(max_rows, self.k * dt.itemsize, world.size)
+        n, k, group_m = int(n), int(k), int(group_m)
+        chunk_rows = int(chunk_rows) if chunk_rows is not None else \
+            default_chunk_rows(max_rows, k * dt.itemsize, world.size)
         # Per rank: max_m = 515 on one rank and max_rows_per_rank = 128 on another agree (W = 4).
-        world.check_same((max_rows, self.n, self.k, dt.name, odt.name, b_layout, mode,
-                          self.chunk_rows, float(timeout_s), impl, config, self.group_m),
+        world.check_same((max_rows, n, k, dt.name, odt.name, b_layout, mode, chunk_rows,
+                          float(timeout_s), impl, config, group_m),
                          f"{_OP} arguments (max_rows_per_rank, n, k, dtype, out_dtype, b_layout, "
                          f"mode, chunk_rows, timeout_s, impl, config, group_m)")
-        dev = cupy.cuda.Device(world.device)
-        self.arch = kernels.device_arch(dev.id)
-        if impl == "sm90" and self.arch != "sm_90a":
+        arch = kernels.device_arch(world.device)
+        if impl == "sm90" and arch != "sm_90a":
             raise RuntimeError(f"{_OP}: impl='sm90' needs an sm_90a device (Hopper), device "
-                               f"{dev.id} is {self.arch}")
-        self.impl = impl if impl != "auto" else ("sm90" if self.arch == "sm_90a" else "sm80")
+                               f"{world.device} is {arch}")
+        module = kernels.load(_SRC, world.device)  # eager: nothing may load while a stream waits
+        self._closed = True  # until the buffers exist
+        # The collective part: the op's communicator, error record, buffer, flags, copy lanes.
+        super().__init__(world, _OP, timeout_s, max_rows, k, dt, mode, chunk_rows, "stream")
+        self.n, self.k, self.out_dtype, self.b_layout = n, k, odt, b_layout
+        self.group_m, self.config, self.arch = group_m, config, arch
+        self.max_m = world.size * max_rows  # the largest M a call can have
+        self.impl = impl if impl != "auto" else ("sm90" if arch == "sm_90a" else "sm80")
         # Ranks sharing this GPU run their GEMMs side by side (under MPS): split the SMs, so that
         # no rank's grid waits for SMs another rank's waiting grid holds.
-        self.num_sms = sm_count(world.device)
-        self.max_ctas = max(1, self.num_sms // ranks_on_my_gpu(world))
-        # eager: nothing may load while a stream waits
-        self.module = kernels.load(_SRC, world.device)
+        self.max_ctas = max(1, self.num_sms // self.sharers)
+        self.module = module
         self._side = cupy.cuda.Stream(non_blocking=True)    # push: copy-out of the gathered A
         self._upload = cupy.cuda.Stream(non_blocking=True)  # visit orders, once per shape
-        # Last: the collective resources (symmetric buffer, flags, copy lanes).
-        self.ag = AllGather(world, max_rows, self.k, dt.name, mode=mode,
-                            chunk_rows=self.chunk_rows, timeout_s=timeout_s, name=_OP)
         self._plans: dict[int, _Plan] = {}
         self._orders: dict[tuple, object] = {}
         self._closed = False
@@ -356,7 +352,7 @@ class AllGatherGemm(Closeable):
             import cupy
 
             host = np.asarray(visit_order(self.world.size, self.world.rank,
-                                          self.ag.arrival_stages, rows, self.chunk_rows,
+                                          self.arrival_stages, rows, self.chunk_rows,
                                           plan.tile_rows, plan.block_tiles), dtype=np.int32)
             with self._upload:  # a private stream: never behind a flag wait
                 dev = cupy.asarray(host)
@@ -365,11 +361,6 @@ class AllGatherGemm(Closeable):
         return dev
 
     # ---- call ------------------------------------------------------------------------------------
-    def _check_open(self):
-        if self._closed:
-            raise CufluxError(f"{_OP}: the op is closed")
-        self.ag.err.check()  # pinned host memory: no synchronisation
-
     def _check_call(self, a_shard, b, bias, out):
         """Every argument check, before anything is queued (nothing touches a peer)."""
         dev, dt = self.world.device, self.dtype
@@ -411,7 +402,9 @@ class AllGatherGemm(Closeable):
         a, b, bias, out, rows = self._check_call(a_shard, b, bias, out)
         s = stream_of(stream, a_in)
         W, M = self.world.size, self.world.size * rows
-        refuse_capture(_OP, s, _NO_CAPTURE_AG)
+        self._no_capture(s, _NO_CAPTURE_AG)
+        if W > 1 and rows not in self._agreed:
+            self._agree(rows, "rows of the call")
         pull = self.mode == "pull" or W == 1
         # Allocations come from s's pool arena: their blocks were last used by work queued on s,
         # which runs before everything below (the lanes fork from s).
@@ -421,14 +414,12 @@ class AllGatherGemm(Closeable):
             gathered = None
             if return_gathered or (pull and W > 1):
                 gathered = cupy.empty((M, self.k), dtype=self.dtype.storage)
-        if rows == 0:  # every rank has 0 rows (rows must agree): nothing to do, no epoch
-            return (to_caller((out, gathered), a_in, (out_in, None)) if return_gathered
-                    else to_caller(out, a_in, out_in))
-        if pull and gathered is None:  # W = 1, nothing asked back: the GEMM reads a_shard
-            gathered = a
-        self._issue(a, rows, gathered, b, bias, out, s)
+        if rows:  # 0 rows on every rank (rows agree): nothing to do, no epoch
+            if pull and gathered is None:  # W = 1, nothing asked back: the GEMM reads a_shard
+                gathered = a
+            self._issue(a, rows, gathered, b, bias, out, s)
         return (to_caller((out, gathered), a_in, (out_in, None)) if return_gathered
-                    else to_caller(out, a_in, out_in))
+                else to_caller(out, a_in, out_in))
 
     def _issue(self, a, rows: int, gathered, b, bias, out, s) -> int:
         """Queue one call (arguments checked, rows >= 1); returns its epoch. gathered: where
@@ -439,8 +430,8 @@ class AllGatherGemm(Closeable):
         plan = self.plan_for(rows)
         order = self._order(rows, plan)
         pull = self.mode == "pull" or self.world.size == 1
-        a_ptr = gathered.data.ptr if pull else self.ag.push_gathered_ptr()
-        e = self.ag.begin(a, a_ptr, s)
+        a_ptr = gathered.data.ptr if pull else self.push_gathered_ptr()
+        e = self.begin(a, a_ptr, s)
         fork = None
         if not pull and gathered is not None:  # the copy-out forks here: beside the GEMM
             fork = cupy.cuda.Event(disable_timing=True)
@@ -448,21 +439,19 @@ class AllGatherGemm(Closeable):
         # W = 1: nothing to wait for (the stream orders the copy, if any, before the GEMM); the
         # same kernel runs with epoch 0, which every flag has reached.
         self._launch(plan, a_ptr, b, bias, out, rows, e if self.world.size > 1 else 0, order, s)
-        self.ag.send_peers(a, a_ptr, s)
+        self.send_peers(a, a_ptr, s)
         if not pull:
             if gathered is not None:
                 self._copy_out(gathered, rows, e, fork, s)
-            self.ag.release(s)  # after the GEMM and the copy-out on s
+            self.release(s)  # after the GEMM and the copy-out on s
         return e
 
     def _launch(self, plan: _Plan, a_ptr: int, b, bias, out, rows: int, e: int, order, s):
         M, N, K = self.world.size * rows, self.n, self.k
-        err = self.ag.err
         tail = (order, np.int32(plan.block_tiles), np.int32(self.group_m),
-                np.uint64(self.ag.chunk_flags_ptr()), np.int32(self.ag.max_chunks),
-                np.int32(rows), np.int32(self.chunk_rows), np.uint32(e & 0xFFFFFFFF),
-                np.uint64(err.ptr), err.claim, np.uint64(err.timeout_ns),
-                np.uint32(OP_CODES[_OP]), np.uint32(self.world.rank))
+                np.uint64(self.chunk_flags_ptr()), np.int32(self.max_chunks),
+                np.int32(rows), np.int32(self.chunk_rows), np.uint32(e & 0xFFFFFFFF)) \
+            + self.err_args + (np.uint32(self.world.rank),)
         head = (np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
                 np.int32(core.OUT_KIND[self.out_dtype.name]),
                 bias if bias is not None else np.uint64(0))
@@ -491,29 +480,23 @@ class AllGatherGemm(Closeable):
         import cupy
         from cupy.cuda import runtime
 
-        ag = self.ag
         self._side.wait_event(fork)
         last = -(-rows // self.chunk_rows) - 1
-        ag._wait(self._side, "chunk", e, 0, num_groups=self.world.size, per_group=1,
-                 group_stride=ag.max_chunks, index0=last)
-        runtime.memcpyAsync(gathered.data.ptr, ag.push_gathered_ptr(),
-                            self.world.size * rows * ag.row_bytes, _MEMCPY_DEFAULT,
+        self._wait(self._side, "chunk", e, 0, num_groups=self.world.size, per_group=1,
+                   group_stride=self.max_chunks, index0=last)
+        runtime.memcpyAsync(gathered.data.ptr, self.push_gathered_ptr(),
+                            self.world.size * rows * self.row_bytes, _MEMCPY_DEFAULT,
                             self._side.ptr)
         done = cupy.cuda.Event(disable_timing=True)
         done.record(self._side)
         s.wait_event(done)
 
-    # ---- lifetime --------------------------------------------------------------------------------
-    @on_op_device
-    def synchronize(self, stream=None) -> None:
-        """Wait for this rank's work on `stream` (and the op's own streams); raise
-        CommTimeoutError if a wait failed."""
-        stream_of(stream).synchronize()
-        for st in self.ag.lanes + [self._side]:
-            st.synchronize()
-        self.ag.err.check()
+    # ---- lifetime (CopyGather / CommOp: synchronize, close, abort) --------------------------------
+    def _own_streams(self) -> list:
+        return super()._own_streams() + [self._side]
 
-    def _release(self) -> None:
-        """Collective and idempotent: every rank must call it."""
-        self.ag.close()
-        self._orders.clear()
+    def _free(self) -> None:
+        """The visit orders live as long as a kernel may still read them."""
+        if self._quiet():
+            self._orders.clear()
+        super()._free()

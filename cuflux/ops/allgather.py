@@ -29,28 +29,42 @@ peer of the stage, then chunk 1, ...), so chunks land in the order `arrival_orde
 fused AllGather+GEMM visits its tiles in that order. It drives the same protocol through
 `begin` / `send_peers` / `release`, queuing its GEMM between them and reading the gathered rows
 in place (pull: the caller's gathered array; push: this rank's data region).
+
+`CopyGather` (a CommOp) holds the buffer, flags, copy lanes, stream-wait watchdog and the
+protocol; `AllGather` and `AllGatherGemm` are built on it, each one op with one communicator,
+one error record and one symmetric buffer.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from cuflux.resource import Closeable
-from cuflux import driver
+from cuflux import driver, kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, is_torch, stream_of, to_caller
-from cuflux.errors import OP_CODES, CufluxError, ErrorRecord
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_timeout, on_op_device, on_world_device,
-                             refuse_capture)
+from cuflux.errors import ABORT, OP_CODES
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_timeout, on_op_device,
+                             on_world_device, require_world_device)
 from cuflux.signal import wait_flags
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 from cuflux.topology import transfer_order
 from cuflux.watchdog import StreamWaiter
-from cuflux.world import NoDeviceError, require_device
 
-__all__ = ["AllGather", "arrival_order", "arrival_stages"]
+__all__ = ["AllGather", "CopyGather", "arrival_order", "arrival_stages", "gather_layout"]
 
 _OP = "AllGather"
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: UVA decides the direction (peer pointers included)
+
+
+def gather_layout(world_size: int, max_rows: int, row_bytes: int, max_chunks: int,
+                  mode: str) -> Layout:
+    """The symmetric buffer of the module docstring: data, chunk, ready, done, free."""
+    layout = Layout()
+    data_rows = max_rows if mode == "pull" else world_size * max_rows
+    layout.add("data", (data_rows, row_bytes), np.uint8)
+    layout.add("chunk", (world_size, max_chunks), np.uint32)
+    for region in ("ready", "done", "free"):
+        layout.add(region, (world_size,), np.uint32)
+    return layout
 
 
 def arrival_stages(rank: int, orders, mode: str) -> list[list[int]]:
@@ -88,79 +102,41 @@ _NO_CAPTURE = ("its peer waits are bounded by a host watchdog per call (cuStream
                "capturable)")
 
 
-class AllGather(Closeable):
-    """Gather each rank's [rows, cols] shard into [W * rows, cols] on every rank.
+class CopyGather(CommOp):
+    """The copy-engine gather that AllGather and AllGatherGemm are built on: the symmetric
+    buffer and its flags (gather_layout), the copy lanes, the stream-wait watchdog, the transfer
+    order and the protocol of the module docstring (begin / send_peers / release, or the whole
+    gather: gather_into). CommOp owns the communicator, the error record, the open/closed state
+    and close() / abort(); this class frees the watchdog and waits for its own streams.
 
-    Args:
-      world: cuflux.World (with a CUDA device: without one the constructor raises
-        NoDeviceError "AllGather: needs a CUDA device; ..." before anything else).
-      max_rows: largest rows per rank any call will use: the bound of x.shape[0] (the
-        gathered output has up to W * max_rows rows). AllGatherGemm takes the same bound as
-        max_rows_per_rank (or as max_m = W * rows, the GEMM's M).
-      cols: elements per row.
-      dtype: any cuflux dtype (the copy moves bytes).
-      mode: "pull" (read peers' staged shards) or "push" (write into peers).
-      chunk_rows: rows per flagged chunk (None: one chunk per shard).
-      Sizes (max_rows, cols, chunk_rows) are ints (Python or NumPy integers; no bools, floats or
-      strings) >= 1, checked by cuflux.sizes.count.
-      timeout_s: bound of every wait; on expiry the op raises CommTimeoutError.
-      wait: "stream" (cuStreamWaitValue32 watched by a host thread: no SM used) or "kernel"
-        (a one-block bounded spin kernel per wait).
-      name: the op named in errors and timeouts (a fused op that owns this one passes its own,
-        a key of cuflux.errors.OP_CODES).
-
-    Errors of device-side waits surface at the next call or at `synchronize()`.
+    Collective; the op checks its arguments (and agrees them with check_same) first: max_rows,
+    cols and chunk_rows are ints >= 1, dtype a dtype_info, mode "pull" or "push", wait "stream"
+    (cuStreamWaitValue32 watched by a host thread: no SM used) or "kernel" (a one-block bounded
+    spin kernel per wait, cuflux.signal).
     """
 
-    @on_world_device
-    def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
-                 chunk_rows: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, wait: str = "stream",
-                 name: str = _OP):
-        if world.device is None:  # first: without a GPU, this is the one error to see
-            require_device(name)  # raises NoDeviceError: this machine has none, and why
-            raise NoDeviceError(f"{name}: needs a CUDA device; rank {world.rank}'s World has "
-                                "none (it was built when CUDA saw no device)")
-        if mode not in ("pull", "push"):
-            raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
-        max_rows = count(_OP, "max_rows", max_rows, what="rows per rank")
-        cols = count(_OP, "cols", cols, what="elements per row")
-        chunk_rows = optional_count(_OP, "chunk_rows", chunk_rows,
-                                    what="rows per flagged chunk; None: the whole shard")
-        check_timeout(_OP, timeout_s)
-        if wait not in ("stream", "kernel"):
-            raise ValueError(f"{_OP}: wait must be 'stream' or 'kernel', got {wait!r}")
+    def __init__(self, world, op: str, timeout_s: float, max_rows: int, cols: int, dtype,
+                 mode: str, chunk_rows: int, wait: str):
         import cupy
 
-        self.world, self.mode, self.cols, self.name = world, mode, cols, name
-        self.max_rows = max_rows
-        self.dtype = dtype_info(dtype, op=_OP)
-        self.chunk_rows = chunk_rows if chunk_rows is not None else self.max_rows
-        self.max_chunks = -(-self.max_rows // self.chunk_rows)
-        world.check_same((self.max_rows, self.cols, self.dtype.name, mode, self.chunk_rows),
-                         f"{_OP} arguments (max_rows, cols, dtype, mode, chunk_rows)")
+        super().__init__(world, op, timeout_s)
         W = world.size
-        self.row_bytes = self.cols * self.dtype.itemsize
-        layout = Layout()
-        data_rows = self.max_rows if mode == "pull" else W * self.max_rows
-        layout.add("data", (data_rows, self.row_bytes), np.uint8)
-        layout.add("chunk", (W, self.max_chunks), np.uint32)
-        for region in ("ready", "done", "free"):
-            layout.add(region, (W,), np.uint32)
-        self.layout = layout
-        self.err = ErrorRecord(name, world.rank, timeout_s)
+        self.mode, self.cols, self.max_rows, self.dtype = mode, cols, max_rows, dtype
+        self.chunk_rows = chunk_rows
+        self.max_chunks = -(-max_rows // chunk_rows)
+        self.row_bytes = cols * dtype.itemsize
+        self.layout = gather_layout(W, max_rows, self.row_bytes, self.max_chunks, mode)
+        self._alloc(self.layout)
         self.wait_mode = wait
-        self.waiter = StreamWaiter(self.err, world.device, OP_CODES[name])
-        self.buf = world.alloc_layout(layout)
+        self.waiter = StreamWaiter(self.err, world.device, OP_CODES[op])
         self.order = transfer_order(world.topology, W)
         # Where the chunks come from, stage by stage (push: as the senders' orders deliver).
-        self.arrival_stages = arrival_stages(world.rank, world.allgather(self.order), mode)
+        self.arrival_stages = arrival_stages(
+            world.rank, self.comm.allgather(self.order, what=f"{op} transfer orders"), mode)
         num_lanes = max([len(stage) for stage in self.order], default=0)
         self.lanes = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_lanes)]
         self.epoch = 0
-        from cuflux import kernels
-
         kernels.load("signal.cu", world.device)  # eager: nothing may load while a stream spins
-        self._closed = False
 
     # ---- addresses ---------------------------------------------------------------------------
     def _flag(self, rank: int, name: str, index: int = 0) -> int:
@@ -181,7 +157,7 @@ class AllGather(Closeable):
         stride = per_group if group_stride is None else group_stride
         if self.wait_mode == "kernel":
             wait_flags(self._flag(me, rank_flag_name, index0), expected, self.err, stream,
-                       op=self.name, num_groups=num_groups, per_group=per_group,
+                       op=self.op, num_groups=num_groups, per_group=per_group,
                        group_stride_words=stride, first_peer=first_peer)
             return
         for g in range(num_groups):
@@ -189,63 +165,6 @@ class AllGather(Closeable):
                 i = index0 + g * stride + j
                 self.waiter.wait(stream, self._flag(me, rank_flag_name, i), expected,
                                  first_peer + g, i)
-
-    # ---- call ----------------------------------------------------------------------------------
-    @on_op_device
-    def __call__(self, x, out=None, stream=None):
-        """x [rows, cols] (rows <= max_rows, the same on every rank) -> [W * rows, cols]."""
-        import cupy
-        from cupy.cuda import runtime
-
-        x_in, out_in = x, out  # the caller's: torch in, torch out
-        x, rows, s = self._check_call(x, stream)
-        W = self.world.size
-        if W > 1:
-            refuse_capture(self.name, s, _NO_CAPTURE)
-        if out is None:
-            if is_torch(x_in):  # from the pool of the call's stream (torch's): reused in order
-                with s:
-                    out = cupy.empty((W * rows, self.cols), dtype=self.dtype.storage)
-            else:
-                out = cupy.empty((W * rows, self.cols), dtype=self.dtype.storage)
-        else:
-            out = as_cupy(out, "out", self.name)
-            check_array(out, name="out", op=self.name, shape=(W * rows, self.cols),
-                        dtype=self.dtype, device=self.world.device)
-        nbytes = rows * self.row_bytes
-        if rows == 0:  # every rank has 0 rows (rows must agree): no exchange, no epoch
-            return to_caller(out, x_in, out_in)
-        if W == 1:  # nothing to exchange: one copy, no flags
-            self.epoch += 1
-            runtime.memcpyAsync(out.data.ptr, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
-            return to_caller(out, x_in, out_in)
-        e = self.begin(x, out.data.ptr, s)
-        self.send_peers(x, out.data.ptr, s)
-        if self.mode == "push":  # the gathered rows are in our data region: copy them out
-            nchunks = -(-rows // self.chunk_rows)
-            self._wait(s, "chunk", e, 0, num_groups=W, per_group=nchunks,
-                       group_stride=self.max_chunks)
-            runtime.memcpyAsync(out.data.ptr, self.buf.ptr(self.world.rank, "data"), W * nbytes,
-                                _MEMCPY_DEFAULT, s.ptr)
-            self.release(s)
-        return to_caller(out, x_in, out_in)
-
-    def _check_call(self, x, stream):
-        """Validate x (before anything is queued); returns (x, rows, stream)."""
-        if self._closed:
-            raise CufluxError(f"{self.name}: the op is closed")
-        self.err.check()
-        x_in, x = x, as_cupy(x, "x", self.name)
-        check_array(x, name="x", op=self.name, ndim=2, dtype=self.dtype,
-                    device=self.world.device)
-        rows = x.shape[0]
-        if x.shape[1] != self.cols:
-            raise ValueError(f"{self.name}: x must have {self.cols} columns, got shape "
-                             f"{tuple(x.shape)}")
-        if rows > self.max_rows:
-            raise ValueError(f"{self.name}: x has {rows} rows, more than "
-                             f"max_rows={self.max_rows}")
-        return x, rows, (stream_of(stream, x_in) if is_torch(x_in) else stream_of(stream))
 
     def _fork(self, s):
         import cupy
@@ -294,6 +213,7 @@ class AllGather(Closeable):
 
         W, me = self.world.size, self.world.rank
         s = stream
+        self._last_stream = s  # every call of the op starts here: abort() and close() look at it
         rows = x.shape[0]
         nbytes = rows * self.row_bytes
         self.epoch += 1
@@ -371,17 +291,148 @@ class AllGather(Closeable):
             if p != me:
                 driver.stream_write_value32(stream, self._flag(p, "free", me), self.epoch)
 
-    # ---- lifetime ------------------------------------------------------------------------------
+    def gather_into(self, x, out_ptr: int, stream) -> int:
+        """One whole gather (x validated, rows >= 1, the same on every rank): every rank's rows
+        at out_ptr in rank order once `stream` has run what this queues; returns the call's
+        epoch. AllGather's call, and AllGatherGemm's unfused route."""
+        from cupy.cuda import runtime
+
+        e = self.begin(x, out_ptr, stream)
+        self.send_peers(x, out_ptr, stream)
+        W = self.world.size
+        if self.mode == "push" and W > 1:  # the gathered rows are in our data region
+            rows = x.shape[0]
+            self._wait(stream, "chunk", e, 0, num_groups=W, per_group=-(-rows // self.chunk_rows),
+                       group_stride=self.max_chunks)
+            runtime.memcpyAsync(out_ptr, self.push_gathered_ptr(), W * rows * self.row_bytes,
+                                _MEMCPY_DEFAULT, stream.ptr)
+            self.release(stream)
+        return e
+
+    # ---- lifetime (CommOp: close, abort; here: the op's own streams and its watchdog) ---------
+    def _own_streams(self) -> list:
+        """Streams of the op's own that calls queue work on (the copy lanes)."""
+        return list(self.lanes)
+
+    def _streams(self):
+        """Every stream this op's work may still be queued on: the last call's and its own."""
+        last = self._last_stream
+        return tuple(([] if last is None else [last]) + self._own_streams())
+
     @on_op_device
     def synchronize(self, stream=None) -> None:
-        """Wait for this rank's work on `stream` and raise CommTimeoutError if a wait failed."""
-        stream_of(stream).synchronize()
-        for lane in self.lanes:
-            lane.synchronize()
-        self.err.check()
+        """Wait for this rank's work on `stream` (default: the current stream) and on the op's
+        own streams; raise CommTimeoutError if a wait of this op failed."""
+        for st in self._own_streams():
+            st.synchronize()
+        super().synchronize(stream)
 
-    def _release(self) -> None:
-        """Collective and idempotent: every rank must call it."""
-        self.buf.close()
-        self.waiter.close()
-        self.err.close()
+    def _quiet(self) -> bool:
+        """True once none of this rank's streams can still reach a wait of this op or read its
+        memory. close() (every rank came, so every flag comes): after waiting for them, while
+        the watchdog still releases a wait that expires. abort() (the error record's abort word
+        is set; it returns at once): only where they are idle already."""
+        streams = self._streams()
+        if int(self.err.words[ABORT]) == 0:
+            with self.world.device_context():
+                for st in streams:
+                    st.synchronize()
+            return True
+        return all(st.done for st in streams)
+
+    def _free(self) -> None:
+        """Stop the stream-wait watchdog once no stream can reach one of its waits. After an
+        abort() with work still queued it keeps running (leaked, as the error record is): the
+        abort word makes it release each remaining wait as its stream reaches it."""
+        if self._quiet():
+            self.waiter.close()
+
+
+class AllGather(CopyGather):
+    """Gather each rank's [rows, cols] shard into [W * rows, cols] on every rank.
+
+    Args:
+      world: cuflux.World (with a CUDA device: without one the constructor raises
+        NoDeviceError "AllGather: needs a CUDA device; ..." before anything else).
+      max_rows: largest rows per rank any call will use: the bound of x.shape[0] (the
+        gathered output has up to W * max_rows rows). AllGatherGemm takes the same bound as
+        max_rows_per_rank (or as max_m = W * rows, the GEMM's M).
+      cols: elements per row.
+      dtype: any cuflux dtype (the copy moves bytes).
+      mode: "pull" (read peers' staged shards) or "push" (write into peers).
+      chunk_rows: rows per flagged chunk (None: one chunk per shard).
+      Sizes (max_rows, cols, chunk_rows) are ints (Python or NumPy integers; no bools, floats or
+      strings) >= 1, checked by cuflux.sizes.count.
+      timeout_s: bound of every wait; on expiry the op raises CommTimeoutError.
+      wait: "stream" (cuStreamWaitValue32 watched by a host thread: no SM used) or "kernel"
+        (a one-block bounded spin kernel per wait).
+      name: the op named in errors and timeouts (a key of cuflux.errors.OP_CODES).
+
+    Every rank must make the same calls with the same rows (compared across ranks, bounded,
+    the first time a row count is seen). Errors of device-side waits surface at the next call
+    or at `synchronize()`; a failed op refuses to run: close() or abort() it and build a new
+    one. CUDA-graph capturable at W = 1 only (CaptureError at W > 1).
+    """
+
+    @on_world_device
+    def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
+                 chunk_rows: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, wait: str = "stream",
+                 name: str = _OP):
+        require_world_device(world, name)  # first: without a GPU, this is the one error to see
+        if mode not in ("pull", "push"):
+            raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
+        max_rows = count(_OP, "max_rows", max_rows, what="rows per rank")
+        cols = count(_OP, "cols", cols, what="elements per row")
+        chunk_rows = optional_count(_OP, "chunk_rows", chunk_rows,
+                                    what="rows per flagged chunk; None: the whole shard")
+        check_timeout(_OP, timeout_s)
+        if wait not in ("stream", "kernel"):
+            raise ValueError(f"{_OP}: wait must be 'stream' or 'kernel', got {wait!r}")
+        info = dtype_info(dtype, op=_OP)
+        chunk_rows = chunk_rows if chunk_rows is not None else max_rows
+        world.check_same((max_rows, cols, info.name, mode, chunk_rows),
+                         f"{_OP} arguments (max_rows, cols, dtype, mode, chunk_rows)")
+        self._closed = True  # until the buffers exist
+        super().__init__(world, name, timeout_s, max_rows, cols, info, mode, chunk_rows, wait)
+        self._closed = False
+
+    @on_op_device
+    def __call__(self, x, out=None, stream=None):
+        """x [rows, cols] (rows <= max_rows, the same on every rank) -> [W * rows, cols]."""
+        import cupy
+
+        self._check_open()
+        x_in, out_in = x, out  # the caller's: torch in, torch out
+        x, rows, s = self._check_call(x, stream)
+        W = self.world.size
+        if W > 1:
+            self._no_capture(s, _NO_CAPTURE)
+            if rows not in self._agreed:
+                self._agree(rows, "rows of the call")
+        if out is None:
+            if is_torch(x_in):  # from the pool of the call's stream (torch's): reused in order
+                with s:
+                    out = cupy.empty((W * rows, self.cols), dtype=self.dtype.storage)
+            else:
+                out = cupy.empty((W * rows, self.cols), dtype=self.dtype.storage)
+        else:
+            out = as_cupy(out, "out", self.op)
+            check_array(out, name="out", op=self.op, shape=(W * rows, self.cols),
+                        dtype=self.dtype, device=self.world.device)
+        if rows:  # 0 rows on every rank (rows agree): no exchange, no epoch
+            self.gather_into(x, out.data.ptr, s)  # W = 1: one copy, no flags
+        return to_caller(out, x_in, out_in)
+
+    def _check_call(self, x, stream):
+        """Validate x (before anything is queued); returns (x, rows, stream)."""
+        x_in, x = x, as_cupy(x, "x", self.op)
+        check_array(x, name="x", op=self.op, ndim=2, dtype=self.dtype,
+                    device=self.world.device)
+        rows = x.shape[0]
+        if x.shape[1] != self.cols:
+            raise ValueError(f"{self.op}: x must have {self.cols} columns, got shape "
+                             f"{tuple(x.shape)}")
+        if rows > self.max_rows:
+            raise ValueError(f"{self.op}: x has {rows} rows, more than "
+                             f"max_rows={self.max_rows}")
+        return x, rows, (stream_of(stream, x_in) if is_torch(x_in) else stream_of(stream))
