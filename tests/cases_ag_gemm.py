@@ -31,6 +31,8 @@ def _op(world, *args, **kwargs):
     from cuflux.ops.ag_gemm import AllGatherGemm
 
     kwargs.setdefault("timeout_s", WAIT_S)
+    # The fused kernel whatever M (route="auto" runs small calls unfused: `routes` tests that).
+    kwargs.setdefault("route", "fused")
     op = AllGatherGemm(world, *args, **kwargs)
     yield op
     op.close()
@@ -56,6 +58,27 @@ def _same_bits(x, y) -> bool:
     return bool(cupy.all(x.view(bits) == y.view(bits)))
 
 
+def _checked_call(op, shards, b, bias, ref, return_gathered, what):
+    """One call of `op` (this rank's shard of `shards`) into a poisoned out: the gathered A bit
+    for bit when asked back, out against the float64 reference `ref`; returns (out, relative
+    error)."""
+    import cupy
+
+    W, rows = op.world.size, shards[0].shape[0]
+    a = cupy.asarray(shards[op.world.rank])
+    out = _poisoned((W * rows, op.n), op.out_dtype.name)
+    res = op(a, b, bias=bias, return_gathered=return_gathered, out=out)
+    got, gathered = res if return_gathered else (res, None)
+    assert got is out, f"{what}: the output is not the array passed as out="
+    op.synchronize()
+    if return_gathered:
+        full = np.concatenate(shards)
+        assert gathered.shape == (W * rows, op.k) and gathered.dtype == op.dtype.storage
+        assert np.array_equal(cupy.asnumpy(gathered).view(np.uint8), full.view(np.uint8)), \
+            f"{what}: gathered A differs from the ranks' shards"
+    return got, check_close(got, ref, op.out_dtype.name, what)
+
+
 def _one_call(world, op, seed, case, call, rows, b_host, b, bias_host, bias, return_gathered,
               what):
     """One call of `op` on fresh shards; every check; returns the relative error."""
@@ -63,24 +86,16 @@ def _one_call(world, op, seed, case, call, rows, b_host, b, bias_host, bias, ret
 
     import cuflux.ops.gemm as G
 
-    W, me = world.size, world.rank
+    W = world.size
     shards = [_host([seed, case, call, p], (rows, op.k), op.dtype.name) for p in range(W)]
-    a = cupy.asarray(shards[me])
-    out = _poisoned((W * rows, op.n), op.out_dtype.name)
-    res = op(a, b, bias=bias, return_gathered=return_gathered, out=out)
-    got, gathered = res if return_gathered else (res, None)
-    assert got is out, f"{what}: the output is not the array passed as out="
-    op.synchronize()
     full = np.concatenate(shards)
-    if return_gathered:
-        assert gathered.shape == (W * rows, op.k) and gathered.dtype == op.dtype.storage
-        assert np.array_equal(cupy.asnumpy(gathered).view(np.uint8), full.view(np.uint8)), \
-            f"{what}: gathered A differs from the ranks' shards"
     b64 = b_host.astype(np.float64)
     ref = full.astype(np.float64) @ (b64 if op.b_layout == "kn" else b64.T)
     if bias_host is not None:
         ref += bias_host.astype(np.float64)[None, :]
-    rel = check_close(got, ref, op.out_dtype.name, what)
+    got, rel = _checked_call(op, shards, b, bias, ref, return_gathered, what)
+    if op.plan(W * rows) == "unfused":  # cuflux.gemm ran (cuBLAS): the reference suffices
+        return rel
     plan = op.plan_for(rows)
     plain = G.gemm(cupy.asarray(full), b, bias=bias, out_dtype=op.out_dtype.name,
                    b_layout=op.b_layout, impl=plan.impl,
@@ -124,6 +139,47 @@ def sweep(world, mode, impl, seed):
                 errs.append(_one_call(world, op, seed, case, call, rows, b_host, b, bias_host,
                                       bias, call % 2 == 0, what))
     return max(errs)
+
+
+def routes(world, mode, seed):
+    """route="unfused", "fused" and "auto" at small M (auto: unfused exactly where
+    cuflux.ops.gemm.plan says cuBLAS; W = 1: the fused kernel on every route). plan(M) says
+    the route before each new M; every call matches reference_ag_gemm (each rank its own
+    weight and bias), outputs poisoned, the gathered A bit for bit every other call. Returns
+    the routes taken, by the op's route."""
+    import cupy
+
+    import cuflux.ops.gemm as G
+    from cuflux import kernels
+    from cuflux.ops.ag_gemm import reference_ag_gemm
+
+    kernels.load("gemm.cu")  # the unfused route's GEMM, loaded before any wait
+    W, me = world.size, world.rank
+    n, k, rows_seq = 136, 72, [8, 1, 33, 8]
+    taken = {}
+    for case, route in enumerate(("unfused", "fused", "auto")):
+        bs = [_host([seed, case, 1000 + p], (n, k), "bfloat16") for p in range(W)]
+        biases = [_host([seed, case, 2000 + p], (n,), "bfloat16", 4.0) for p in range(W)]
+        b, bias = cupy.asarray(bs[me]), cupy.asarray(biases[me])
+        wants = {}
+        with _op(world, W * max(rows_seq), n, k, "bfloat16", out_dtype="float32", b_layout="nk",
+                 mode=mode, chunk_rows=16, route=route) as op:
+            for call, rows in enumerate(rows_seq):
+                M = W * rows
+                if M not in wants:  # asked once, before the op decides (and a GEMM tunes)
+                    if W == 1 or route != "auto":
+                        wants[M] = "fused" if W == 1 else route
+                    else:
+                        wants[M] = ("unfused" if G.plan(M, n, k, "bfloat16", "nk") == G.CUBLAS
+                                    else "fused")
+                what = (f"rank {me}/{W} {mode} route={route} call {call} rows {rows} "
+                        f"seed {seed}")
+                assert op.plan(M) == wants[M], f"{what}: plan {op.plan(M)}, want {wants[M]}"
+                shards = [_host([seed, case, call, p], (rows, k), "bfloat16") for p in range(W)]
+                ref = reference_ag_gemm(shards, bs, biases, "nk")[me]
+                _checked_call(op, shards, b, bias, ref, call % 2 == 0, what)
+                taken.setdefault(route, []).append(wants[M])
+    return taken
 
 
 def every_config(world, seed):
@@ -235,20 +291,30 @@ def late_peer(world, mode, impl, delay_s=1.0):
     return waited
 
 
-def timeout(world, mode, timeout_s=2.0):
-    """The last rank never calls: the others raise CommTimeoutError naming it within the
-    timeout plus slack, the failed op refuses to run, closes, and a new op runs correctly."""
+def timeout(world, mode, route="fused", timeout_s=2.0):
+    """After one call on every rank, the last rank never calls again: the others raise
+    CommTimeoutError naming it within the timeout plus slack, the failed op refuses to run,
+    closes, and a new op runs correctly. The first call agrees the rows (a host exchange that
+    would time out first otherwise), so the second one times out where its route waits: the
+    fused kernel's chunk waits, or (unfused) the gather's stream waits, cuflux.gemm then
+    running on what it has."""
     import cupy
 
     from cuflux.ops.ag_gemm import AllGatherGemm
 
     W, me = world.size, world.rank
     late = W - 1
-    op = AllGatherGemm(world, W * 64, 64, 64, "bfloat16", mode=mode, timeout_s=timeout_s)
+    op = AllGatherGemm(world, W * 64, 64, 64, "bfloat16", mode=mode, timeout_s=timeout_s,
+                       route=route)
+    a = cupy.asarray(_small_int([me, 0], (64, 64)))
+    b = cupy.asarray(_small_int([1, me], (64, 64)))
+    cupy.cuda.Device().synchronize()
+    world.barrier()  # the ranks start together: the first call's waits are milliseconds
+    op(a, b)  # every rank: rows agreed, the GEMM's choice made (tuned) outside the timed call
+    op.synchronize()
+    world.barrier()
     waited = None
     if me != late:
-        a = cupy.asarray(_small_int([me, 0], (64, 64)))
-        b = cupy.asarray(_small_int([1, me], (64, 64)))
         t0 = time.perf_counter()
         try:
             op(a, b)

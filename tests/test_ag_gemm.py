@@ -41,6 +41,20 @@ def test_matches_float64_and_the_plain_gemm(W, mode, impl):
     run_ranks(W, "tests.cases_ag_gemm:sweep", timeout_s=300, mode=mode, impl=impl, seed=fresh_seed())
 
 
+@pytest.mark.parametrize("W", WS)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_routes_match_float64(W, mode):
+    """route="unfused", "fused" and "auto" (small M: unfused where cuflux.gemm takes cuBLAS)
+    against reference_ag_gemm; W = 1 runs the fused kernel on every route."""
+    _skip_push_at_one(W, mode)
+    res = run_ranks(W, "tests.cases_ag_gemm:routes", timeout_s=300, mode=mode,
+                    seed=fresh_seed())
+    for taken in res:
+        assert set(taken["fused"]) == {"fused"}
+        assert set(taken["unfused"]) == {"fused" if W == 1 else "unfused"}
+        assert W > 1 or set(taken["auto"]) == {"fused"}
+
+
 @pytest.mark.parametrize("W", [w for w in WS if w <= 2])
 def test_every_configuration(W):
     assert run_ranks(W, "tests.cases_ag_gemm:every_config", timeout_s=300,
@@ -67,8 +81,9 @@ def test_late_peer_is_waited_for(W, mode, impl):
 
 @pytest.mark.parametrize("W", [w for w in WS if w > 1])
 @pytest.mark.parametrize("mode", ["pull", "push"])
-def test_timeout_names_the_missing_rank(W, mode):
-    res = run_ranks(W, "tests.cases_ag_gemm:timeout", timeout_s=300, mode=mode)
+@pytest.mark.parametrize("route", ["fused", "unfused"])
+def test_timeout_names_the_missing_rank(W, mode, route):
+    res = run_ranks(W, "tests.cases_ag_gemm:timeout", timeout_s=300, mode=mode, route=route)
     assert all(r["waited"] is not None for r in res[:-1]) and res[-1]["waited"] is None
     assert all(r["after"] < 1e-2 for r in res)
 

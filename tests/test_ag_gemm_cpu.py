@@ -1,7 +1,8 @@
 """CPU tests of AllGather + GEMM: the kernels compile and wait before they load; the pure
 helpers the kernel mirrors (chunks of a row range, visit order, block size, default chunk);
-argument checks; the float64 reference; and the host protocol itself (CopyGather.begin /
-send_peers / release, AllGatherGemm._issue), run for several ranks on a simulated GPU: streams executing their queues in
+argument checks; the float64 reference; the route (fused or unfused) and its plan; and the host
+protocol itself (CopyGather.begin / send_peers / release, AllGatherGemm._issue and
+_issue_unfused), run for several ranks on a simulated GPU: streams executing their queues in
 random interleavings over a byte-addressed memory, with a model GEMM that reads each tile's
 rows after waiting on their chunk flags; and the ops' lifetime on CommOp (one communicator,
 everything freed once, by close() or abort())."""
@@ -477,6 +478,22 @@ def _rank_log(sim, rank):
 CALLS = [[77, 1, 130, 64, 129], [5, 5, 3, 8, 1]]
 
 
+class _WholeA:
+    """The unfused route's GEMM as the stream runs it: it reads the whole gathered A at once,
+    after the gather's copies; it checks every row is this call's."""
+
+    def __init__(self, sim, a_ptr, expected, e):
+        self.sim, self.a_ptr, self.expected, self.e = sim, a_ptr, expected, e
+
+    def can_step(self):
+        return True
+
+    def step(self):
+        got = self.sim.view(self.a_ptr, self.expected.size)
+        assert np.array_equal(got, self.expected), f"call {self.e}: unfused GEMM read stale A"
+        return True
+
+
 def _ag_gemm_ops(monkeypatch, sim, W, kind, mode, max_rows, row_bytes, chunk_rows, **kwargs):
     """One AllGatherGemm per simulated rank, built by its constructor."""
     _fake_env(monkeypatch, sim)
@@ -490,9 +507,11 @@ def _ag_gemm_ops(monkeypatch, sim, W, kind, mode, max_rows, row_bytes, chunk_row
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("chunk_rows", [None, 64, 37, 1])
 def test_fused_protocol_on_simulated_streams(monkeypatch, W, kind, mode, chunk_rows):
-    """Every rank queues the same calls (changing rows, return_gathered alternating); streams
-    then run in a random order. Nothing deadlocks, the GEMM model never reads a row before its
-    flag or after a later call overwrote it, and every gathered A is exact."""
+    """Every rank queues the same calls (changing rows, return_gathered alternating), each rank
+    taking the fused or the unfused route at random (W > 1: both routes run one protocol, so
+    ranks may differ); streams then run in a random order. Nothing deadlocks, the GEMM model
+    never reads a row before its flag or after a later call overwrote it, and every gathered A
+    is exact."""
     rows_seq = CALLS[0] if chunk_rows != 1 else CALLS[1]
     max_rows, row_bytes = max(rows_seq), 16
     for seed in range(3 if W < 8 else 1):
@@ -501,10 +520,13 @@ def test_fused_protocol_on_simulated_streams(monkeypatch, W, kind, mode, chunk_r
         for op in ops:
             assert op.chunk_rows == (chunk_rows or max_rows)
             op.test_stream = _Stream(sim)  # calls of one op are ordered on each rank
-        checks = []
+        routes = random.Random(seed)
+        checks, unfused_calls = [], 0
         for call, rows in enumerate(rows_seq):
             shards = [_shard(sim, r, call, rows, row_bytes) for r in range(W)]
             expected = np.concatenate([d for _, d in shards])
+            monkeypatch.setattr(AGG.gemm_op, "gemm", lambda a, b, stream, exp=expected, **kw:
+                                stream.q.append(("kernel", _WholeA(sim, a.data.ptr, exp, call))))
             for rank, op in enumerate(ops):
                 tile = 64
                 plan = SimpleNamespace(tile_rows=tile, block_tiles=block_tiles_for(
@@ -519,18 +541,24 @@ def test_fused_protocol_on_simulated_streams(monkeypatch, W, kind, mode, chunk_r
                 s = op.test_stream
                 want_back = call % 2 == 0
                 pull = mode == "pull" or W == 1
-                gathered = _Array(sim, W * rows, row_bytes) if want_back or (pull and W > 1) \
-                    else None
-                if pull and gathered is None:
-                    gathered = shards[rank][0]
-                e = op._issue(shards[rank][0], rows, gathered, None, None, None, s)
+                unfused = W > 1 and routes.random() < 0.5
+                gathered = _Array(sim, W * rows, row_bytes) if want_back or (
+                    W > 1 and (pull or unfused)) else None
+                if unfused:
+                    e = op._issue_unfused(shards[rank][0], gathered, None, None, None, s)
+                    unfused_calls += 1
+                else:
+                    if pull and gathered is None:
+                        gathered = shards[rank][0]
+                    e = op._issue(shards[rank][0], rows, gathered, None, None, None, s)
                 assert e == call + 1 and op._last_stream is s
-                if want_back:
+                if want_back or unfused:
                     checks.append((rank, call, gathered, expected))
         sim.run()
         for rank, call, gathered, expected in checks:
             got = sim.view(gathered.data.ptr, expected.size)
             assert np.array_equal(got, expected), f"seed {seed} rank {rank} call {call}"
+        assert unfused_calls > 0 or W == 1  # both routes were taken
 
 
 @pytest.mark.parametrize("W,kind", [(2, "nvlink"), (4, "pcie"), (4, "pcie_numa"), (8, "nvlink")])
@@ -660,6 +688,157 @@ def test_abort_keeps_what_queued_work_may_touch(monkeypatch, cls):
     own = ops[1].lanes + ([ops[1]._side] if cls == "AllGatherGemm" else [])
     assert _rank_log(sim, 1) == ["err.abort", "waiter.close", ("buf.close", True, tuple(own)),
                                  f"comm.free {cls}"]
+
+
+# ---- route: fused or unfused ------------------------------------------------------------------
+def _route_op(monkeypatch, W=4, route="auto"):
+    sim = _Sim(0)
+    _fake_env(monkeypatch, sim)
+    return AllGatherGemm(_world(sim, W, 0, "nvlink"), max_m=W * 1024, n=1024, k=512,
+                         dtype="bfloat16", b_layout="nk", timeout_s=1, route=route)
+
+
+@pytest.mark.parametrize("route", ["sometimes", "FUSED", None, 1])
+def test_bad_route_is_refused_before_any_collective(route):
+    seen = []
+    world = SimpleNamespace(rank=0, size=2, device=0, check_same=lambda v, what: seen.append(v))
+    with pytest.raises(ValueError, match=r"^AllGatherGemm: route must be one of \('auto', "
+                                         r"'fused', 'unfused'\), got "):
+        AllGatherGemm(world, 64, 64, 64, "bfloat16", route=route)
+    assert not seen
+    with pytest.raises(ValueError, match="route must be one of"):
+        check_build_args(2, **{**GOOD, "route": route})
+
+
+@pytest.mark.parametrize("route", ["auto", "fused", "unfused"])
+def test_route_is_compared_across_ranks(route):
+    seen = []
+
+    def check_same(value, what):
+        seen.append((value, what))
+        raise KeyboardInterrupt  # stop at the first collective
+
+    world = SimpleNamespace(rank=0, size=2, device=0, check_same=check_same)
+    with pytest.raises(KeyboardInterrupt):
+        AllGatherGemm(world, 64, 64, 64, "bfloat16", route=route)
+    (value, what), = seen
+    assert value[-1] == route and what.endswith("group_m, route)")
+
+
+def test_auto_plan_follows_gemm_plan_once_per_m(monkeypatch):
+    """route="auto": unfused exactly where cuflux.ops.gemm.plan says cuBLAS (whatever the
+    reason: the tuner's table or its heuristic), asked once per M with the op's shape."""
+    asked = []
+
+    def gemm_plan(M, N, K, dtype="bfloat16", b_layout="kn"):
+        asked.append((M, N, K, dtype, b_layout))
+        return {8: "cublas", 300: "128x128s6c1", 512: "cublas", 1024: "sm80"}[M]
+
+    op = _route_op(monkeypatch)
+    monkeypatch.setattr(AGG.gemm_op, "plan", gemm_plan)
+    Ms = [8, 300, 512, 1024, 8, 512, 300]
+    assert [op.plan(M) for M in Ms] == ["unfused", "fused", "unfused", "fused", "unfused",
+                                        "unfused", "fused"]
+    assert asked == [(M, 1024, 512, "bfloat16", "nk") for M in (8, 300, 512, 1024)]
+    assert op.plan(np.int64(300)) == "fused" and len(asked) == 4
+
+
+def test_auto_plan_with_gemms_own_plan(monkeypatch):
+    """No stand-in for gemm's plan: without the Hopper path its untuned rule (cuBLAS below
+    CUBLAS_BELOW_M rows); on sm_90a the tuner's table where it measured the shape class, else
+    the heuristic."""
+    from cuflux import gemm_tuner as tuner
+    from cuflux import knobs
+
+    B = tuner.CUBLAS_BELOW_M
+    op = _route_op(monkeypatch)
+    monkeypatch.setattr(tuner, "device_props", lambda dev=None: (0, "sm_80", 108, "A100"))
+    assert (op.plan(B - 4), op.plan(B), op.plan(4096)) == ("unfused", "fused", "fused")
+    op = _route_op(monkeypatch)
+    monkeypatch.setattr(tuner, "device_props", lambda dev=None: (0, "sm_90a", 132, "H200"))
+    monkeypatch.setattr(knobs, "gemm_tune", lambda environ=None: True)
+    measured = tuner.tune_key(op.dtype, "nk", 4096, 1024, 512)
+    monkeypatch.setattr(tuner, "_TUNER_TABLE", {measured: {"config": tuner.CUBLAS}})
+    assert op.plan(4096) == "unfused"                    # cuBLAS measured faster
+    assert (op.plan(2048), op.plan(B - 4)) == ("fused", "unfused")  # heuristic
+
+
+@pytest.mark.parametrize("route", ["fused", "unfused"])
+def test_forced_route_never_asks(monkeypatch, route):
+    op = _route_op(monkeypatch, route=route)
+    monkeypatch.setattr(AGG.gemm_op, "plan", lambda *a, **k: pytest.fail("gemm's plan asked"))
+    assert {op.plan(M) for M in (4, 256, 4096)} == {route}
+
+
+@pytest.mark.parametrize("route", ["auto", "fused", "unfused"])
+def test_one_rank_runs_the_fused_kernel_on_every_route(monkeypatch, route):
+    op = _route_op(monkeypatch, W=1, route=route)
+    monkeypatch.setattr(AGG.gemm_op, "plan", lambda *a, **k: "cublas")
+    assert op.plan(1) == op.plan(1024) == "fused"
+
+
+@pytest.mark.parametrize("M", [0, -4, 4 * 1024 + 4, 64.0, "64", True, None])
+def test_plan_refuses_what_is_not_a_calls_m(monkeypatch, M):
+    op = _route_op(monkeypatch)
+    with pytest.raises(ValueError, match=r"^AllGatherGemm: M must be an integer in \[1, 4096\] "
+                                         r"\(the gathered rows of a call\), got "):
+        op.plan(M)
+
+
+def _sim_calls(monkeypatch, sim):
+    """AllGatherGemm.__call__ on the simulator: arrays allocated in simulated memory, the fused
+    kernel and cuflux.gemm replaced by models that check the gathered A they read."""
+    import cupy
+
+    import cuflux.gemm_core as G
+
+    for mod in (AGG, G):
+        monkeypatch.setattr(mod, "as_cupy", lambda x, *a, **k: x)
+    monkeypatch.setattr(AGG, "check_array", lambda x, *a, **k: x)
+    monkeypatch.setattr(AGG, "stream_of", lambda s, like=None: s)
+    monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: _Array(sim, shape[0],
+                                                                        2 * shape[1]))
+    monkeypatch.setattr(_Stream, "__enter__", lambda self: self, raising=False)
+    monkeypatch.setattr(_Stream, "__exit__", lambda self, *exc: None, raising=False)
+
+
+@pytest.mark.parametrize("W", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_calls_take_the_planned_route(monkeypatch, W, mode):
+    """Whole calls: rows compared across ranks once per new row count; route="auto" takes
+    the route plan(M) gives (unfused where gemm's plan is cuBLAS: here below 4 * 64 rows), the
+    unfused GEMM reads a gathered A that is complete, return_gathered gives it back."""
+    sim = _Sim(3)
+    ops = _ag_gemm_ops(monkeypatch, sim, W, "nvlink", mode, 130, 16, 37)
+    _sim_calls(monkeypatch, sim)
+    streams = [_Stream(sim) for _ in ops]  # calls of one op are ordered on each rank
+    monkeypatch.setattr(AGG.gemm_op, "plan", lambda M, N, K, dtype, b_layout:
+                        "cublas" if M < W * 64 else "sm80")
+    taken, checks = [], []
+    for call, rows in enumerate([130, 5, 130, 0, 64, 63]):
+        shards = [_shard(sim, r, call, rows, 16) for r in range(W)]
+        expected = np.concatenate([d for _, d in shards])
+        monkeypatch.setattr(AGG.gemm_op, "gemm", lambda a, b, stream, exp=expected, **kw: (
+            taken.append("unfused"), stream.q.append(("kernel", _WholeA(sim, a.data.ptr, exp,
+                                                                        call)))))
+        for op in ops:
+            op._launch = lambda *a, **k: taken.append("fused")
+            op._order = lambda rows, plan: None
+            op.plan_for = lambda rows: SimpleNamespace(tile_rows=64, block_tiles=1)
+            me = op.world.rank
+            out, gathered = op(shards[me][0], FakeArray((8, 8)), return_gathered=True,
+                               stream=streams[me])
+            assert out.shape[0] == W * rows
+            checks.append((gathered, expected))
+        want = "fused" if W == 1 or rows >= 64 else "unfused"
+        assert taken == ([want] * W if rows else []), (call, rows)
+        taken.clear()
+    sim.run()
+    for gathered, expected in checks:
+        assert np.array_equal(sim.view(gathered.data.ptr, expected.size), expected)
+    agreed = [w for w in _rank_log(sim, 0) if w.startswith("agree")]
+    assert agreed == ([] if W == 1 else ["agree 130", "agree 5", "agree 0", "agree 64",
+                                         "agree 63"])
 
 
 # ---- benchmark shapes ---------------------------------------------------------------------------

@@ -13,6 +13,12 @@ push mode, this rank's symmetric data region the peers' copies fill (copied out,
 GEMM, when return_gathered=True). W = 1: A_gathered is a_shard itself (no copy unless it is
 asked back), and the same kernel runs with epoch 0 (nothing to wait for, no flag written).
 
+Routes (W > 1): "fused" is the above; "unfused" is the op's own gather (AllGather's call, the
+same buffers, flags and protocol) into a gathered A, then cuflux.gemm on it. route="auto" (the
+default) runs unfused exactly where cuflux.gemm's plan takes cuBLAS: the fused kernel is
+cuflux's own GEMM core, which loses to cuBLAS there. `plan(M)` says which route a call takes.
+Both routes run one protocol, so ranks may differ in their choice (their tuner tables may).
+
 Per call, on the caller's stream s:
   s:        [pull: wait until peers read our staging of the last call; stage a_shard; ready ->
             peers] copy own rows into the gathered buffer, raise own chunk flags; fork lanes;
@@ -35,9 +41,10 @@ from cuflux import gemm_core as core
 from cuflux import gemm_tuner as tuner
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
+from cuflux.ops import gemm as gemm_op
 from cuflux.ops.allgather import CopyGather, arrival_order
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_timeout, on_op_device, on_world_device,
-                             require_world_device)
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_route, check_timeout, on_op_device,
+                             on_world_device, require_world_device)
 from cuflux.sizes import count, optional_count
 
 __all__ = ["AllGatherGemm", "reference_ag_gemm", "visit_order", "chunks_for_rows",
@@ -152,7 +159,8 @@ _MAX_DIM = 2**31 - 1  # M, n and k travel to the kernel as int32
 
 
 def check_build_args(world_size: int, max_m, n, k, dtype, out_dtype, b_layout, mode, chunk_rows,
-                     timeout_s, impl, config, group_m, *, max_rows_per_rank=None):
+                     timeout_s, impl, config, group_m, *, max_rows_per_rank=None,
+                     route: str = "auto"):
     """Constructor checks that need no GPU; returns (dtype, out dtype, max rows per rank).
 
     The row bound comes as exactly one of max_m (the largest gathered M, the GEMM's M: rows
@@ -164,6 +172,7 @@ def check_build_args(world_size: int, max_m, n, k, dtype, out_dtype, b_layout, m
                          f"got {b_layout!r}")
     if mode not in ("pull", "push"):
         raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
+    check_route(_OP, route)
     why8 = "rows move in 16-byte pieces"
     count(_OP, "n", n, 8, _MAX_DIM // 8 * 8, f"this rank's output columns; {why8}", 8)
     count(_OP, "k", k, 8, _MAX_DIM // 8 * 8, f"the inner dimension; {why8}", 8)
@@ -248,17 +257,25 @@ class AllGatherGemm(CopyGather):
         shard into every peer).
       chunk_rows: rows per flagged communication chunk (None: default_chunk_rows).
       timeout_s: bound of every wait; on expiry CommTimeoutError.
-      impl: "auto" (Hopper core on sm_90a, else the portable core), "sm90" or "sm80".
-      config: Hopper configuration (AG_SM90_CONFIGS); None: the plain GEMM tuner's cached
-        choice for the shape, else its heuristic.
+      impl: the fused kernel's core: "auto" (Hopper core on sm_90a, else the portable core),
+        "sm90" or "sm80".
+      config: the fused kernel's Hopper configuration (AG_SM90_CONFIGS); None: the plain GEMM
+        tuner's cached choice for the shape, else its heuristic.
       group_m: tile rows per L2 group inside a scheduling block.
+      route (keyword): at W > 1, "auto" (default: `plan(M)`, unfused exactly where
+        cuflux.ops.gemm.plan(M, n, k, dtype, b_layout) is "cublas", else fused), "fused"
+        (always the fused kernel) or "unfused" (always the op's own gather into a gathered A,
+        then cuflux.gemm(impl="auto") on it; impl and config do not apply). At W = 1 every
+        route runs the fused kernel (nothing is gathered). Both routes run the same gather
+        protocol, so ranks whose tuner tables differ may take different routes.
     Sizes (max_m / max_rows_per_rank, n, k, chunk_rows, group_m) are ints (Python or NumPy
     integers; no bools, floats or strings), checked by cuflux.sizes.count with one message:
     "AllGatherGemm: max_m must be an integer in [2, 2147483647] (...), got 4096.0 (float)".
 
-    Every rank must make the same calls with the same rows (compared across ranks, bounded,
-    the first time a row count is seen). Calls cannot be captured in a CUDA graph
-    (CaptureError).
+    `plan(M)` is "fused" or "unfused": the route of a call whose gathered A has M rows
+    (decided once per M and kept). Every rank must make the same calls with the same rows
+    (compared across ranks, bounded, the first time a row count is seen). Neither route can
+    be captured in a CUDA graph (CaptureError).
     """
 
     @on_world_device
@@ -267,14 +284,14 @@ class AllGatherGemm(CopyGather):
                  mode: str = "pull", chunk_rows: int | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto",
                  config: str | None = None, group_m: int = 8, *,
-                 max_rows_per_rank: int | None = None):
+                 max_rows_per_rank: int | None = None, route: str = "auto"):
         require_world_device(world, _OP)  # first: without a GPU, this is the one error to see
         missing = [name for name, v in (("n", n), ("k", k), ("dtype", dtype)) if v is None]
         if missing:  # None defaults only so that max_m may be left out for max_rows_per_rank
             raise TypeError(f"{_OP}: missing required argument(s): {', '.join(missing)}")
         dt, odt, max_rows = check_build_args(world.size, max_m, n, k, dtype, out_dtype, b_layout,
                                              mode, chunk_rows, timeout_s, impl, config, group_m,
-                                             max_rows_per_rank=max_rows_per_rank)
+                                             max_rows_per_rank=max_rows_per_rank, route=route)
         import cupy
 
         n, k, group_m = int(n), int(k), int(group_m)
@@ -282,19 +299,22 @@ class AllGatherGemm(CopyGather):
             default_chunk_rows(max_rows, k * dt.itemsize, world.size)
         # Per rank: max_m = 515 on one rank and max_rows_per_rank = 128 on another agree (W = 4).
         world.check_same((max_rows, n, k, dt.name, odt.name, b_layout, mode, chunk_rows,
-                          float(timeout_s), impl, config, group_m),
+                          float(timeout_s), impl, config, group_m, route),
                          f"{_OP} arguments (max_rows_per_rank, n, k, dtype, out_dtype, b_layout, "
-                         f"mode, chunk_rows, timeout_s, impl, config, group_m)")
+                         f"mode, chunk_rows, timeout_s, impl, config, group_m, route)")
         arch = kernels.device_arch(world.device)
         if impl == "sm90" and arch != "sm_90a":
             raise RuntimeError(f"{_OP}: impl='sm90' needs an sm_90a device (Hopper), device "
                                f"{world.device} is {arch}")
-        module = kernels.load(_SRC, world.device)  # eager: nothing may load while a stream waits
+        # Eager: nothing may load while a stream waits (the unfused route's GEMM included).
+        module = kernels.load(_SRC, world.device)
+        if world.size > 1 and route != "fused":
+            kernels.load("gemm.cu", world.device)
         self._closed = True  # until the buffers exist
         # The collective part: the op's communicator, error record, buffer, flags, copy lanes.
         super().__init__(world, _OP, timeout_s, max_rows, k, dt, mode, chunk_rows, "stream")
         self.n, self.k, self.out_dtype, self.b_layout = n, k, odt, b_layout
-        self.group_m, self.config, self.arch = group_m, config, arch
+        self.group_m, self.config, self.route, self.arch = group_m, config, route, arch
         self.max_m = world.size * max_rows  # the largest M a call can have
         self.impl = impl if impl != "auto" else ("sm90" if arch == "sm_90a" else "sm80")
         # Ranks sharing this GPU run their GEMMs side by side (under MPS): split the SMs, so that
@@ -305,9 +325,33 @@ class AllGatherGemm(CopyGather):
         self._upload = cupy.cuda.Stream(non_blocking=True)  # visit orders, once per shape
         self._plans: dict[int, _Plan] = {}
         self._orders: dict[tuple, object] = {}
+        self._routes: dict[int, str] = {}
         self._closed = False
 
     # ---- planning --------------------------------------------------------------------------------
+    @on_op_device
+    def plan(self, M: int) -> str:
+        """"fused" or "unfused": what a call whose gathered A has M rows runs (see route).
+        Decided once per M (auto: from cuflux.ops.gemm.plan, the tuner's table or its
+        heuristic) and kept for the op's life."""
+        return self._route(count(_OP, "M", M, 1, self.max_m, "the gathered rows of a call"))
+
+    def _route(self, M: int) -> str:
+        """plan(M) for a checked M, on the op's device."""
+        route = self._routes.get(M)
+        if route is not None:
+            return route
+        if self.world.size == 1 or self.route == "fused":
+            route = "fused"
+        elif self.route == "unfused":
+            route = "unfused"
+        else:  # where cuflux.gemm takes cuBLAS, our core (the fused kernel's) loses to it
+            gemm_choice = gemm_op.plan(M, self.n, self.k, self.dtype.name, self.b_layout)
+            route = "unfused" if gemm_choice == gemm_op.CUBLAS else "fused"
+        if len(self._routes) < 4096:
+            self._routes[M] = route
+        return route
+
     def _sm90_config(self, M: int) -> str:
         if self.config is not None:
             return self.config
@@ -318,7 +362,7 @@ class AllGatherGemm(CopyGather):
         return tuner.core_heuristic(M, self.n, self.k)
 
     def plan_for(self, rows: int) -> _Plan:
-        """The kernel, tile and grid a call with `rows` rows per rank runs."""
+        """The fused kernel, tile and grid a call with `rows` rows per rank runs."""
         plan = self._plans.get(rows)
         if plan is not None:
             return plan
@@ -405,6 +449,7 @@ class AllGatherGemm(CopyGather):
         self._no_capture(s, _NO_CAPTURE_AG)
         if W > 1 and rows not in self._agreed:
             self._agree(rows, "rows of the call")
+        route = self._route(M) if rows else "fused"
         pull = self.mode == "pull" or W == 1
         # Allocations come from s's pool arena: their blocks were last used by work queued on s,
         # which runs before everything below (the lanes fork from s).
@@ -412,19 +457,31 @@ class AllGatherGemm(CopyGather):
             if out is None:
                 out = cupy.empty((M, self.n), dtype=self.out_dtype.storage)
             gathered = None
-            if return_gathered or (pull and W > 1):
+            if return_gathered or (W > 1 and (pull or route == "unfused")):
                 gathered = cupy.empty((M, self.k), dtype=self.dtype.storage)
         if rows:  # 0 rows on every rank (rows agree): nothing to do, no epoch
-            if pull and gathered is None:  # W = 1, nothing asked back: the GEMM reads a_shard
-                gathered = a
-            self._issue(a, rows, gathered, b, bias, out, s)
+            if route == "unfused":
+                self._issue_unfused(a, gathered, b, bias, out, s)
+            else:
+                if pull and gathered is None:  # W = 1, nothing asked back: the GEMM reads a
+                    gathered = a
+                self._issue(a, rows, gathered, b, bias, out, s)
         return (to_caller((out, gathered), a_in, (out_in, None)) if return_gathered
                 else to_caller(out, a_in, out_in))
 
+    def _issue_unfused(self, a, gathered, b, bias, out, s) -> int:
+        """Queue one unfused call (W > 1, arguments checked, rows >= 1): the op's gather into
+        `gathered` [M, k], then cuflux.gemm on it (its own choice: cuBLAS where plan() picks
+        this route). Returns the call's epoch."""
+        e = self.gather_into(a, gathered.data.ptr, s)
+        gemm_op.gemm(gathered, b, bias=bias, out=out, out_dtype=self.out_dtype.name,
+                     b_layout=self.b_layout, stream=s)
+        return e
+
     def _issue(self, a, rows: int, gathered, b, bias, out, s) -> int:
-        """Queue one call (arguments checked, rows >= 1); returns its epoch. gathered: where
-        the GEMM reads A (pull, W = 1), or the copy-out target (push, return_gathered), or
-        None (push)."""
+        """Queue one fused call (arguments checked, rows >= 1); returns its epoch. gathered:
+        where the GEMM reads A (pull, W = 1), or the copy-out target (push, return_gathered),
+        or None (push)."""
         import cupy
 
         plan = self.plan_for(rows)
