@@ -10,7 +10,9 @@ has tokens [r * T / W, (r + 1) * T / W), the sequence-parallel layout of Megatro
   RowParallelLinear     x [T, in/W] -> y_shard [T/W, out]         forward  GemmReduceScatter
                         backward: grad_y = all-gather(grad_y_shard)  AllGather, then GEMMs
   ParallelRMSNorm       x [T, H] partial sums -> RMSNorm(sum_ranks(x) + residual) * weight,
-                        and the new residual (AllReduceRMSNorm; backward: output="replicated")
+                        and the new residual (AllReduceRMSNorm), out and residual replicated
+                        or sharded by token; backward: local norm backward on the tokens a
+                        rank holds; sharded modes: AllGather of grad x, AllReduce of grad w
   UlyssesAttention      q, k, v [B, T/W, H, D] -> attention over all T tokens with H/W heads
                         per rank -> [B, T/W, H, D] (All2AllHeads around any attention function)
 
@@ -31,6 +33,7 @@ except ImportError as _e:  # pragma: no cover - exercised by the CPU test in a s
                       "pip install torch") from _e
 
 import cuflux
+from cuflux.ops.allreduce import token_slice
 from cuflux.ops.base import DEFAULT_TIMEOUT_S
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelRMSNorm", "UlyssesAttention",
@@ -274,40 +277,75 @@ class RowParallelLinear(_ParallelLinear):
 
 
 # ---- ParallelRMSNorm -----------------------------------------------------------------------------
-def _rmsnorm_backward(h, weight, eps, grad_out, grad_h_extra):
-    """Local RMSNorm backward in fp32: (grad of h, grad of weight)."""
-    with torch.enable_grad():
-        h32 = h.detach().float().requires_grad_()
-        w32 = weight.detach().float().requires_grad_()
-        y = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps) * w32
-        gh, gw = torch.autograd.grad(y, (h32, w32), grad_out.float())
-    if grad_h_extra is not None:
-        gh = gh + grad_h_extra.float()
-    return gh, gw
+def _rmsnorm_backward(h, weight, eps, grad_out):
+    """Local RMSNorm backward in fp32 over the rows of h [n, H]: (grad of h [n, H], the weight
+    gradient summed over these n rows [H]). With r = rsqrt(mean(h^2) + eps), n = h * r,
+    out = n * w and g = grad_out * w:
+      grad_h = r * (g - n * mean(g * n)),   grad_w = sum_rows(grad_out * n)."""
+    h32, go = h.float(), grad_out.float()
+    r = torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    n = h32 * r
+    g = go * weight.float()
+    return r * (g - n * (g * n).mean(-1, keepdim=True)), (go * n).sum(0)
 
 
 class _NormFn(torch.autograd.Function):
+    """Gradient conventions (Megatron-LM's): a replicated output's gradient is the loss's full
+    gradient, the same on every rank (out in "replicated" and "sharded_residual"); a sharded
+    output's gradient is that of this rank's rows (out in "sequence_parallel", the residual
+    rows a rank owns). x, each rank's partial sums, gets the full grad_h: h = sum_ranks(x) + ...
+    copies grad_h to every x. The weight, replicated, gets its full gradient on every rank."""
+
     @staticmethod
     def forward(ctx, x, residual, weight, layer):
         new_residual = residual.detach().clone()  # the op updates it in place
         out = layer.op(_plain(x), new_residual, _plain(weight), stream=_stream())
-        ctx.layer = layer
+        ctx.layer, ctx.num_tokens = layer, x.shape[0]
         ctx.save_for_backward(new_residual, weight)
         return out, new_residual
 
     @staticmethod
     def backward(ctx, grad_out, grad_res):
-        layer = ctx.layer
-        if layer.output != "replicated":
-            raise NotImplementedError(
-                f"ParallelRMSNorm: backward is implemented for output='replicated' only, this "
-                f"layer has output={layer.output!r}")
-        h, weight = ctx.saved_tensors
-        gh, gw = _rmsnorm_backward(h, weight, layer.eps, grad_out, grad_res)
-        gh = gh.to(h.dtype)
-        # replicated: every rank holds h = sum_ranks(x) + residual and the same grad; the
-        # gradient of each rank's partial x is grad_h (no communication).
-        return gh, gh, gw.to(weight.dtype), None
+        layer, mode = ctx.layer, ctx.layer.output
+        new_residual, weight = ctx.saved_tensors
+        need_x, need_res, need_w = ctx.needs_input_grad[:3]
+        if mode == "replicated":
+            # Every rank holds h for all T tokens and the same grads: everything is local, and
+            # the weight gradient over all T tokens is already the full one.
+            gh, gw = _rmsnorm_backward(new_residual, weight, layer.eps, grad_out)
+            gh = (gh + grad_res.float()).to(new_residual.dtype)
+            return (gh if need_x else None, gh if need_res else None,
+                    gw.to(weight.dtype) if need_w else None, None)
+        # sharded_residual / sequence_parallel: this rank holds h only for its token slice
+        # [a, b) (the rows it reduced). grad_h of the slice is local; h of the other tokens is
+        # on their owners, so:
+        #   grad_x [T, H]: the forward reduce-scattered x (sum over ranks, rows to their owner),
+        #     its backward all-gathers grad_h's slices (AllGather);
+        #   grad_residual: the slice's rows get grad_h (sharded_residual: the other rows of the
+        #     residual pass through the op unchanged, so their gradient passes through too);
+        #   grad_weight: out depends on the weight through every token, and this rank's sum
+        #     covers only its slice; the weight is replicated (each rank holds the same copy
+        #     and its optimiser must step on the same full gradient), so the partial sums are
+        #     all-reduced (AllReduce, fp32) -- the all-reduce Megatron-LM does for the norms'
+        #     weights under sequence parallelism.
+        a, b = token_slice(ctx.num_tokens, layer.world.size, layer.world.rank)
+        if mode == "sharded_residual":  # out [T, H] replicated, residual [T, H]: take the slice
+            h, g_out, g_res = new_residual[a:b], grad_out[a:b], grad_res[a:b]
+        else:                           # out, residual: [b - a, H], the slice itself
+            h, g_out, g_res = new_residual, grad_out, grad_res
+        gh, gw = _rmsnorm_backward(h, weight, layer.eps, g_out)
+        gh = (gh + g_res.float()).to(new_residual.dtype)
+        grad_x = layer._gather_slices(gh, ctx.num_tokens) if need_x else None
+        grad_residual = None
+        if need_res:
+            if mode == "sharded_residual":
+                grad_residual = grad_res.clone()
+                grad_residual[a:b] = gh
+            else:
+                grad_residual = gh
+        grad_w = _torch(layer.grad_w_sum(gw.contiguous(), stream=_stream())).to(weight.dtype) \
+            if need_w else None
+        return grad_x, grad_residual, grad_w, None
 
 
 class ParallelRMSNorm(_Layer):
@@ -315,9 +353,18 @@ class ParallelRMSNorm(_Layer):
     h = sum_ranks(x) + residual, out = h * rsqrt(mean(h^2) + eps) * weight, new_residual = h.
 
     Args: world, hidden, max_tokens, eps, dtype (bfloat16, float16 or float32), output
-    ("replicated", "sharded_residual" or "sequence_parallel": see AllReduceRMSNorm; backward is
-    implemented for "replicated"), timeout_s. x: [T, hidden], this rank's partial sums (e.g. a
-    row-parallel GEMM's output before its all-reduce); residual as AllReduceRMSNorm takes it.
+    (see AllReduceRMSNorm; rank r owns the token slice token_slice(T, W, r), [r*T/W, (r+1)*T/W)
+    when W divides T), timeout_s. x: [T, hidden], this rank's partial sums (e.g. a row-parallel
+    GEMM's output before its all-reduce). By output:
+      "replicated"        residual [T, hidden] -> out [T, hidden], new_residual [T, hidden];
+      "sharded_residual"  residual [T, hidden], only the slice's rows read and updated (the
+                          others pass through) -> out [T, hidden], new_residual [T, hidden];
+      "sequence_parallel" residual [T_r, hidden], the slice -> out, new_residual [T_r, hidden].
+    Backward, every mode: grad x [T, hidden] is the full grad of h on every rank; the weight's
+    gradient is the full one on every rank (summed over all T tokens: all-reduced where each
+    rank holds only its slice). The gradient given for a replicated out must be the same on
+    every rank. The sharded modes all-gather grad x (AllGather) and all-reduce the weight
+    gradient (AllReduce), ops built here (collective: every rank must ask for the same grads).
     """
 
     def __init__(self, world, hidden: int, max_tokens: int, eps: float = 1e-6,
@@ -329,6 +376,26 @@ class ParallelRMSNorm(_Layer):
         self.op = self._own(cuflux.AllReduceRMSNorm(world, max_tokens, hidden, dtype_name(dtype),
                                                     eps=eps, output=output,
                                                     timeout_s=timeout_s))
+        if output != "replicated":  # backward of the sharded modes (see _NormFn.backward)
+            self.all_gather = self._own(cuflux.AllGather(
+                world, max_rows=-(-max_tokens // world.size), cols=hidden,
+                dtype=dtype_name(dtype), timeout_s=timeout_s))
+            self.grad_w_sum = self._own(cuflux.AllReduce(world, hidden, "float32",
+                                                         timeout_s=timeout_s))
+
+    def _gather_slices(self, part, num_tokens: int):
+        """Every rank's token slice [T_r, hidden] -> [T, hidden] in token order. Slices differ
+        by one row where W does not divide T: each is padded to the largest for the gather."""
+        W = self.world.size
+        n_max = -(-num_tokens // W)
+        if part.shape[0] != n_max:
+            part = torch.cat([part, part.new_zeros(n_max - part.shape[0], part.shape[1])])
+        gathered = _torch(self.all_gather(part.contiguous(), stream=_stream()))
+        if num_tokens % W == 0:
+            return gathered
+        rows = [token_slice(num_tokens, W, r) for r in range(W)]
+        return torch.cat([gathered[r * n_max:r * n_max + stop - start]
+                          for r, (start, stop) in enumerate(rows)])
 
     def forward(self, x, residual):
         return _NormFn.apply(x, residual, self.weight, self)

@@ -8,8 +8,6 @@ tolerance. Returns True, or "torch missing" where torch cannot be imported.
 import os
 import tempfile
 
-import numpy as np
-
 
 def _torch():
     try:
@@ -87,40 +85,76 @@ def linear_layers(world, seed=0, tokens_per_rank=24, dtype="bfloat16"):
     return True
 
 
-def norm_layer(world, seed=10, T=12, H=256):
-    """ParallelRMSNorm (output='replicated') forward and backward against torch in float64."""
+NORM_OUTPUTS = ("replicated", "sharded_residual", "sequence_parallel")
+
+
+def norm_layer(world, seed=10, H=256, token_counts=(12, 13)):
+    """ParallelRMSNorm, every output mode, forward and backward against torch in float64: one
+    layer per mode called at a token count the ranks split evenly and at one they do not
+    (token_slice: slices differing by a row). sharded_residual: the residual rows a rank does
+    not own are poisoned, to show the op neither reads nor writes them."""
     torch = _torch()
     if torch is None:
         return "torch missing"
     from cuflux.torch import ParallelRMSNorm
 
-    W, me = world.size, world.rank
-    dt, dev, eps = torch.bfloat16, torch.device("cuda", world.device), 1e-6
+    for i, output in enumerate(NORM_OUTPUTS):
+        with ParallelRMSNorm(world, H, max_tokens=max(token_counts), eps=1e-6,
+                             dtype=torch.bfloat16, output=output) as norm:
+            for j, T in enumerate(token_counts):  # the same layer again: its ops' next epoch
+                _check_norm(torch, world, norm, seed + 1000 * (len(token_counts) * i + j), T)
+    return True
+
+
+def _check_norm(torch, world, norm, seed, T):
+    from cuflux.ops.allreduce import token_slice
+
+    W, me, H, output = world.size, world.rank, norm.hidden, norm.output
+    dt, dev, eps = torch.bfloat16, torch.device("cuda", world.device), norm.eps
     q = lambda a: a.to(dt).double()  # noqa: E731
     xs = [q(_draw(torch, seed + r, T, H)) for r in range(W)]
     res, w = q(_draw(torch, seed + 100, T, H)), q(1 + 0.5 * _draw(torch, seed + 101, H))
     g_out, g_res = q(_draw(torch, seed + 102, T, H)), q(_draw(torch, seed + 103, T, H))
-    # the unsharded layer, float64 autograd
+    # the unsharded layer, float64 autograd: loss = <out, g_out> + <h, g_res>
     xr = [x.clone().requires_grad_() for x in xs]
     rr, wr = res.clone().requires_grad_(), w.clone().requires_grad_()
     h = sum(xr) + rr
     out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * wr
     torch.autograd.backward((out, h), (g_out, g_res))
+    h, out = h.detach(), out.detach()
 
-    with ParallelRMSNorm(world, H, max_tokens=T, eps=eps, dtype=dt) as norm:
-        norm.weight.data.copy_(w.to(dt))
-        x = xs[me].to(dt).to(dev).requires_grad_()
-        r = res.to(dt).to(dev).requires_grad_()
-        o, new_res = norm(x, r)
-        assert isinstance(o, torch.Tensor) and isinstance(new_res, torch.Tensor)
-        _close(o, out.detach(), f"norm out rank {me}")
-        _close(new_res, h.detach(), f"norm residual rank {me}")
-        torch.autograd.backward((o, new_res), (g_out.to(dt).to(dev), g_res.to(dt).to(dev)))
-        torch.cuda.synchronize(dev)
-        _close(x.grad, xr[me].grad, f"norm grad x rank {me}")
-        _close(r.grad, rr.grad, f"norm grad residual rank {me}")
-        _close(norm.weight.grad, wr.grad, f"norm grad weight rank {me}")
-    return True
+    a, b = token_slice(T, W, me)
+    mine = torch.zeros(T, dtype=torch.bool)
+    mine[a:b] = True
+    poison = 512.0 * (me + 1)  # exact in bf16
+    if output == "replicated":   # everything for all T tokens, the same on every rank
+        r_in, grads, want_out, want_res, want_gr = res, (g_out, g_res), out, h, rr.grad
+    elif output == "sharded_residual":  # out replicated; the residual's other rows pass through
+        r_in = torch.where(mine[:, None], res, torch.full_like(res, poison))
+        grads, want_out, want_res = (g_out, g_res), out, h  # want_res: on the slice's rows
+        want_gr = torch.where(mine[:, None], rr.grad, g_res)
+    else:                        # sequence_parallel: this rank's slice of everything
+        r_in, grads, want_out, want_res, want_gr = (
+            res[a:b], (g_out[a:b], g_res[a:b]), out[a:b], h[a:b], rr.grad[a:b])
+    what = f"norm {output} T={T} seed={seed} rank {me}"
+
+    norm.weight.data.copy_(w.to(dt))
+    norm.weight.grad = None
+    x = xs[me].to(dt).to(dev).requires_grad_()
+    r = r_in.to(dt).to(dev).requires_grad_()
+    o, new_res = norm(x, r)
+    assert isinstance(o, torch.Tensor) and isinstance(new_res, torch.Tensor)
+    _close(o, want_out, f"{what}: out")
+    if output == "sharded_residual":
+        _close(new_res[a:b], want_res[a:b], f"{what}: residual")
+        assert bool((new_res[~mine.to(dev)] == poison).all()), f"{what}: rows of others written"
+    else:
+        _close(new_res, want_res, f"{what}: residual")
+    torch.autograd.backward((o, new_res), tuple(g.to(dt).to(dev) for g in grads))
+    torch.cuda.synchronize(dev)
+    _close(x.grad, xr[me].grad, f"{what}: grad x")  # the full grad of h, every rank
+    _close(r.grad, want_gr, f"{what}: grad residual")
+    _close(norm.weight.grad, wr.grad, f"{what}: grad weight")  # the full one, every rank
 
 
 def ulysses(world, seed=20, T_r=16, D=32, dtype="float32"):

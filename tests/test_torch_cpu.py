@@ -159,6 +159,50 @@ def test_layers_check_arguments_before_building_ops():
         RowParallelLinear(world, 16, 64, 256)
 
 
+# ---- ParallelRMSNorm's backward: the local math and the gather of uneven slices ---------------
+def test_rmsnorm_backward_closed_form_matches_autograd():
+    from cuflux.torch import _rmsnorm_backward
+
+    g = torch.Generator().manual_seed(3)
+    h, go = (torch.randn(7, 40, generator=g, dtype=torch.float64) for _ in range(2))
+    w = 1 + 0.3 * torch.randn(40, generator=g, dtype=torch.float64)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = hr * torch.rsqrt(hr.pow(2).mean(-1, keepdim=True) + 1e-6) * wr
+    want_h, want_w = torch.autograd.grad(out, (hr, wr), go)
+    gh, gw = _rmsnorm_backward(h, w, 1e-6, go)  # fp32 inside
+    assert torch.allclose(gh.double(), want_h, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(gw.double(), want_w, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,W", [(12, 4), (13, 4), (3, 4), (7, 2), (5, 1)])
+def test_norm_gathers_every_ranks_token_slice_in_token_order(T, W, monkeypatch):
+    """_gather_slices pads this rank's slice to the largest for AllGather (equal rows per rank)
+    and drops every rank's padding: token t lands at row t. A stand-in AllGather returns what
+    the W ranks would pass, padding rows set to -1."""
+    from types import SimpleNamespace
+
+    import cuflux.torch as ct
+    from cuflux.ops.allreduce import token_slice
+
+    monkeypatch.setattr(ct, "_stream", lambda: None)
+    n_max = -(-T // W)
+    tokens = torch.arange(T, dtype=torch.float32)[:, None].expand(T, 3)
+    for me in range(W):
+        def all_gather(part, stream=None):
+            padded = [torch.full((n_max, 3), -1.0) for _ in range(W)]
+            for r in range(W):
+                a, b = token_slice(T, W, r)
+                padded[r][:b - a] = tokens[a:b]
+            a, b = token_slice(T, W, me)
+            assert part.shape == (n_max, 3) and torch.equal(part[:b - a], tokens[a:b])
+            return torch.cat(padded)
+
+        layer = SimpleNamespace(world=SimpleNamespace(size=W, rank=me), all_gather=all_gather)
+        a, b = token_slice(T, W, me)
+        got = ct.ParallelRMSNorm._gather_slices(layer, tokens[a:b], T)
+        assert torch.equal(got, tokens), (me, got[:, 0])
+
+
 # ---- cuflux.init on a torch.distributed group: two CPU processes over gloo ----------------------
 _RANK_BODY = """
     import os, sys, time
