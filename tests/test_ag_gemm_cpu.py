@@ -247,6 +247,12 @@ class _Stream:
     def done(self):
         return not self.q
 
+    def __enter__(self):  # `with stream:` (CuPy's current stream): nothing to simulate
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
     def synchronize(self):  # every stream runs (in a random interleaving) until all are idle
         self.sim.run()
 
@@ -443,8 +449,13 @@ def _world(sim, W, rank, kind):
         def close(abort=False, streams=None):
             log.append((rank, ("buf.close", abort, streams)))
 
-        return SimpleNamespace(ptr=lambda r, name, off=0: sim.sym[r][idx]
-                               + layout.regions[name].offset + off, close=close)
+        def ptr(r, name, off=0):
+            return sim.sym[r][idx] + layout.regions[name].offset + off
+
+        def local(name):  # this rank's words of a flag region
+            return sim.view(ptr(rank, name), layout.regions[name].num_bytes).view(np.uint32)
+
+        return SimpleNamespace(ptr=ptr, local=local, close=close)
 
     def allgather(obj, timeout_s=None, what=""):  # the transfer orders of every rank
         assert obj == topology.transfer_order(topo, W), what
@@ -457,6 +468,7 @@ def _world(sim, W, rank, kind):
             rank=rank, tag=tag, allgather=allgather,
             check_same=lambda value, what, timeout_s=None: log.append((rank, f"agree {value}")),
             check_close=lambda timeout_s=None: log.append((rank, f"check_close {tag}")),
+            barrier=lambda timeout_s=None, what="": log.append((rank, "barrier")),
             free=lambda: log.append((rank, f"comm.free {tag}")))
 
     return SimpleNamespace(rank=rank, size=W, device=0, topology=topo, alloc_layout=alloc_layout,
@@ -690,6 +702,61 @@ def test_abort_keeps_what_queued_work_may_touch(monkeypatch, cls):
                                  f"comm.free {cls}"]
 
 
+def test_epochs_are_commops_and_rearm_with_the_last_calls_stream(monkeypatch):
+    """A call's epoch comes from CommOp._next_epoch: at EPOCH_REARM_AT the op re-arms first,
+    draining the stream of the call before (its copy lanes joined it), and counts from 1;
+    the regions it zeroes are every flag region of the layout, not the data."""
+    sim = _Sim(5)
+    (op,) = _ag_gemm_ops(monkeypatch, sim, 1, "nvlink", "pull", 130, 16, 37)
+    assert set(op._epoch_regions) == set(op.layout.regions) - {"data"}
+    rearmed = []
+
+    def rearm(self, stream):
+        rearmed.append(stream)
+        self.epoch = 0
+
+    monkeypatch.setattr(op_base.CommOp, "_rearm", rearm)
+    monkeypatch.setattr(op_base, "EPOCH_REARM_AT", 2)
+    s1, s2 = _Stream(sim), _Stream(sim)
+    x, _ = _shard(sim, 0, 0, 5, op.row_bytes)
+    assert [op.begin(x, x.data.ptr, s) for s in (s1, s1, s2, s2)] == [1, 2, 1, 2]
+    assert rearmed == [s1] and op._last_stream is s2
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_after_a_rearm_the_protocol_starts_again(monkeypatch, mode):
+    """Every rank re-arms (CommOp._rearm: its flag regions zeroed) after some calls, as the
+    barriers order it (this simulator runs one rank's host code at a time, so the test calls
+    the re-arm of every rank before any queues its next call); calls from epoch 1 again still
+    gather exactly: no flag of the old count is left to pass a wait early."""
+    W, row_bytes = 3, 16
+    for seed in range(6):
+        sim = _Sim(seed)
+        ops = _ag_gemm_ops(monkeypatch, sim, W, "nvlink", mode, 130, row_bytes, 37)
+        streams = [_Stream(sim) for _ in ops]
+
+        def calls(first, rows_seq):
+            checks = []
+            for call, rows in enumerate(rows_seq, first):
+                shards = [_shard(sim, r, call, rows, row_bytes) for r in range(W)]
+                for op, s in zip(ops, streams):
+                    out = _Array(sim, W * rows, row_bytes)
+                    op.gather_into(shards[op.world.rank][0], out.data.ptr, s)
+                    checks.append((out, np.concatenate([d for _, d in shards]), call))
+            sim.run()
+            for out, expected, call in checks:
+                assert np.array_equal(sim.view(out.data.ptr, expected.size), expected), \
+                    f"seed {seed} call {call}"
+
+        calls(0, [130, 77, 130])
+        assert all(op.epoch == 3 for op in ops)
+        for op, s in zip(ops, streams):
+            op._rearm(s)
+            assert op.epoch == 0 and not any(op.buf.local(n).any() for n in op._epoch_regions)
+        calls(3, [130, 5, 130, 64, 130])
+        assert all(op.epoch == 5 for op in ops)
+
+
 # ---- route: fused or unfused ------------------------------------------------------------------
 def _route_op(monkeypatch, W=4, route="auto"):
     sim = _Sim(0)
@@ -798,8 +865,6 @@ def _sim_calls(monkeypatch, sim):
     monkeypatch.setattr(AGG, "stream_of", lambda s, like=None: s)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: _Array(sim, shape[0],
                                                                         2 * shape[1]))
-    monkeypatch.setattr(_Stream, "__enter__", lambda self: self, raising=False)
-    monkeypatch.setattr(_Stream, "__exit__", lambda self, *exc: None, raising=False)
 
 
 @pytest.mark.parametrize("W", [1, 2, 4])

@@ -6,7 +6,9 @@ Copies are cudaMemcpyAsync calls (copy engines, no SMs) issued from the host on 
 concurrent peer ("lane"), peers visited in the topology's transfer order (full mesh over
 NVLink, ring over PCIe, 2-D ring across NUMA domains). After each copied chunk
 cuStreamWriteValue32 raises that chunk's flag, so a consumer (the AG+GEMM kernel) can start on a
-chunk as soon as it lands. Flags are epochs (call e writes e) in the waiter's own memory.
+chunk as soon as it lands. Flags are epochs (call e writes e) in the waiter's own memory,
+counted by CommOp (`_next_epoch`), which re-arms them (zeroes the four flag regions between two
+bounded barriers) long before a 32-bit compare could wrap.
 
 Symmetric layout (one IPC allocation per op, 128-byte aligned regions):
   data    pull: [max_rows, cols] this rank's shard, staged for peers to read
@@ -127,6 +129,7 @@ class CopyGather(CommOp):
         self.row_bytes = cols * dtype.itemsize
         self.layout = gather_layout(W, max_rows, self.row_bytes, self.max_chunks, mode)
         self._alloc(self.layout)
+        self._epoch_regions = ("chunk", "ready", "done", "free")  # zeroed on a re-arm (CommOp)
         self.wait_mode = wait
         self.waiter = StreamWaiter(self.err, world.device, OP_CODES[op])
         self.order = transfer_order(world.topology, W)
@@ -135,7 +138,6 @@ class CopyGather(CommOp):
             world.rank, self.comm.allgather(self.order, what=f"{op} transfer orders"), mode)
         num_lanes = max([len(stage) for stage in self.order], default=0)
         self.lanes = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_lanes)]
-        self.epoch = 0
         kernels.load("signal.cu", world.device)  # eager: nothing may load while a stream spins
 
     # ---- addresses ---------------------------------------------------------------------------
@@ -213,11 +215,12 @@ class CopyGather(CommOp):
 
         W, me = self.world.size, self.world.rank
         s = stream
-        self._last_stream = s  # every call of the op starts here: abort() and close() look at it
+        # Every call of the op starts here. A re-arm (CommOp._next_epoch) drains the last call's
+        # stream, which waited for its copy lanes.
+        e = self._next_epoch(s if self._last_stream is None else self._last_stream)
+        self._last_stream = s  # abort() and close() look at it
         rows = x.shape[0]
         nbytes = rows * self.row_bytes
-        self.epoch += 1
-        e = self.epoch
         if W == 1:
             if gathered_ptr != x.data.ptr:
                 runtime.memcpyAsync(gathered_ptr, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
