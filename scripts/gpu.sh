@@ -15,7 +15,7 @@
 #   rs / rs2  GemmReduceScatter: most telling first / the rest           | gemm_rs W=1
 #   ag / ag2  AllGatherGemm: most telling first / the rest               | ag_gemm W=1
 #   graphs    CUDA-graph capture of every op, and the op base (CommOp)
-#   torch     cuflux.torch layers, torch in / torch out, init over gloo; the MLP example
+#   torch     cuflux.torch layers, torch in / torch out, init over gloo; every example at W = 2
 #   probe     the host-path probes (scripts/probe_host.py, scripts/probe_launch.py)
 #   quick     the README quick start at W = 2 (scripts/quickstart.py)
 #   multi2    W = 2 benches with ranks sharing the GPU (the paths run; no speed measured)
@@ -58,9 +58,13 @@ tests_rs2() { tests rs "$WS" 300 tests/test_gemm_rs.py -k "float_sweep or back_t
 tests_ag() { tests ag 2 120 -x tests/test_ag_gemm.py -k "late_peer or (matches and sm90) or timeout"; }
 tests_ag2() { tests ag "$WS" 300 tests/test_ag_gemm.py -k "not late_peer"; }
 tests_graphs() { tests graphs "$WS" 300 tests/test_graphs.py tests/test_base.py; }
-tests_torch() { tests torch 1,2 120 tests/test_torch.py tests/test_all2all.py tests/test_gpu_runtime.py -k torch
-  step "$L/tests-torch.log" 60 "${MPI[@]}" -np 2 python scripts/examples/mlp_tp_sp.py \
-    --tokens 1024 --hidden 1024 --ffn 4096 --iters 5; }
+tests_torch() { tests torch 1,2,4 180 tests/test_torch.py tests/test_all2all.py tests/test_gpu_runtime.py -k torch
+  examples 2; }
+examples() {  # every example at W = $1 (ranks may share the GPU: correctness, not speed)
+  step "$L/examples.log" 60 "${MPI[@]}" -np "$1" python scripts/examples/mlp_tp_sp.py \
+    --tokens 1024 --hidden 1024 --ffn 4096 --iters 5
+  for x in attention_tp_sp ulysses_long train_step; do
+    step "$L/examples.log" 60 "${MPI[@]}" -np "$1" python "scripts/examples/$x.py"; done; }
 tests_probe() { step "$L/probe.log" 120 python scripts/probe_host.py
                 step "$L/probe.log" 120 python scripts/probe_launch.py; }
 tests_quick() { step "$L/quick.log" 60 "${MPI[@]}" -np 2 python scripts/quickstart.py; }
@@ -78,7 +82,7 @@ finish() {
   mkdir -p "$L/cubins"; for f in "$CUFLUX_CACHE_DIR"/*; do
     [ -e ".cubins/$(basename "$f")" ] || cp "$f" "$L/cubins/" 2>/dev/null; done
   tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$L/cubins"
-  for f in "$L"/tests-*.log "$L"/failures.log "$L"/probe.log "$L"/quick.log; do
+  for f in "$L"/tests-*.log "$L"/failures.log "$L"/probe.log "$L"/quick.log "$L"/examples.log; do
     [ -e "$f" ] || continue; echo "##### $f"
     grep -E "^=== |passed|failed|FAILED|Error| us$" "$f" | tail -30; done
   [ -e "$B" ] && { echo "##### bench"; grep -vE "^\s*$" "$B" | cut -c1-220 | tail -70; }

@@ -171,16 +171,19 @@ def allgather_back_to_back(world, mode, wait, calls=1000):
 
 
 def allgather_timeout(world, mode, wait, timeout_s=2.0):
-    """The last rank never calls: the others raise CommTimeoutError naming it within the timeout
-    plus a second; afterwards the op closes and a new op runs correctly."""
+    """After one good call everywhere, the last rank never calls again: the others' stream or
+    kernel waits raise CommTimeoutError naming it within the timeout plus a second; afterwards
+    the op closes and a new op runs correctly."""
     import cupy
 
     W, me = world.size, world.rank
     late = W - 1
     ag = cuflux.AllGather(world, 16, 128, "float32", mode=mode, timeout_s=timeout_s, wait=wait)
     waited = None
+    x = cupy.ones((16, 128), dtype=cupy.float32)
+    ag(x)  # every rank: the row count is now agreed, so the next call reaches the waits at once
+    ag.synchronize()
     if me != late:
-        x = cupy.ones((16, 128), dtype=cupy.float32)
         t0 = time.perf_counter()
         try:
             ag(x)

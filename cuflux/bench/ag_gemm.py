@@ -153,7 +153,10 @@ def run(world, args):
             stream.synchronize()
             flop = 2.0 * M * n * k
             for mode in modes:
-                with AllGatherGemm(world, M, n, k, "bfloat16", b_layout=layout, mode=mode) as op, \
+                # route="fused": the fused kernel itself (auto would follow gemm.plan, which
+                # may take cuBLAS where the tuner measured it faster: then the unfused route)
+                with AllGatherGemm(world, M, n, k, "bfloat16", b_layout=layout, mode=mode,
+                                   route="fused") as op, \
                         cuflux.AllGather(world, rows, k, "bfloat16", mode=mode) as ag:
                     _, gathered = op(a, b, out=out, return_gathered=True)
                     op.synchronize()
@@ -216,7 +219,7 @@ def run(world, args):
     for mode in modes:
         for chunk in sweep:
             with AllGatherGemm(world, M, n, k, "bfloat16", b_layout="nk", mode=mode,
-                               chunk_rows=chunk) as op:
+                               chunk_rows=chunk, route="fused") as op:
                 _, gathered = op(a, b, out=out, return_gathered=True)
                 op.synchronize()
                 plan = op.plan_for(rows)

@@ -41,11 +41,13 @@ _SM_COUNTS: dict[int, int] = {}
 # A fused GEMM + collective op (GemmReduceScatter, AllGatherGemm) runs one of two routes:
 # "fused" (its own kernel: the GEMM core with the communication in its prologue or epilogue) or
 # "unfused" (cuflux.gemm, which takes cuBLAS at small M, then the op's own collective through the
-# same buffers). route="auto" runs unfused below UNFUSED_BELOW_M rows of the GEMM: there cuflux's
-# GEMM core loses to cuBLAS (gemm's own untuned rule, CUBLAS_BELOW_M) and there is too little GEMM
-# time to hide the communication under. The rule is a function of M alone (agreed by every rank),
-# never of the tuner's per-machine table: the two routes use different flag protocols, so every
-# rank must take the same one without asking.
+# same buffers). GemmReduceScatter's route="auto" runs unfused below UNFUSED_BELOW_M rows of the
+# GEMM: there cuflux's GEMM core loses to cuBLAS (gemm's own untuned rule, CUBLAS_BELOW_M) and
+# there is too little GEMM time to hide the communication under. Its two routes use different
+# flag protocols, so every rank must take the same one without asking: the rule is a function of
+# M alone, never of the tuner's per-machine table. AllGatherGemm's routes share one gather
+# protocol (each rank only consumes what it gathered), so its "auto" follows gemm.plan, tuner
+# included (ops/ag_gemm.py).
 ROUTES = ("auto", "fused", "unfused")
 
 # Host-counted call epochs (GemmReduceScatter, AllGather, AllGatherGemm) reach the kernels as
@@ -241,6 +243,8 @@ class CommOp(Closeable):
         the second: no rank starts a call (and writes here) before every rank has zeroed."""
         what = f"re-arming the call epochs after {self.epoch} calls"
         stream.synchronize()
+        for other in self._streams() or ():  # an op's own streams (copy lanes, side streams)
+            other.synchronize()
         self.err.check()
         try:
             self.comm.barrier(self.timeout_s, f"{self.op}: {what}")
