@@ -16,6 +16,7 @@
 #   ag / ag2  AllGatherGemm: most telling first / the rest               | ag_gemm W=1
 #   graphs    CUDA-graph capture of every op, and the op base (CommOp)
 #   torch     cuflux.torch layers, torch in / torch out, init over gloo; every example at W = 2
+#   examples  every scripts/examples/ script at W = 2 (mpirun)
 #   probe     the host-path probes (scripts/probe_host.py, scripts/probe_launch.py)
 #   quick     the README quick start at W = 2 (scripts/quickstart.py)
 #   multi2    W = 2 benches with ranks sharing the GPU (the paths run; no speed measured)
@@ -26,7 +27,7 @@
 # carried in .cubins/; cubins compiled here come back in $OUT/logs.tgz under cubins/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] || { sed -n 2,26p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,27p "$0"; exit 2; }
 OUT="${OUT:-$(pwd)/out}"; L="$OUT/logs"; mkdir -p "$L"; B="$L/bench.log"
 export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
@@ -65,6 +66,7 @@ examples() {  # every example at W = $1 (ranks may share the GPU: correctness, n
     --tokens 1024 --hidden 1024 --ffn 4096 --iters 5
   for x in attention_tp_sp ulysses_long train_step; do
     step "$L/examples.log" 60 "${MPI[@]}" -np "$1" python "scripts/examples/$x.py"; done; }
+tests_examples() { examples 2; }
 tests_probe() { step "$L/probe.log" 120 python scripts/probe_host.py
                 step "$L/probe.log" 120 python scripts/probe_launch.py; }
 tests_quick() { step "$L/quick.log" 60 "${MPI[@]}" -np 2 python scripts/quickstart.py; }
