@@ -18,6 +18,9 @@ def _kill_pools_then_die(signum, frame):
 def pytest_configure(config):
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _kill_pools_then_die)
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped, with the reason, "
+                            "where there is none)")
+    config.addinivalue_line("markers", "cpu: runs on any machine (every test not marked gpu)")
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -34,6 +37,20 @@ def pytest_collection_modifyitems(session, config, items):
         return w if isinstance(w, int) else 0
 
     items.sort(key=lambda it: (modules[it.module.__name__ if it.module else ""], world(it)))
+    # GPU / CPU split by markers: `-m gpu` / `-m cpu` (and `-k cpu`) select either half.
+    import pytest
+
+    no_gpu = None
+    for item in items:
+        if item.get_closest_marker("gpu") is None:
+            item.add_marker(pytest.mark.cpu)
+            continue
+        if no_gpu is None:
+            from tests.mpi import gpu_available
+
+            no_gpu = not gpu_available()
+        if no_gpu:
+            item.add_marker(pytest.mark.skip(reason="no CUDA device"))
 
 
 def pytest_sessionfinish(session, exitstatus):

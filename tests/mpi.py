@@ -192,6 +192,20 @@ def _run_once(world_size: int, target: str, kwargs: dict, outdir: str, timeout_s
         return output, True, proc.returncode
 
 
+def on_ranks(fn):
+    """Decorator of a rank body fn(world, **kwargs) that sits in a test module beside the test
+    asserting on it: `fn.run(W, timeout_s=180, **kwargs)` runs it on W ranks (each rank imports
+    the module by name, tests/rank_main.py) and returns every rank's result, or fails with every
+    rank's traceback. The body itself stays a plain function (fn(world) on one rank works)."""
+    target = f"{fn.__module__}:{fn.__name__}"
+
+    def run(world_size: int, timeout_s: float = 180, **kwargs) -> list:
+        return run_ranks(world_size, target, timeout_s, **kwargs)
+
+    fn.run, fn.target = run, target
+    return fn
+
+
 def run_ranks(world_size: int, target: str, timeout_s: float = 180, **kwargs) -> list:
     """Run tests.<target> on `world_size` ranks; return each rank's result, or fail."""
     outdir = tempfile.mkdtemp(prefix="cuflux-ranks-")
