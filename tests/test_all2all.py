@@ -1,43 +1,628 @@
-"""GPU tests of All2AllHeads: several ranks share the GPU under mpiexec (skipped without a GPU).
+"""Tests of All2AllHeads, one file for the op: GPU tests (marked gpu) run the rank bodies defined
+beside them on W ranks sharing the GPU under mpiexec (skipped, "no CUDA device", without a GPU);
+CPU tests (the kernels compile, argument checks with fake arrays and a fake world, the symmetric
+layout, the NumPy reference against hand-worked cases, launch arguments against the kernel
+signatures) run anywhere.
 
-W comes from CUFLUX_TEST_WORLD_SIZES (default 1,2,4; the GPU machine runs 1,2,4,8). Each test
-draws a fresh seed; the rank bodies are in tests/cases_all2all.py.
+W comes from CUFLUX_TEST_WORLD_SIZES (default 1,2,4; the GPU machine runs 1,2,4,8). Each GPU test
+draws a fresh seed. Every rank can rebuild every rank's input from (seed, rank, case, call), so
+each rank checks its output against the NumPy reference of the whole exchange: a check proves who
+sent what. Outputs are poisoned (all bits set) before a call, so an element that is not written
+fails the check; random inputs never hold that bit pattern (fp8 bytes are drawn below 0xFF).
 """
+import time
 
+import numpy as np
 import pytest
 
-from tests.mpi import gpu_available, run_ranks, world_sizes, fresh_seed
+from cuflux import kernels
+from cuflux.arrays import dtype_info
+from cuflux.errors import CommTimeoutError
+from cuflux.ops import all2all as a2a
+from cuflux.ops.all2all import (All2AllHeads, Spec, build_layout, call_hash, check_call,
+                                check_op_args, check_tokens, io_shapes, reference_gather_heads,
+                                reference_scatter_heads, scale_shapes, vec_bytes)
+from tests.fakes import FakeArray
+from tests.mpi import fresh_seed, on_ranks, world_sizes
 
-pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
 WS = world_sizes()
+DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2")
 
 
+def _data(shape, dtype_name, *key):
+    rng = np.random.default_rng(list(key))
+    info = dtype_info(dtype_name)
+    if info.is_fp8:
+        return rng.integers(0, 0xFF, shape, dtype=np.uint8)
+    return rng.standard_normal(shape).astype(np.float32).astype(info.storage)
+
+
+def _scales(shape, *key):
+    return np.random.default_rng(list(key) + [7]).standard_normal(shape).astype(np.float32)
+
+
+def _poisoned(shape, storage):
+    import cupy
+
+    a = cupy.empty(shape, dtype=storage)
+    a.view(cupy.uint8)[...] = 0xFF
+    return a
+
+
+def _same_bits(got, want, what):
+    import cupy
+
+    got = cupy.asnumpy(got)
+    assert got.shape == want.shape, f"{what}: shape {got.shape}, want {want.shape}"
+    g, w = np.ascontiguousarray(got).view(np.uint8), np.ascontiguousarray(want).view(np.uint8)
+    if not np.array_equal(g, w):
+        bad = np.argwhere(g.reshape(want.shape + (-1,)) != w.reshape(want.shape + (-1,)))
+        raise AssertionError(f"{what}: {len(bad)} bytes differ, first at {bad[0].tolist()}")
+
+
+def _tokens(W, max_tokens, *key):
+    """Uneven counts, rank 1 has none (when W > 1), the last rank has max_tokens."""
+    rng = np.random.default_rng(list(key) + [3])
+    t = [int(v) for v in rng.integers(1, max_tokens + 1, W)]
+    if W > 1:
+        t[1] = 0
+    t[-1] = max_tokens
+    return t
+
+
+def _exchange(world, op, dtype, B, tokens, key, scale_mode=0, via="out"):
+    """scatter (checked), gather back (round trip bitwise), gather of fresh y (checked)."""
+    import cupy
+
+    W, me = world.size, world.rank
+    H, D, hpr = op.spec.num_heads, op.spec.head_dim, op.spec.heads_per_rank
+    S, storage = sum(tokens), op.spec.dtype.storage
+    xs = [_data((B, tokens[r], H, D), dtype, *key, r, 0) for r in range(W)]
+    scales = None
+    if scale_mode:
+        scales = [_scales((B, tokens[r]) + ((H,) if scale_mode == 2 else ()), *key, r, 0)
+                  for r in range(W)]
+    want = reference_scatter_heads(xs, tokens, W, scales)
+    want_y, want_ys = (want, None) if scales is None else want
+    x = cupy.asarray(xs[me])
+    sc = None if scales is None else cupy.asarray(scales[me])
+    kw = {}
+    if via == "out":
+        kw["out"] = _poisoned((B, S, hpr, D), storage)
+        if scale_mode:
+            kw["out_scale"] = _poisoned(want_ys[me].shape, np.float32)
+    res = op.scatter_heads(x, tokens, sc, view=(via == "view"), **kw)
+    y, y_scale = (res, None) if sc is None else res
+    if via == "out":
+        assert y is kw["out"]
+    op.synchronize()
+    what = f"rank {me} {dtype} B={B} D={D} tokens={tokens} scales={scale_mode} via={via}"
+    _same_bits(y, want_y[me], "scatter " + what)
+    if sc is not None:
+        _same_bits(y_scale, want_ys[me], "scatter scales " + what)
+    y, y_scale = y.copy(), None if y_scale is None else y_scale.copy()  # views die at next call
+    back = op.gather_heads(y, tokens, y_scale)
+    x2, x2_scale = (back, None) if sc is None else back
+    op.synchronize()
+    _same_bits(x2, xs[me], "round trip " + what)
+    if sc is not None:
+        want_back = scales[me] if scale_mode == 2 else np.repeat(scales[me][:, :, None], W, 2)
+        _same_bits(x2_scale, want_back, "round trip scales " + what)
+    # gather of fresh data that no scatter produced
+    ys = [_data((B, S, hpr, D), dtype, *key, r, 1) for r in range(W)]
+    yscales = None
+    if scale_mode:
+        yscales = [_scales((B, S) + ((hpr,) if scale_mode == 2 else ()), *key, r, 1)
+                   for r in range(W)]
+    want = reference_gather_heads(ys, tokens, W, yscales)
+    want_x, want_xs = (want, None) if yscales is None else want
+    kw = {}
+    if via == "out":
+        kw["out"] = _poisoned((B, tokens[me], H, D), storage)
+        if scale_mode:
+            kw["out_scale"] = _poisoned(want_xs[me].shape, np.float32)
+    res = op.gather_heads(cupy.asarray(ys[me]), tokens,
+                          None if yscales is None else cupy.asarray(yscales[me]),
+                          view=(via == "view"), **kw)
+    x3, x3_scale = (res, None) if yscales is None else res
+    op.synchronize()
+    _same_bits(x3, want_x[me], "gather " + what)
+    if yscales is not None:
+        _same_bits(x3_scale, want_xs[me], "gather scales " + what)
+
+
+@on_ranks
+def exact(world, seed, dtypes=DTYPES, head_dims=(64, 80, 128, 67)):
+    """Both directions against the reference: every dtype, head_dim 64, 80, 128 and an odd one,
+    B = 1 and 3, uneven tokens with a rank that has none, fp8 with both kinds of scales."""
+    W = world.size
+    n = 0
+    for i, dtype in enumerate(dtypes):
+        for j, D in enumerate(head_dims):
+            H = W * (1 + (i + j) % 3)  # 1, 2 or 3 heads per rank
+            max_tokens = 37
+            with All2AllHeads(world, max_tokens, H, D, dtype, batch=3, num_sms=8,
+                              timeout_s=60) as op:
+                for B in (1, 3):
+                    key = (seed, i, j, B)
+                    tokens = _tokens(W, max_tokens, *key)
+                    fp8 = dtype.startswith("float8")
+                    scale_mode = (1 + (j + B) % 2) if fp8 else 0
+                    _exchange(world, op, dtype, B, tokens, key, scale_mode,
+                              via=("out", "owned", "view")[(i + j + B) % 3])
+                    n += 1
+    return n
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_exact_every_dtype_and_head_dim(W):
-    n = run_ranks(W, "tests.cases_all2all:exact", timeout_s=400, seed=fresh_seed())
+    n = exact.run(W, timeout_s=400, seed=fresh_seed())
     assert n == [40] * W
 
 
+@on_ranks
+def features(world, seed):
+    """Rows wider than a block, misaligned input (narrow vectors), the default grid, views,
+    caller streams, torch tensors through DLPack."""
+    import cupy
+
+    W, me = world.size, world.rank
+    # hpr * D * 2 bytes = 40 * 128 * 2 = 10 KiB per row: wider than a 512-thread block's 8 KiB
+    with All2AllHeads(world, 9, 40 * W, 128, "bfloat16", timeout_s=60) as op:
+        for k, tokens in enumerate(([9] * W, _tokens(W, 9, seed, 50))):
+            _exchange(world, op, "bfloat16", 1, tokens, (seed, 50, k), via="out")
+        op.w1 = "kernel"  # at W = 1 run the general kernel instead of the plain copy
+        _exchange(world, op, "bfloat16", 1, _tokens(W, 9, seed, 52), (seed, 52), via="owned")
+        op.w1 = "memcpy"  # at W = 1 cudaMemcpyAsync instead of the PDL copy kernel
+        _exchange(world, op, "bfloat16", 1, _tokens(W, 9, seed, 53), (seed, 53), via="owned")
+        op.w1 = "pdl"
+        # misaligned x: a contiguous view 2 bytes past a 256-byte boundary -> 2-byte vectors
+        tokens = _tokens(W, 9, seed, 51)
+        xs = [_data((1, tokens[r], 40 * W, 128), "bfloat16", seed, 51, r) for r in range(W)]
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:  # inputs made on the stream that uses them
+            big = cupy.empty(xs[me].size + 1, dtype=xs[me].dtype)
+            x = big[1:].reshape(xs[me].shape)
+            x[...] = cupy.asarray(xs[me])
+        assert x.data.ptr % 16 == 2 and x.flags.c_contiguous
+        y = op.scatter_heads(x, tokens, stream=s)
+        op.synchronize(stream=s)
+        _same_bits(y, reference_scatter_heads(xs, tokens, W)[me], f"misaligned rank {me}")
+    # default grid (every SM), odd head_dim in fp8 (1-byte vectors), view then copy on the stream
+    with All2AllHeads(world, 33, 3 * W, 67, "float8_e5m2", batch=2, timeout_s=60) as op:
+        for k in range(3):
+            tokens = _tokens(W, 33, seed, 60, k)
+            xs = [_data((2, tokens[r], 3 * W, 67), "float8_e5m2", seed, 60, k, r)
+                  for r in range(W)]
+            s = cupy.cuda.Stream(non_blocking=True)
+            with s:
+                v = op.scatter_heads(cupy.asarray(xs[me]), tokens, view=True, stream=s)
+                kept = v.copy()  # enqueued before the next call: the view is still valid
+            op.synchronize()
+            _same_bits(kept, reference_scatter_heads(xs, tokens, W)[me], f"view rank {me} {k}")
+    return _torch(world, seed)
+
+
+def _torch(world, seed):
+    try:
+        import torch
+    except ImportError:
+        return "torch missing"
+    W, me = world.size, world.rank
+    dev = f"cuda:{world.device}"
+    tokens = _tokens(W, 16, seed, 70)
+    xs = [_data((1, tokens[r], 2 * W, 64), "bfloat16", seed, 70, r) for r in range(W)]
+    with All2AllHeads(world, 16, 2 * W, 64, torch.bfloat16, timeout_s=60) as op:
+        x = torch.from_numpy(xs[me].view(np.int16)).view(torch.bfloat16).to(dev)
+        ts = torch.cuda.Stream(device=dev)
+        ts.wait_stream(torch.cuda.current_stream())  # x was made on the current stream
+        with torch.cuda.stream(ts):
+            y = op.scatter_heads(x, tokens, stream=ts.cuda_stream)
+        op.synchronize(stream=ts.cuda_stream)
+        assert isinstance(y, torch.Tensor), f"torch in, {type(y).__name__} out"
+        import cupy
+
+        _same_bits(cupy.from_dlpack(y), reference_scatter_heads(xs, tokens, W)[me],
+                   f"torch rank {me}")
+    return True
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_wide_rows_misaligned_views_streams_torch(W):
-    res = run_ranks(W, "tests.cases_all2all:features", timeout_s=300, seed=fresh_seed())
+    res = features.run(W, timeout_s=300, seed=fresh_seed())
     assert all(r in (True, "torch missing") for r in res)
 
 
+@on_ranks
+def errors(world, seed):
+    """Bad input raises before any launch and writes nothing to any peer."""
+    import cupy
+
+    W, me = world.size, world.rank
+    expect = []
+
+    def raises(exc, match, fn, *a, **k):
+        try:
+            fn(*a, **k)
+        except exc as e:
+            assert match in str(e), f"{match!r} not in {e!r}"
+            expect.append(match)
+            return
+        raise AssertionError(f"no {exc.__name__} ({match})")
+
+    if W > 1:
+        raises(ValueError, "divisible", All2AllHeads, world, 8, W + 1, 64, "bfloat16")
+    raises(ValueError, "max_tokens_per_rank", All2AllHeads, world, 0, W, 64, "bfloat16")
+    raises(TypeError, "not supported", All2AllHeads, world, 8, W, 64, "int8")
+    op = All2AllHeads(world, 8, 2 * W, 64, "bfloat16", batch=2, num_sms=4, timeout_s=30)
+    tokens = [8 - (r % 3) for r in range(W)]
+    T, S = tokens[me], sum(tokens)
+    x = cupy.zeros((1, T, 2 * W, 64), dtype=op.spec.dtype.storage)
+    raises(ValueError, "one entry per rank", op.scatter_heads, x, tokens + [1])
+    raises(ValueError, "must be in [0", op.scatter_heads, x, [-1] + tokens[1:])
+    raises(ValueError, "must be in [0", op.scatter_heads, x, [9] + tokens[1:])
+    raises(TypeError, "sequence", op.scatter_heads, x, [1.5] * W)
+    raises(ValueError, "must have shape", op.scatter_heads, x[:, :T - 1], tokens)
+    raises(ValueError, "batch", op.scatter_heads, cupy.zeros((3, T, 2 * W, 64), x.dtype), tokens)
+    raises(TypeError, "must be bfloat16", op.scatter_heads, x.astype(cupy.float32), tokens)
+    wide = cupy.zeros((1, T, 2 * W, 128), dtype=x.dtype)
+    raises(ValueError, "C-contiguous", op.scatter_heads, wide[..., ::2], tokens)
+    raises(ValueError, "scale must have shape", op.scatter_heads, x, tokens,
+           cupy.zeros((1, T + 1), cupy.float32))
+    raises(TypeError, "scale must be float32", op.scatter_heads, x, tokens,
+           cupy.zeros((1, T), cupy.float16))
+    raises(ValueError, "out must have shape", op.scatter_heads, x, tokens,
+           out=cupy.zeros((1, S + 1, 2, 64), x.dtype))
+    raises(ValueError, "not both", op.scatter_heads, x, tokens, view=True,
+           out=cupy.zeros((1, S, 2, 64), x.dtype))
+    if W > 1:  # at W = 1 a gather input has the scatter input's shape
+        raises(ValueError, "must have shape", op.gather_heads, x, tokens)
+    if W > 1:
+        # Each rank's own input matches its own list, but the lists differ (and are new to
+        # every rank): caught by the check across ranks, on every rank.
+        mine = list(tokens)
+        mine[0] = (tokens[0] + me + 1) % 9
+        xm = cupy.zeros((1, mine[me], 2 * W, 64), dtype=x.dtype)
+        raises(ValueError, "differs between ranks", op.scatter_heads, xm, mine)
+    cupy.cuda.Device().synchronize()
+    world.barrier()
+    assert op.epoch == 0, "a rejected call advanced the epoch"
+    flags = cupy.asnumpy(op.buf.local("flags"))
+    assert not flags.any(), "a rejected call wrote a flag"
+    for region in ("data0", "data1"):
+        assert not cupy.asnumpy(op.buf.local(region)).any(), "a rejected call wrote data"
+    # The op still works after all that.
+    _exchange(world, op, "bfloat16", 2, tokens, (seed, 80), via="out")
+    op.close()
+    op.close()  # idempotent
+    raises(Exception, "closed", op.scatter_heads, x, tokens)
+    return len(expect)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_bad_input_raises_before_launch(W):
-    res = run_ranks(W, "tests.cases_all2all:errors", timeout_s=300, seed=fresh_seed())
+    res = errors.run(W, timeout_s=300, seed=fresh_seed())
     assert len(set(res)) == 1 and res[0] >= 14
 
 
+@on_ranks
+def back_to_back(world, seed, calls=1000):
+    """Many calls with changing token counts, no host sync between them, two streams taking
+    turns, every third call a view copied on its stream; every result checked at the end."""
+    import cupy
+
+    W, me = world.size, world.rank
+    H, D, max_tokens = 2 * W, 64, 16
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    kept, plan, inputs = [], [], []
+    with All2AllHeads(world, max_tokens, H, D, "bfloat16", num_sms=4, timeout_s=60) as op:
+        for i in range(calls):
+            tokens = [(i * 7 + r * 5) % (max_tokens + 1) for r in range(W)]
+            s = streams[i % 2]
+            with s:  # made on the stream that reads it; kept alive until the end
+                x = cupy.asarray(_data((1, tokens[me], H, D), "bfloat16", seed, i, me))
+            inputs.append(x)
+            gather = i % 4 == 3
+            if gather:  # gather of the scatter two calls back: the round trip
+                y = op.gather_heads(kept[i - 2], plan[i - 2], stream=s)
+            elif i % 3 == 2:
+                with s:
+                    y = op.scatter_heads(x, tokens, view=True, stream=s).copy()
+            else:
+                y = op.scatter_heads(x, tokens, stream=s)
+            kept.append(y)
+            plan.append(tokens if not gather else plan[i - 2])
+        op.synchronize(stream=streams[0])
+        op.synchronize(stream=streams[1])
+    for i, (y, tokens) in enumerate(zip(kept, plan)):
+        if i % 4 == 3:  # round trip of call i-2
+            want = _data((1, tokens[me], H, D), "bfloat16", seed, i - 2, me)
+        else:
+            xs = [_data((1, tokens[r], H, D), "bfloat16", seed, i, r) for r in range(W)]
+            want = reference_scatter_heads(xs, tokens, W)[me]
+        _same_bits(y, want, f"call {i} rank {me} tokens {tokens}")
+    return calls
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_back_to_back_1000_calls(W):
-    assert run_ranks(W, "tests.cases_all2all:back_to_back", timeout_s=600,
-                     seed=fresh_seed()) == [1000] * W
+    assert back_to_back.run(W, timeout_s=600, seed=fresh_seed()) == [1000] * W
 
 
+@on_ranks
+def timeout(world, seed, timeout_s=2.0):
+    """The last rank skips a call: the others raise CommTimeoutError naming op, rank and peer
+    within timeout + 1 s, whether the call's arguments were checked before (the device wait
+    times out) or are new (the check across ranks times out); afterwards the op closes and a new
+    op works."""
+    import cupy
+
+    W, me = world.size, world.rank
+    late = W - 1
+    x = cupy.ones((1, 16, 2 * W, 64), dtype=cupy.float16)
+    waited = {}
+    for case in ("device", "host"):
+        op = All2AllHeads(world, 16, 2 * W, 64, "float16", timeout_s=timeout_s)
+        tokens = [16] * W
+        op.scatter_heads(x, tokens)  # every rank: the arguments are now agreed
+        op.synchronize()
+        if case == "host":
+            tokens = [16] * (W - 1) + [15]  # new to every rank: checked across ranks again
+        if me != late:
+            xs = cupy.ones((1, tokens[me], 2 * W, 64), dtype=cupy.float16)
+            t0 = time.perf_counter()
+            try:
+                op.scatter_heads(xs, tokens)
+                op.synchronize()
+                raise AssertionError(f"{case}: no CommTimeoutError although rank {late} never sent")
+            except CommTimeoutError as e:
+                waited[case] = time.perf_counter() - t0
+                assert (e.op, e.rank, e.peer) == ("All2AllHeads", me, late), f"{case}: {e}"
+                assert "All2AllHeads" in str(e) and f"rank {late}" in str(e), str(e)
+                assert waited[case] < timeout_s + 1.0, (case, waited[case])
+            try:
+                op.scatter_heads(xs, tokens)
+                raise AssertionError(f"{case}: a failed op ran again")
+            except CommTimeoutError:
+                pass
+        world.barrier()
+        op.close()
+    with All2AllHeads(world, 16, 2 * W, 64, "float16", timeout_s=30) as op2:
+        _exchange(world, op2, "float16", 1, _tokens(W, 16, seed, 90), (seed, 90))
+    return waited or None
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", [w for w in WS if w > 1])
 def test_timeout_names_peer_then_usable(W):
-    waited = run_ranks(W, "tests.cases_all2all:timeout", timeout_s=300, seed=fresh_seed())
+    waited = timeout.run(W, timeout_s=300, seed=fresh_seed())
     assert waited[-1] is None  # the rank that skipped
     assert all(set(w) == {"device", "host"} and max(w.values()) < 3.0 for w in waited[:-1])
+
+
+# ---- CPU tests: no GPU, no ranks ----------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_kernels_compile(arch):
+    cubin, lowered = kernels.compile_source("all2all.cu", a2a.FAMILY.names, arch)
+    assert cubin[:4] == b"\x7fELF"
+    assert set(lowered) == set(a2a.FAMILY.names)
+    assert "a2a_push<16, true>" in lowered and "a2a_copy_out<1>" in lowered
+
+
+class FakeWorld:
+    def __init__(self, size, rank=0):
+        self.size, self.rank, self.device = size, rank, None
+        self.checked = []
+
+    def check_same(self, value, what):
+        self.checked.append(value)
+
+    def allgather(self, obj):
+        return [obj] * self.size
+
+    def alloc_layout(self, layout):
+        raise AssertionError("bad arguments must be refused before any allocation")
+
+
+def _spec(W=4, rank=1, dtype="bfloat16", H=8, D=64, batch=2, max_tokens=16):
+    return Spec(W, rank, 0, max_tokens, H, D, dtype_info(dtype), batch)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((4, 16, 6, 64, 1, None, 1.0), "divisible by the world size 4"),
+    ((4, 0, 8, 64, 1, None, 1.0), "max_tokens_per_rank must be an integer >= 1"),
+    ((4, 16, 8, 0, 1, None, 1.0), "head_dim"),
+    ((4, 16, 8, 64, 0, None, 1.0), "batch"),
+    ((4, 16, 8, 64, 1, 0, 1.0), "num_sms"),
+    ((4, 16, 8, 64, 1, None, 0.0), "timeout_s"),
+    ((4, 16, 8.0, 64, 1, None, 1.0), "num_heads"),
+    ((2, 2**30, 4, 64, 2, None, 1.0), "2**31 rows"),
+])
+def test_op_arguments_refused(args, match):
+    with pytest.raises(ValueError, match=match.replace("*", r"\*")):
+        check_op_args(*args)
+
+
+def test_constructor_refuses_before_allocating():
+    with pytest.raises(ValueError, match="All2AllHeads: num_heads must be divisible"):
+        All2AllHeads(FakeWorld(4), 16, 6, 64, "bfloat16")
+    with pytest.raises(TypeError, match="All2AllHeads: dtype 'int8' is not supported"):
+        All2AllHeads(FakeWorld(2), 16, 4, 64, "int8")
+    with pytest.raises(ValueError, match="timeout_s"):
+        All2AllHeads(FakeWorld(2), 16, 4, 64, "bfloat16", timeout_s=-1)
+
+
+def test_tokens_checked():
+    assert check_tokens([3, 0, np.int64(5)], 3, 5) == (3, 0, 5)
+    with pytest.raises(ValueError, match="one entry per rank \\(3\\), got 2"):
+        check_tokens([1, 2], 3, 5)
+    msg = r"tokens_per_rank\[1\] must be in \[0, max_tokens_per_rank=5\], got -1"
+    with pytest.raises(ValueError, match=msg):
+        check_tokens([1, -1, 2], 3, 5)
+    with pytest.raises(ValueError, match=r"tokens_per_rank\[2\] .* got 6"):
+        check_tokens([1, 1, 6], 3, 5)
+    with pytest.raises(TypeError, match="sequence of 3 integers"):
+        check_tokens([1, 2.5, 3], 3, 5)
+    with pytest.raises(TypeError, match="sequence of 3 integers"):
+        check_tokens(7, 3, 5)
+
+
+def test_shapes_of_both_directions():
+    spec = _spec()  # W=4, rank 1, H=8 (2 per rank), D=64
+    tokens = (5, 0, 7, 16)
+    assert io_shapes(spec, False, 2, tokens) == ((2, 0, 8, 64), (2, 28, 2, 64))
+    assert io_shapes(spec, True, 2, tokens) == ((2, 28, 2, 64), (2, 0, 8, 64))
+    assert scale_shapes(spec, False, 2, tokens, False) == ((2, 0), (2, 28))
+    assert scale_shapes(spec, False, 2, tokens, True) == ((2, 0, 8), (2, 28, 2))
+    assert scale_shapes(spec, True, 2, tokens, False) == ((2, 28), (2, 0, 4))
+    assert scale_shapes(spec, True, 2, tokens, True) == ((2, 28, 2), (2, 0, 8))
+
+
+def test_call_arguments_checked():
+    spec = _spec(rank=2)
+    tokens = (5, 0, 7, 16)
+    bf16 = dtype_info("bfloat16").storage
+    x = FakeArray((2, 7, 8, 64), bf16)
+    assert check_call(spec, False, x, tokens) == (2, 0)
+    assert check_call(spec, False, FakeArray((1, 7, 8, 64), bf16), tokens) == (1, 0)
+    assert check_call(spec, False, x, tokens, FakeArray((2, 7), np.float32)) == (2, 1)
+    assert check_call(spec, False, x, tokens, FakeArray((2, 7, 8), np.float32)) == (2, 2)
+    assert check_call(spec, True, FakeArray((2, 28, 2, 64), bf16), tokens,
+                      FakeArray((2, 28, 2), np.float32)) == (2, 2)
+    bad = [
+        (FakeArray((2, 6, 8, 64), bf16), None, ValueError,
+         r"x must have shape \[B, tokens_per_rank\[rank\], H, D\] = \(2, 7, 8, 64\) on rank 2, "
+         r"got \(2, 6, 8, 64\)"),
+        (FakeArray((3, 7, 8, 64), bf16), None, ValueError,
+         "batch 3; this op was built for batch 1 to 2"),
+        (FakeArray((2, 7, 8, 64), np.float16), None, TypeError, "x must be bfloat16, got float16"),
+        (FakeArray((2, 7, 8, 64), bf16, contiguous=False), None, ValueError, "C-contiguous"),
+        (FakeArray((2, 7, 8, 64), bf16, device=1), None, ValueError,
+         "x is on device 1, this rank uses device 0"),
+        (FakeArray((7, 8, 64), bf16), None, ValueError, "4 dimensions"),
+        (x, FakeArray((2, 8), np.float32), ValueError,
+         r"scale must have shape \(2, 7\) \(per token\) or \(2, 7, 8\) \(per token and head\)"),
+        (x, FakeArray((2, 7), np.float16), TypeError, "scale must be float32"),
+        (x, FakeArray((2, 7), np.float32, device=3), ValueError, "scale is on device 3"),
+    ]
+    for arr, scale, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            check_call(spec, False, arr, tokens, scale)
+    with pytest.raises(ValueError, match=r"y must have shape \[B, sum\(tokens\), H/W, D\]"):
+        check_call(spec, True, x, tokens)
+
+
+def test_fp8_is_uint8_storage():
+    spec = _spec(dtype="float8_e4m3fn")
+    x = FakeArray((1, 0, 8, 64), np.uint8)
+    assert check_call(spec, False, x, (5, 0, 7, 16)) == (1, 0)
+    with pytest.raises(TypeError, match=r"float8_e4m3fn \(stored as uint8\)"):
+        check_call(spec, False, FakeArray((1, 0, 8, 64), np.int8), (5, 0, 7, 16))
+
+
+def test_vector_width_follows_rows_and_pointers():
+    assert vec_bytes(8192, 0, 256) == 16
+    assert vec_bytes(2 * 67, 256, 512) == 2      # odd head_dim in bf16
+    assert vec_bytes(67, 256, 512) == 1          # odd head_dim in fp8
+    assert vec_bytes(2 * 80, 258, 512) == 2      # x two bytes past an aligned address
+    assert vec_bytes(4 * 3 * 64, 8, 512) == 8
+
+
+def test_layout_matches_the_kernel_header():
+    spec = _spec(W=4, dtype="float16", H=8, D=67, batch=3, max_tokens=5)
+    lay = build_layout(spec, blocks_per_target=33)
+    regs = lay.regions
+    assert [r for r in regs] == ["data0", "data1", "scale0", "scale1", "flags"]
+    assert all(r.offset % 128 == 0 for r in regs.values())
+    assert regs["data0"].num_bytes == 3 * 5 * 8 * 67 * 2 == spec.slot_bytes
+    assert regs["scale1"].num_bytes == 3 * 5 * 8 * 4
+    assert regs["flags"].shape == (2, 4, 33, 32) and regs["flags"].num_bytes == 2 * 4 * 33 * 128
+
+
+def test_call_hash_is_stable_and_distinguishes_calls():
+    k = (False, (3, 0, 5), 1, 0)
+    assert call_hash(k) == call_hash((False, (3, 0, 5), 1, 0))
+    others = [(True, (3, 0, 5), 1, 0), (False, (3, 5, 0), 1, 0), (False, (3, 0, 5), 2, 0),
+              (False, (3, 0, 5), 1, 1)]
+    assert len({call_hash(k)} | {call_hash(o) for o in others}) == 5
+    assert 0 <= call_hash(k) < 2**32
+
+
+def test_reference_by_hand():
+    # W=2, H=2 (one head per rank), D=1, tokens [1, 2]: values name (rank, token, head).
+    x0 = np.array([[[[0.0], [1.0]]]])                       # rank 0: token 0, heads 0/1
+    x1 = np.array([[[[10.0], [11.0]], [[20.0], [21.0]]]])   # rank 1: tokens 0 and 1
+    y0, y1 = reference_scatter_heads([x0, x1], [1, 2], 2)
+    assert y0[0, :, 0, 0].tolist() == [0.0, 10.0, 20.0]     # head 0 of every token, in rank order
+    assert y1[0, :, 0, 0].tolist() == [1.0, 11.0, 21.0]
+    b0, b1 = reference_gather_heads([y0, y1], [1, 2], 2)
+    assert np.array_equal(b0, x0) and np.array_equal(b1, x1)
+    # scales: per token [B, T_r] -> [B, S] on every rank, back as [B, T_r, W]
+    (_, _), (s0, s1) = reference_scatter_heads([x0, x1], [1, 2], 2,
+                                               [np.array([[5.0]]), np.array([[6.0, 7.0]])])
+    assert s0.tolist() == s1.tolist() == [[5.0, 6.0, 7.0]]
+    _, (g0, g1) = reference_gather_heads([y0, y1], [1, 2], 2, [s0, s1 + 100])
+    assert g0.tolist() == [[[5.0, 105.0]]] and g1.tolist() == [[[6.0, 106.0], [7.0, 107.0]]]
+
+
+@pytest.mark.parametrize("W,tokens", [(1, [5]), (3, [4, 0, 7]), (4, [0, 0, 3, 1]), (8, [2] * 8)])
+def test_reference_round_trip(W, tokens):
+    rng = np.random.default_rng(W)
+    B, H, D = 3, 2 * W, 5
+    xs = [rng.standard_normal((B, t, H, D)) for t in tokens]
+    scales = [rng.standard_normal((B, t, H)) for t in tokens]
+    ys, y_scales = reference_scatter_heads(xs, tokens, W, scales)
+    S = sum(tokens)
+    for t, y in enumerate(ys):
+        assert y.shape == (B, S, 2, D)
+        off = 0
+        for r, T in enumerate(tokens):  # rank r's tokens at offset sum(T[:r]), heads of rank t
+            assert np.array_equal(y[:, off:off + T], xs[r][:, :, 2 * t:2 * t + 2])
+            assert np.array_equal(y_scales[t][:, off:off + T], scales[r][:, :, 2 * t:2 * t + 2])
+            off += T
+    back, back_scales = reference_gather_heads(ys, tokens, W, y_scales)
+    for r in range(W):
+        assert np.array_equal(back[r], xs[r]) and np.array_equal(back_scales[r], scales[r])
+
+
+# ---- launch arguments against the kernel signatures (a wrong order would corrupt peers) -------
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("mode", [0, 1, 2])
+def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
+    from types import SimpleNamespace
+
+    import cuflux.ops.all2all as A
+    from tests.kernel_args import DeviceArray, check_args
+
+    captured = []
+    monkeypatch.setattr(A.kernels, "launch", lambda fn, grid, block, args, stream, **kw:
+                        captured.append((kw["name"], args)))
+    W, me = 4, 1
+    op = object.__new__(A.All2AllHeads)
+    op.spec = A.Spec(W, me, 0, 16, 8, 64, dtype_info("bfloat16"), 2)
+    op._row_bytes, op.num_blocks, op.w1 = op.spec.row_bytes, 264, "pdl"
+    op.buf = SimpleNamespace(ptrs_dev=DeviceArray())
+    u = np.uint64
+    op._push_slots = tuple(u(i) for i in range(6))
+    op._wait_flags = (u(1 << 30), u(2 << 30))
+    op._copy_slots = ((u(3 << 30), u(4 << 30)), (u(5 << 30), u(6 << 30)))
+    op.state = DeviceArray()
+    op.err_args = (u(1 << 40), DeviceArray(), u(10**9), np.uint32(2))
+    op._push = {(v, g): f"push{v}{g}" for v in A._VEC_BYTES for g in (False, True)}
+    op._copy_out = {v: f"copy{v}" for v in A._VEC_BYTES}
+    op._wait = "wait"
+    tokens = (16, 5, 0, 9)
+    plan = A._Plan(tokens, np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32))
+    plan.prefix_dev = DeviceArray()
+    arr = DeviceArray()
+    arr.data = SimpleNamespace(ptr=1 << 20)
+    op._launch(gather, arr, arr if mode else None, arr, arr if mode else None, plan, 2, mode,
+               12345, 0, False, None)
+    names = [n for n, _ in captured]
+    assert names == ["a2a_push", "a2a_wait", "a2a_copy_out"]
+    for (name, args), kernel in zip(captured, ("a2a_push", "a2a_wait", "a2a_copy_out")):
+        check_args("all2all.cu", kernel, args)
