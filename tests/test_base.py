@@ -1,24 +1,268 @@
-"""GPU tests of what every op inherits from CommOp (aliasing refused, per-call arguments
-compared across ranks, abort after a timeout); ranks share the GPU under mpiexec."""
+"""What every op inherits from CommOp (cuflux/ops/base.py). GPU tests: an output overlapping
+an input refused, per-call arguments compared across ranks, abort after a timeout; each runs the
+rank body beside it (@on_ranks) on W ranks sharing the GPU under mpiexec (W from
+CUFLUX_TEST_WORLD_SIZES) and skips without a GPU ("no CUDA device"). CPU tests (no GPU): the
+shared checks (aliasing, timeouts, capture refusal, the fused route's boundary) and the epoch
+re-arm of host-counted ops."""
+import math
+import time
+
+import numpy as np
 import pytest
 
-from tests.mpi import gpu_available, run_ranks, world_sizes
+from cuflux.arrays import dtype_info
+from cuflux.errors import CaptureError, CommTimeoutError
+from cuflux.ops import base
+from tests.fakes import FakeArray
+from tests.mpi import on_ranks, world_sizes
 
-pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
 WS = world_sizes()
 
 
+# ---- GPU: each rank body, then its test(s) -------------------------------------------------------
+@on_ranks
+def aliasing(world):
+    """An output overlapping an input is refused before any launch, and the op still works."""
+    import cupy as cp
+
+    from cuflux.ops.all2all import All2AllHeads
+    from cuflux.ops.allreduce import AllReduceRMSNorm
+    from cuflux.ops.gemm_rs import GemmReduceScatter
+    W = world.size
+    st = dtype_info("bfloat16").storage
+    refused = 0
+    with GemmReduceScatter(world, 64 * W, 64, 64, "bfloat16", timeout_s=30) as rs:
+        a = cp.ones((64 * W, 64), st)
+        b = cp.ones((64, 64), st)
+        try:
+            rs(a, b, out=a[:64])
+        except ValueError as e:
+            assert "overlaps a" in str(e), e
+            refused += 1
+        out = rs(a, b)
+        rs.synchronize()
+        assert float(out.astype(cp.float32).max()) == 64.0 * W
+    with AllReduceRMSNorm(world, 16, 256, "bfloat16", timeout_s=30) as norm:
+        x, res, w = cp.ones((4, 256), st), cp.ones((4, 256), st), cp.ones(256, st)
+        try:
+            norm(x, res, w, out=res)
+        except ValueError as e:
+            assert "overlaps residual" in str(e), e
+            refused += 1
+    with All2AllHeads(world, 8, 2 * W, 64, "bfloat16", timeout_s=30) as a2a:
+        y = cp.ones((1, 8 * W, 2, 64), st)
+        try:
+            a2a.gather_heads(y, [8] * W, out=y.reshape(-1)[:8 * 2 * W * 64].reshape(
+                1, 8, 2 * W, 64))
+        except ValueError as e:
+            assert "overlaps input" in str(e), e
+            refused += 1
+    return refused
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS[:2])
 def test_outputs_overlapping_inputs_are_refused(W):
-    assert run_ranks(W, "tests.cases_base:aliasing", timeout_s=300) == [3] * W
+    assert aliasing.run(W, timeout_s=300) == [3] * W
 
 
+@on_ranks
+def mismatched_m(world):
+    """Ranks passing different M to GemmReduceScatter: ValueError on every rank (the first time
+    a call's M is seen it is compared across ranks), nothing launched, the op still usable."""
+    import cupy as cp
+
+    from cuflux.ops.gemm_rs import GemmReduceScatter
+    W, me = world.size, world.rank
+    st = dtype_info("bfloat16").storage
+    with GemmReduceScatter(world, 64 * W, 64, 64, "bfloat16", timeout_s=30) as rs:
+        b = cp.ones((64, 64), st)
+        M = 32 * W if me == 0 else 64 * W
+        try:
+            rs(cp.ones((M, 64), st), b)
+            raised = False
+        except ValueError as e:
+            assert "differs between ranks" in str(e), e
+            raised = True
+        out = rs(cp.ones((64 * W, 64), st), b)
+        rs.synchronize()
+        assert float(out.astype(cp.float32).min()) == 64.0 * W
+    return raised
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", [w for w in WS if w > 1][:2])
 def test_mismatched_m_raises_on_every_rank(W):
-    assert run_ranks(W, "tests.cases_base:mismatched_m", timeout_s=300) == [True] * W
+    assert mismatched_m.run(W, timeout_s=300) == [True] * W
 
 
+@on_ranks
+def abort_after_timeout(world, timeout_s=2.0):
+    """The last rank never calls: the others raise CommTimeoutError within timeout + 2 s, and
+    leaving the `with` block aborts at once instead of waiting at close()'s barrier."""
+    import cupy as cp
+
+    from cuflux.ops.allreduce import AllReduce
+    W, me = world.size, world.rank
+    st = dtype_info("bfloat16").storage
+    late = me == W - 1
+    op = AllReduce(world, 1 << 16, "bfloat16", timeout_s=timeout_s)
+    x = cp.ones(1 << 16, st)
+    if late:  # never calls; gives up its side locally once the others have
+        time.sleep(timeout_s + 1.0)
+        t1 = time.monotonic()
+        op.abort()
+        assert time.monotonic() - t1 < 1.0
+        return None
+    t0 = time.monotonic()
+    waited = None
+    try:
+        with op:
+            op(x)
+            op.synchronize()
+    except CommTimeoutError:
+        waited = time.monotonic() - t0
+    assert op.closed  # the with block aborted it
+    t1 = time.monotonic()
+    op.abort()  # idempotent
+    assert time.monotonic() - t1 < 1.0
+    assert waited is not None and waited < timeout_s + 2.0, waited
+    return round(waited, 2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", [w for w in WS if w > 1][:1])
 def test_late_rank_times_out_and_abort_returns_at_once(W):
-    res = run_ranks(W, "tests.cases_base:abort_after_timeout", timeout_s=120)
+    res = abort_after_timeout.run(W, timeout_s=120)
     assert all(r is not None for r in res[:-1]) and res[-1] is None
+
+
+# ---- CPU -----------------------------------------------------------------------------------------
+def _arr(ptr, nbytes):
+    a = FakeArray((nbytes // 2,), "float16", ptr=ptr)
+    a.nbytes = nbytes
+    return a
+
+
+@pytest.mark.parametrize("out_ptr,overlap", [(0, True), (100, True), (4094, True),
+                                             (4096, False), (8192, False), (-4096, False),
+                                             (-4094, True)])
+def test_output_overlapping_an_input_is_refused(out_ptr, overlap):
+    base_ptr = 1 << 30
+    x = _arr(base_ptr, 4096)
+    out = _arr(base_ptr + out_ptr, 4096)
+    if overlap:
+        with pytest.raises(ValueError, match="out overlaps x"):
+            base.check_no_alias("Op", out, x=x, w=None)
+    else:
+        base.check_no_alias("Op", out, x=x, w=None)
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), float("inf"), -math.inf, "30", True, None])
+def test_timeouts_must_be_finite_positive_numbers(bad):
+    with pytest.raises(ValueError, match="finite number of seconds > 0"):
+        base.check_timeout("Op", bad)
+
+
+@pytest.mark.parametrize("good", [1, 0.5, np.float64(2.0), 1e-3])
+def test_good_timeouts(good):
+    assert base.check_timeout("Op", good) == float(good)
+
+
+def test_capture_refusal_names_the_op_and_why(monkeypatch):
+    from cuflux import launch
+
+    monkeypatch.setattr(launch, "capturing", lambda s: True)
+    with pytest.raises(CaptureError, match="Op: cannot be captured in a CUDA graph: because"):
+        base.refuse_capture("Op", 0, "because")
+    monkeypatch.setattr(launch, "capturing", lambda s: False)
+    base.refuse_capture("Op", 0, "because")
+
+
+def test_unfused_below_m_is_gemms_cublas_boundary():
+    """route="auto" runs a fused op unfused exactly where cuflux.gemm's untuned rule takes
+    cuBLAS: below that the fused kernel (cuflux's GEMM core) loses to cuBLAS."""
+    from cuflux.gemm_tuner import CUBLAS, CUBLAS_BELOW_M, heuristic
+
+    assert base.UNFUSED_BELOW_M == CUBLAS_BELOW_M
+    for M in (1, 16, 255, 256, 257, 4096):
+        assert (base.fused_route("auto", M) == "unfused") == (heuristic(M, 8192, 8192) == CUBLAS)
+    assert (base.fused_route("fused", 1) == "fused"
+            and base.fused_route("unfused", 8192) == "unfused")
+    with pytest.raises(ValueError, match="Op: route must be one of"):
+        base.check_route("Op", "sometimes")
+
+
+# ---- epoch re-arm (host-counted ops) -------------------------------------------------------------
+class _Stream:
+    def __init__(self, log):
+        self.log = log
+
+    def synchronize(self):
+        self.log.append("sync")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+class _Comm:
+    def __init__(self, log, silent_peer=None):
+        self.log, self.silent_peer = log, silent_peer
+
+    def barrier(self, timeout_s, what):
+        from cuflux.errors import CommTimeoutError
+
+        if self.silent_peer is not None:
+            raise CommTimeoutError("OpComm", 0, self.silent_peer, timeout_s, what)
+        self.log.append("barrier")
+
+
+class _Record:
+    def __init__(self):
+        self.failures = []
+
+    def check(self):
+        pass
+
+    def record_host_failure(self, code, peer, detail):
+        self.failures.append((peer, detail))
+
+
+def _counting_op(log, silent_peer=None):
+    from types import SimpleNamespace
+
+    op = object.__new__(base.CommOp)
+    op.op, op.timeout_s, op.world = "GemmReduceScatter", 5.0, SimpleNamespace(rank=0)
+    op.comm, op.err = _Comm(log, silent_peer), _Record()
+    flags = {"flags": np.full(16, 7, np.uint32), "chunk_flags": np.full(4, 9, np.uint32)}
+    op.buf = SimpleNamespace(local=lambda name: flags[name])
+    op.epoch, op._epoch_regions = 0, ("flags", "chunk_flags")
+    return op, flags
+
+
+def test_epochs_count_up_then_rearm_before_the_32_bit_wrap():
+    """No flag slot can stay unwritten for 2^31 calls: at EPOCH_REARM_AT calls the op drains,
+    zeroes its flags between two barriers and counts from 1 again."""
+    log = []
+    op, flags = _counting_op(log)
+    assert [op._next_epoch(_Stream(log)) for _ in range(3)] == [1, 2, 3] and log == []
+    op.epoch = base.EPOCH_REARM_AT - 1
+    assert op._next_epoch(_Stream(log)) == base.EPOCH_REARM_AT and log == []
+    assert base.EPOCH_REARM_AT < 2**31  # distances below 2^31 compare correctly in sync.cuh
+    assert op._next_epoch(_Stream(log)) == 1
+    assert log == ["sync", "barrier", "sync", "barrier"]
+    assert not flags["flags"].any() and not flags["chunk_flags"].any()
+
+
+def test_a_silent_peer_at_the_rearm_fails_the_op_naming_it():
+    from cuflux.errors import CommTimeoutError
+
+    op, flags = _counting_op([], silent_peer=3)
+    op.epoch = base.EPOCH_REARM_AT
+    with pytest.raises(CommTimeoutError, match="rank 0 timed out .* waiting for rank 3"):
+        op._next_epoch(_Stream([]))
+    assert op.err.failures and op.err.failures[0][0] == 3
+    assert flags["flags"].all()  # nothing zeroed while a peer may still write

@@ -1,30 +1,240 @@
-"""GPU tests of CUDA-graph capture for every op: capture once, replay 100 times with new inputs,
-exact against the reference; ops or paths that cannot be captured raise CaptureError (ranks
-share the GPU under mpiexec; W from CUFLUX_TEST_WORLD_SIZES). Skipped without a GPU."""
+"""CUDA-graph capture for every op, on the GPU: each op captured once and replayed 100 times
+with new inputs, every replay checked against the float64 / NumPy reference; ops (or paths) that
+cannot be captured must raise CaptureError before anything is enqueued, and stay usable
+afterwards. Each GPU test runs the rank body beside it (@on_ranks) on W ranks sharing the GPU
+under mpiexec (W from CUFLUX_TEST_WORLD_SIZES); without a GPU they skip ("no CUDA device")."""
+import numpy as np
 import pytest
 
-from tests.mpi import gpu_available, run_ranks, world_sizes
+from cuflux.arrays import dtype_info
+from cuflux.errors import CaptureError
+from tests.mpi import on_ranks, world_sizes
 
-pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
 WS = world_sizes()
 
 
+def _rand(key, shape, storage):
+    rng = np.random.default_rng(list(key))
+    return rng.standard_normal(shape).astype(np.float32).astype(storage)
+
+
+def _poison(*arrays):
+    import cupy
+
+    for a in arrays:
+        a.view(cupy.uint8)[...] = 0xFF
+
+
+@on_ranks
+def rmsnorm_modes(world, replays=100, T=37, H=1024):
+    """AllReduceRMSNorm, all three output modes, captured in one graph: `replays` replays with
+    new x, residual and weight each time, exact against the float64 reference."""
+    import cupy as cp
+
+    from cuflux.ops.allreduce import AllReduceRMSNorm, reference_allreduce_rmsnorm, token_slice
+    W, me = world.size, world.rank
+    st = dtype_info("bfloat16").storage
+    modes = ("replicated", "sharded_residual", "sequence_parallel")
+    s = cp.cuda.Stream(non_blocking=True)
+    ops = [AllReduceRMSNorm(world, 64, H, "bfloat16", output=m, timeout_s=60) for m in modes]
+    try:
+        with s:
+            a, b = token_slice(T, W, me)
+            rows = {m: (b - a if m == "sequence_parallel" else T) for m in modes}
+            xs = {m: cp.zeros((T, H), st) for m in modes}
+            res = {m: cp.zeros((rows[m], H), st) for m in modes}
+            outs = {m: cp.zeros((rows[m], H), st) for m in modes}
+            wt = cp.zeros(H, st)
+            s.synchronize()
+            world.barrier()
+            s.begin_capture()
+            for m, op in zip(modes, ops):
+                op(xs[m], res[m], wt, out=outs[m], stream=s)
+            graph = s.end_capture()
+            for rep in range(replays):
+                xh = [_rand((rep, p, 1), (T, H), st) for p in range(W)]
+                rh = _rand((rep, 2), (T, H), st)
+                wh = _rand((rep, 3), (H,), st)
+                wt[...] = cp.asarray(wh)
+                for m in modes:
+                    xs[m][...] = cp.asarray(xh[me])
+                    res[m][...] = cp.asarray(rh[a:b] if m == "sequence_parallel" else rh)
+                _poison(*outs.values())
+                graph.launch(stream=s)
+                for op in ops:
+                    op.synchronize(stream=s)
+                for m in modes:
+                    want = reference_allreduce_rmsnorm(xh, rh, wh, 1e-6, m, W)[me]
+                    for got, ref, what in ((outs[m], want[0], "out"), (res[m], want[1], "res")):
+                        g = cp.asnumpy(got).astype(np.float64)
+                        if m == "sharded_residual" and what == "res":
+                            g, ref = g[a:b], ref[a:b]
+                        err = np.abs(g - ref).max() / (np.abs(ref).max() + 1e-30)
+                        assert np.isfinite(g).all() and err < 2e-2, \
+                            f"replay {rep} {m} {what}: max rel err {err:.3g}"
+                world.barrier()  # the next replay's host writes wait for every rank
+    finally:
+        for op in ops:
+            op.close()
+    return replays
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_rmsnorm_every_mode_captured_and_replayed(W):
-    assert run_ranks(W, "tests.cases_graphs:rmsnorm_modes", timeout_s=600) == [100] * W
+    assert rmsnorm_modes.run(W, timeout_s=600) == [100] * W
 
 
+@on_ranks
+def all2all(world, replays=100, T=64, H=8, D=128):
+    """All2AllHeads, scatter then gather (uneven tokens at W > 1), captured in one graph and
+    replayed with new inputs: exact every replay (the call epoch lives on the device). view=True
+    is refused under capture (the slot's parity alternates without the host knowing), and after
+    the op was captured."""
+    import cupy as cp
+
+    from cuflux.ops.all2all import All2AllHeads, reference_gather_heads, reference_scatter_heads
+    W, me = world.size, world.rank
+    st = dtype_info("bfloat16").storage
+    s = cp.cuda.Stream(non_blocking=True)
+    tokens = tuple(T - (r % 3) for r in range(W))
+    S = sum(tokens)
+    with All2AllHeads(world, T, H, D, "bfloat16", timeout_s=60) as op, s:
+        x = cp.zeros((1, tokens[me], H, D), st)
+        y = cp.zeros((1, S, H // W, D), st)
+        yin = cp.zeros((1, S, H // W, D), st)
+        xo = cp.zeros((1, tokens[me], H, D), st)
+        op.scatter_heads(x, tokens, out=y, stream=s)  # the arguments are agreed outside
+        op.gather_heads(yin, tokens, out=xo, stream=s)
+        s.synchronize()
+        world.barrier()
+        s.begin_capture()
+        op.scatter_heads(x, tokens, out=y, stream=s)
+        op.gather_heads(yin, tokens, out=xo, stream=s)
+        graph = s.end_capture()
+        for rep in range(replays):
+            xh = [_rand((rep, p, 1), (1, tokens[p], H, D), st) for p in range(W)]
+            yh = [_rand((rep, p, 2), (1, S, H // W, D), st) for p in range(W)]
+            x[...], yin[...] = cp.asarray(xh[me]), cp.asarray(yh[me])
+            _poison(y, xo)
+            world.barrier()  # every rank's inputs are in place before any replay starts
+            graph.launch(stream=s)
+            op.synchronize(stream=s)
+            want_y = reference_scatter_heads(xh, tokens, W)[me]
+            want_x = reference_gather_heads(yh, tokens, W)[me]
+            assert np.array_equal(cp.asnumpy(y).view(np.uint16), want_y.view(np.uint16)), rep
+            assert np.array_equal(cp.asnumpy(xo).view(np.uint16), want_x.view(np.uint16)), rep
+            world.barrier()  # the next replay's host writes wait for every rank
+        if W > 1:
+            try:
+                op.scatter_heads(x, tokens, view=True, stream=s)
+                raise AssertionError("view=True after a capture must be refused")
+            except CaptureError:
+                pass
+    return replays
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_all2all_capture(W):
-    assert run_ranks(W, "tests.cases_graphs:all2all", timeout_s=300) == [100] * W
+    assert all2all.run(W, timeout_s=300) == [100] * W
 
 
+@on_ranks
+def gemm_rs(world, replays=100, M=512, n=264, k=136):
+    """GemmReduceScatter: W = 1 (the plain GEMM) captured and replayed; W > 1 refused with
+    CaptureError and correct afterwards."""
+    import cupy as cp
+
+    from cuflux.ops.gemm_rs import GemmReduceScatter, reference_gemm_rs
+    W, me = world.size, world.rank
+    st = dtype_info("bfloat16").storage
+    s = cp.cuda.Stream(non_blocking=True)
+    with GemmReduceScatter(world, M, n, k, "bfloat16", out_dtype="float32", b_layout="nk",
+                           timeout_s=60) as op, s:
+        a = cp.zeros((M, k), st)
+        b = cp.zeros((n, k), st)
+        out = cp.zeros((M // W, n), np.float32)
+        if W == 1:
+            op(a, b, out=out, stream=s)  # tunes the shape class outside the capture
+            s.synchronize()
+            s.begin_capture()
+            op(a, b, out=out, stream=s)
+            graph = s.end_capture()
+            for rep in range(replays):
+                ah, bh = _rand((rep, 1), (M, k), st), _rand((rep, 2), (n, k), st)
+                a[...], b[...] = cp.asarray(ah), cp.asarray(bh)
+                out.fill(np.nan)
+                graph.launch(stream=s)
+                s.synchronize()
+                want = ah.astype(np.float64) @ bh.astype(np.float64).T
+                err = np.abs(cp.asnumpy(out) - want).max() / np.abs(want).max()
+                assert err < 1e-2, f"replay {rep}: {err:.3g}"
+            return replays
+        s.synchronize()
+        s.begin_capture()
+        try:
+            op(a, b, out=out, stream=s)
+            refused = False
+        except CaptureError:
+            refused = True
+        finally:
+            s.end_capture()
+        assert refused, "GemmReduceScatter at W > 1 must refuse capture"
+        ah = [_rand((5, p, 1), (M, k), st) for p in range(W)]
+        bh = [_rand((5, p, 2), (n, k), st) for p in range(W)]
+        a[...], b[...] = cp.asarray(ah[me]), cp.asarray(bh[me])
+        op(a, b, out=out, stream=s)
+        op.synchronize(stream=s)
+        want = reference_gemm_rs(ah, bh, b_layout="nk", rank=me)
+        err = np.abs(cp.asnumpy(out) - np.asarray(want)).max() / np.abs(want).max()
+        assert err < 1e-2, err
+    return replays
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_gemm_rs_capture(W):
-    assert run_ranks(W, "tests.cases_graphs:gemm_rs", timeout_s=300) == [100] * W
+    assert gemm_rs.run(W, timeout_s=300) == [100] * W
 
 
+@on_ranks
+def host_driven(world):
+    """AllGather (W > 1) and AllGatherGemm refuse capture with CaptureError, naming why."""
+    import cupy as cp
+
+    from cuflux.ops.ag_gemm import AllGatherGemm
+    from cuflux.ops.allgather import AllGather
+    W = world.size
+    st = dtype_info("bfloat16").storage
+    s = cp.cuda.Stream(non_blocking=True)
+    seen = []
+    with AllGather(world, 64, 128, "bfloat16", timeout_s=60) as ag, \
+            AllGatherGemm(world, 64 * W, 136, 128, "bfloat16", timeout_s=60) as agm, s:
+        x = cp.zeros((64, 128), st)
+        w = cp.zeros((128, 136), st)
+        s.synchronize()
+        for name, call in (("AllGather", lambda: ag(x, stream=s)),
+                           ("AllGatherGemm", lambda: agm(x, w, stream=s))):
+            if name == "AllGather" and W == 1:
+                continue
+            s.begin_capture()
+            try:
+                call()
+                seen.append((name, False))
+            except CaptureError as e:
+                assert name in str(e) and "graph" in str(e)
+                seen.append((name, True))
+            finally:
+                s.end_capture()
+        assert all(r for _, r in seen), seen
+        y = ag(x, stream=s)  # still usable
+        ag.synchronize(stream=s)
+        assert y.shape == (W * 64, 128)
+    return len(seen)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_host_driven_ops_refuse_capture(W):
-    assert run_ranks(W, "tests.cases_graphs:host_driven", timeout_s=300) == [
-        (2 if W > 1 else 1)] * W
+    assert host_driven.run(W, timeout_s=300) == [(2 if W > 1 else 1)] * W
