@@ -57,7 +57,7 @@ ROUTES = ("auto", "fused", "unfused")
 # flags between two bounded barriers and counts again from 1; every rank makes the same calls,
 # so every rank re-arms at the same call.
 EPOCH_REARM_AT = 1 << 30
-UNFUSED_BELOW_M = 256  # = cuflux.gemm_tuner.CUBLAS_BELOW_M (tests/test_base_cpu.py checks it)
+UNFUSED_BELOW_M = 256  # = cuflux.gemm_tuner.CUBLAS_BELOW_M (tests/test_base.py checks it)
 
 
 
