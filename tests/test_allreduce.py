@@ -1,46 +1,709 @@
-"""GPU tests of AllReduce and AllReduceRMSNorm: ranks share the GPU under mpiexec (W from
-CUFLUX_TEST_WORLD_SIZES; 8 included on the GPU machine). Skipped without a GPU.
-CUFLUX_TEST_FULL=1 sweeps the whole product of dtypes, hidden sizes and token counts."""
+"""Tests of AllReduce and AllReduceRMSNorm, one file: the GPU tests run the rank bodies beside
+them on W ranks (tests.mpi.on_ranks; ranks share the GPU under mpiexec, W from
+CUFLUX_TEST_WORLD_SIZES; 8 included on the GPU machine), marked gpu and skipped without a GPU;
+the CPU tests (token slices, the golden models, launch plans, the crossover, argument checks with
+a fake world and fake arrays, NVRTC compilation, launch arguments) need no GPU.
+CUFLUX_TEST_FULL=1 sweeps the whole product of dtypes, hidden sizes and token counts.
+
+Every rank derives every rank's input from one seeded draw (x_r = roll(base, 3r + 1) * (1 +
+r / 8): inputs encode their source rank), checks the rows it owns against the float64 NumPy
+reference, and all ranks compare hashes of their full outputs, so together the ranks check
+every element and prove the outputs bit-identical. Outputs are poisoned (all bits set: NaN)
+before each call, so an element nobody wrote fails.
+"""
+import hashlib
+import math
+import os
+import time
+from types import SimpleNamespace
+
+import numpy as np
 import pytest
 
-from tests.mpi import gpu_available, run_ranks, world_sizes
+import cuflux.ops.allreduce as ar
+from cuflux import kernels
+from cuflux.arrays import dtype_info
+from cuflux.errors import CommTimeoutError, CufluxError
+from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, choose_algo, plan_launch,
+                                  reference_allreduce, reference_allreduce_rmsnorm,
+                                  rmsnorm_residual, token_slice)
+from tests.fakes import FakeArray
+from tests.kernel_args import DeviceArray, check_args
+from tests.mpi import on_ranks, world_sizes
 
-pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
+
+TOL = {"bfloat16": (2e-2, 2e-2), "float16": (3e-3, 3e-3), "float32": (2e-5, 2e-5)}
+HIDDENS = (1024, 4096, 8192, 5128, 1001)  # 5128 = 5120 + 8; 1001: narrow (not a multiple of 8)
 WS = world_sizes()
 
 
+def _full() -> bool:
+    return os.environ.get("CUFLUX_TEST_FULL", "") not in ("", "0")
+
+
+def _rank_x(base, r):
+    return np.roll(base, 3 * r + 1, axis=-1) * np.float32(1 + r / 8)
+
+
+def _draw(seed, T, H):
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal((T, H), dtype=np.float32)
+    res = rng.standard_normal((T, H), dtype=np.float32)
+    w = 1 + 0.5 * rng.standard_normal(H, dtype=np.float32)
+    return base, res, w
+
+
+def _q(a, dtype):
+    """Round to the dtype's storage (what the GPU sees), as float64 for the reference."""
+    return np.asarray(a).astype(dtype_info(dtype).storage)
+
+
+def _close(got, want, dtype, what):
+    rtol, atol = TOL[dtype]
+    g = np.asarray(got).astype(np.float64)
+    ok = np.abs(g - want) <= atol + rtol * np.abs(want)  # NaN (poison) is never ok
+    if not ok.all():
+        i = tuple(np.argwhere(~ok)[0])
+        raise AssertionError(f"{what}: {(~ok).sum()} of {ok.size} elements off; first {i}: "
+                             f"got {g[i]!r}, want {want[i]!r}")
+
+
+def _poisoned(cp, shape, dtype):
+    a = cp.empty(shape, dtype=dtype_info(dtype).storage)
+    a.view(cp.uint8)[...] = 0xFF
+    return a
+
+
+def _hash(cp, a) -> str:
+    return hashlib.sha1(cp.asnumpy(a).tobytes()).hexdigest()
+
+
+def _same_everywhere(world, value, what):
+    values = world.allgather(value)
+    assert len(set(values)) == 1, f"{what} differs between ranks: {values}"
+
+
+def _norm_case(cp, world, ops, dtype, T, H, seed):
+    """One T for the three outputs (replicated both one-shot and two-shot)."""
+    W, me = world.size, world.rank
+    st = dtype_info(dtype).storage
+    base, res, w = _draw(seed, T, H)
+    a, b = token_slice(T, W, me)
+    xs_rows = [_q(_rank_x(base[a:b], r), dtype) for r in range(W)]   # the rows this rank checks
+    res_q, w_q = _q(res, dtype), _q(w, dtype)
+    x = cp.asarray(_q(_rank_x(base, me), dtype))
+    weight = cp.asarray(w_q)
+    want = reference_allreduce_rmsnorm(xs_rows, res_q[a:b], w_q, 1e-6, "replicated", W)[0]
+    label = f"W={W} rank={me} {dtype} T={T} H={H}"
+
+    outs = {}
+    for algo in ("one_shot", "two_shot"):
+        residual = cp.asarray(res_q)
+        out = _poisoned(cp, (T, H), dtype)
+        got = ops["replicated"](x, residual, weight, out=out, algo=algo)
+        assert got is out
+        ops["replicated"].synchronize()
+        _close(cp.asnumpy(out[a:b]), want[0], dtype, f"{label} replicated {algo} out")
+        _close(cp.asnumpy(residual[a:b]), want[1], dtype, f"{label} replicated {algo} residual")
+        outs[algo] = (_hash(cp, out), _hash(cp, residual))
+    assert outs["one_shot"] == outs["two_shot"], f"{label}: one-shot and two-shot differ in bits"
+    _same_everywhere(world, outs["two_shot"], f"{label} replicated outputs")
+
+    # TokenWeave: residual rows outside this rank's slice are poison and must stay untouched.
+    residual_np = np.full(T * H * st.itemsize, 0xFF, np.uint8).view(st).reshape(T, H)
+    residual_np[a:b] = res_q[a:b]
+    residual = cp.asarray(residual_np)
+    out = ops["sharded_residual"](x, residual, weight, out=_poisoned(cp, (T, H), dtype))
+    ops["sharded_residual"].synchronize()
+    _close(cp.asnumpy(out[a:b]), want[0], dtype, f"{label} sharded out")
+    got_res = cp.asnumpy(residual)
+    _close(got_res[a:b], want[1], dtype, f"{label} sharded residual")
+    outside = np.ones(T, bool)
+    outside[a:b] = False
+    assert got_res[outside].tobytes() == residual_np[outside].tobytes(), \
+        f"{label}: sharded_residual wrote residual rows outside its slice"
+    _same_everywhere(world, _hash(cp, out), f"{label} sharded_residual out")
+    assert _hash(cp, out) == outs["two_shot"][0], f"{label}: sharded out differs from replicated"
+
+    # Megatron SP: out and residual hold this rank's slice only.
+    residual = cp.asarray(res_q[a:b])
+    out = ops["sequence_parallel"](x, residual, weight, out=_poisoned(cp, (b - a, H), dtype))
+    ops["sequence_parallel"].synchronize()
+    _close(cp.asnumpy(out), want[0], dtype, f"{label} sequence_parallel out")
+    _close(cp.asnumpy(residual), want[1], dtype, f"{label} sequence_parallel residual")
+
+
+# ==== GPU tests: each rank body (@on_ranks: body.run(W) runs it on W ranks), then its tests =======
+# ---- GPU: the unfused baseline's local RMSNorm kernel --------------------------------------------
+@on_ranks
+def local_norm(world):
+    """rmsnorm_residual (the unfused baseline's kernel) against the reference, odd shapes."""
+    import cupy as cp
+
+    for dtype in ("bfloat16", "float32"):
+        for T, H in ((1, 1001), (37, 4096), (1000, 8192), (5, 5001)):
+            base, res, w = _draw([T, H, 3], T, H)
+            x, r, wq = _q(base, dtype), _q(res, dtype), _q(w, dtype)
+            residual = cp.asarray(r)
+            out = rmsnorm_residual(cp.asarray(x), residual, cp.asarray(wq), eps=1e-5,
+                                   out=_poisoned(cp, (T, H), dtype))
+            want = reference_allreduce_rmsnorm([x], r, wq, 1e-5, "replicated", 1)[0]
+            _close(cp.asnumpy(out), want[0], dtype, f"local {dtype} {T}x{H} out")
+            _close(cp.asnumpy(residual), want[1], dtype, f"local {dtype} {T}x{H} residual")
+    return True
+
+
+@pytest.mark.gpu
 def test_local_rmsnorm_kernel():
-    run_ranks(1, "tests.cases_allreduce:local_norm")
+    local_norm.run(1)
 
 
+# ---- GPU: argument errors before any launch ------------------------------------------------------
+@on_ranks
+def bad_input(world):
+    """Clear errors before any launch (nothing reaches a peer: every rank raises alike)."""
+    import cupy as cp
+
+    with AllReduceRMSNorm(world, 16, 64, "bfloat16") as norm:
+        st = norm.dtype.storage
+        x = cp.zeros((8, 64), st)
+        res, w = cp.zeros((8, 64), st), cp.zeros(64, st)
+        cases = [
+            (lambda: norm(cp.zeros((8, 64), cp.float32), res, w), TypeError, "x must be bfloat16"),
+            (lambda: norm(x, cp.zeros((8, 63), st), w), ValueError, "residual must have shape"),
+            (lambda: norm(x, res, cp.zeros(63, st)), ValueError, "weight must have shape"),
+            (lambda: norm(cp.zeros((17, 64), st), cp.zeros((17, 64), st), w), ValueError,
+             "more than max_tokens=16"),
+            (lambda: norm(cp.zeros((64, 8), st).T, res, w), ValueError, "C-contiguous"),
+            (lambda: norm(x, res, w, out=cp.zeros((8, 64), cp.float16)), TypeError,
+             "out must be bfloat16"),
+            (lambda: norm(x, res, w, algo="three_shot"), ValueError, "algo must be one of"),
+        ]
+        for fn, exc, text in cases:
+            try:
+                fn()
+            except exc as e:
+                assert text in str(e) and "AllReduceRMSNorm" in str(e), str(e)
+            else:
+                raise AssertionError(f"no {exc.__name__} for {text!r}")
+        out = norm(x, res, w)  # still usable: nothing was launched by the bad calls
+        norm.synchronize()
+        assert not np.isnan(cp.asnumpy(out).astype(np.float32)).any()
+    return True
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", [w for w in WS if w > 1][:1] or [1])
 def test_bad_input_raises_before_launch(W):
-    run_ranks(W, "tests.cases_allreduce:bad_input")
+    bad_input.run(W)
 
 
+# ---- GPU: AllReduce sizes and algorithms ---------------------------------------------------------
+@on_ranks
+def plain_sweep(world, dtypes=("bfloat16", "float16", "float32")):
+    """AllReduce: odd and round sizes, both algorithms, bit-identical on every rank."""
+    import cupy as cp
+
+    W, me = world.size, world.rank
+    sizes = [(1,), (max(1, W - 1),), (7,), (1000,), (3, 5, 7), (8192 * 3 + 5,), (1 << 20,),
+             (4096, 1024)]
+    for dtype in dtypes:
+        with AllReduce(world, 4096 * 1024, dtype, timeout_s=60) as ar:
+            for shape in sizes:
+                n = int(np.prod(shape))
+                base = np.random.default_rng([n, len(dtype)]).standard_normal(n, dtype=np.float32)
+                xs = [_q(_rank_x(base, r), dtype).reshape(shape) for r in range(W)]
+                want = reference_allreduce(xs)
+                x = cp.asarray(xs[me])
+                hashes = {}
+                for algo in ("one_shot", "two_shot"):
+                    out = _poisoned(cp, shape, dtype)
+                    assert ar(x, out=out, algo=algo) is out
+                    ar.synchronize()
+                    _close(cp.asnumpy(out), want, dtype, f"W={W} {dtype} {shape} {algo}")
+                    hashes[algo] = _hash(cp, out)
+                assert hashes["one_shot"] == hashes["two_shot"], f"{dtype} {shape}: algos differ"
+                _same_everywhere(world, hashes["one_shot"], f"AllReduce {dtype} {shape}")
+                y = ar(x)  # owned output, auto algorithm
+                ar.synchronize()
+                assert y.shape == x.shape and _hash(cp, y) == hashes["one_shot"]
+    return True
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_allreduce_sizes_algorithms_bit_identical(W):
-    run_ranks(W, "tests.cases_allreduce:plain_sweep", timeout_s=300)
+    plain_sweep.run(W, timeout_s=300)
 
 
+# ---- GPU: CUDA graph capture and replay ----------------------------------------------------------
+@on_ranks
+def graph_replay(world, replays=3, H=1000):
+    """Capture a one-shot fused call, a two-shot fused call and an AllReduce in one CUDA graph;
+    replay it with new input contents each time and check every result."""
+    import cupy as cp
+
+    W, me = world.size, world.rank
+    dtype = "bfloat16"
+    T1, T2 = 5, 300
+    s = cp.cuda.Stream(non_blocking=True)
+    with AllReduceRMSNorm(world, 512, H, dtype, timeout_s=60) as norm, \
+            AllReduce(world, 512 * H, dtype, timeout_s=60) as ar, s:
+        st = dtype_info(dtype).storage
+        x1, x2 = cp.zeros((T1, H), st), cp.zeros((T2, H), st)
+        r1, r2 = cp.zeros_like(x1), cp.zeros_like(x2)
+        weight = cp.zeros(H, x1.dtype)
+        o1, o2, o3 = cp.empty_like(x1), cp.empty_like(x2), cp.empty_like(x2)
+        s.synchronize()
+        world.barrier()
+        s.begin_capture()
+        norm(x1, r1, weight, out=o1, stream=s, algo="one_shot")
+        norm(x2, r2, weight, out=o2, stream=s, algo="two_shot")
+        ar(x2, out=o3, stream=s, algo="two_shot")
+        graph = s.end_capture()
+        for rep in range(replays):
+            b1, q1, w = _draw([rep, 1], T1, H)
+            b2, q2, _ = _draw([rep, 2], T2, H)
+            for dst, src in ((x1, _rank_x(b1, me)), (x2, _rank_x(b2, me)), (r1, q1), (r2, q2),
+                             (weight, w)):
+                dst[...] = cp.asarray(_q(src, dtype))
+            for o in (o1, o2, o3):
+                o.view(cp.uint8)[...] = 0xFF
+            graph.launch(stream=s)
+            norm.synchronize(stream=s)
+            ar.synchronize(stream=s)
+            wq = _q(w, dtype)
+            for (b, q, o, r, T) in ((b1, q1, o1, r1, T1), (b2, q2, o2, r2, T2)):
+                xs = [_q(_rank_x(b, p), dtype) for p in range(W)]
+                want = reference_allreduce_rmsnorm(xs, _q(q, dtype), wq, 1e-6, "replicated", W)[me]
+                _close(cp.asnumpy(o), want[0], dtype, f"replay {rep} T={T} out")
+                _close(cp.asnumpy(r), want[1], dtype, f"replay {rep} T={T} residual")
+            xs = [_q(_rank_x(b2, p), dtype) for p in range(W)]
+            _close(cp.asnumpy(o3), reference_allreduce(xs), dtype, f"replay {rep} AllReduce")
+            world.barrier()  # host writes of the next replay's inputs wait for every rank
+    return replays
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_cuda_graph_replay(W):
-    assert run_ranks(W, "tests.cases_allreduce:graph_replay", timeout_s=300) == [3] * W
+    assert graph_replay.run(W, timeout_s=300) == [3] * W
 
 
+# ---- GPU: timeouts -------------------------------------------------------------------------------
+@on_ranks
+def timeout(world, timeout_s=2.0):
+    """The last rank never calls: the others raise CommTimeoutError naming it within the
+    timeout plus a second; the failed op refuses to run again; a new op runs correctly."""
+    import cupy as cp
+
+    W, me = world.size, world.rank
+    late = W - 1
+    norm = AllReduceRMSNorm(world, 64, 512, "float32", timeout_s=timeout_s)
+    waited = None
+    if me != late:
+        x, res, w = (cp.ones((64, 512), cp.float32), cp.ones((64, 512), cp.float32),
+                     cp.ones(512, cp.float32))
+        t0 = time.perf_counter()
+        try:
+            norm(x, res, w, algo="two_shot")
+            norm.synchronize()
+            raise AssertionError("no CommTimeoutError although a rank never called")
+        except CommTimeoutError as e:
+            waited = time.perf_counter() - t0
+            assert e.op == "AllReduceRMSNorm" and e.rank == me and e.peer == late, str(e)
+            assert waited < timeout_s + 1.5, waited
+        try:
+            norm(x, res, w)
+            raise AssertionError("a failed op ran again")
+        except CommTimeoutError:
+            pass
+    world.barrier()
+    norm.close()
+    ops = {o: AllReduceRMSNorm(world, 9, 1001, "float32", output=o) for o in
+           ("replicated", "sharded_residual", "sequence_parallel")}
+    try:
+        _norm_case(cp, world, ops, "float32", 9, 1001, seed=[5])
+    finally:
+        for op in ops.values():
+            op.close()
+    return {"waited": waited}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", [w for w in WS if w > 1])
 def test_timeout_names_the_missing_rank(W):
-    res = run_ranks(W, "tests.cases_allreduce:timeout", timeout_s=300)
+    res = timeout.run(W, timeout_s=300)
     assert all(r["waited"] is not None for r in res[:-1]) and res[-1]["waited"] is None
 
 
+# ---- GPU: AllReduceRMSNorm in every mode, dtype and shape ----------------------------------------
+def _ts_for(W, dtype, H):
+    small = sorted({1, max(1, W - 1), 7, 128})
+    if _full():
+        return small + [1000, 4096]
+    if dtype == "bfloat16":
+        return small + [1000] + ([4096] if H in (8192, 1001) else [])
+    return small + ([1000] if H in (5128, 1001) else [])
+
+
+@on_ranks
+def norm_sweep(world, dtypes=("bfloat16", "float16", "float32")):
+    """Every output mode and dtype, T in {1, W-1, 7, 128, 1000, 4096}, hidden in HIDDENS
+    (by default the whole product for bfloat16 and the wide, odd-wide and narrow hidden sizes
+    for the others; CUFLUX_TEST_FULL=1: everything)."""
+    import cupy as cp
+
+    calls = 0
+    for dtype in dtypes:
+        hiddens = HIDDENS if _full() or dtype == "bfloat16" else (1024, 5128, 1001)
+        for H in hiddens:
+            Ts = _ts_for(world.size, dtype, H)
+            ops = {o: AllReduceRMSNorm(world, max(Ts), H, dtype, eps=1e-6, output=o,
+                                       timeout_s=60) for o in
+                   ("replicated", "sharded_residual", "sequence_parallel")}
+            try:
+                for T in Ts:
+                    _norm_case(cp, world, ops, dtype, T, H, seed=[T, H, len(dtype)])
+                    calls += 4
+            finally:
+                for op in ops.values():
+                    op.close()
+    return calls
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_rmsnorm_every_mode_dtype_and_shape(W):
-    calls = run_ranks(W, "tests.cases_allreduce:norm_sweep", timeout_s=600)
+    calls = norm_sweep.run(W, timeout_s=600)
     assert all(c == calls[0] and c > 0 for c in calls)
 
 
+# ---- GPU: back-to-back calls ---------------------------------------------------------------------
+@on_ranks
+def back_to_back(world, calls=1000, H=256):
+    """`calls` fused calls (one-shot and two-shot alternating, T changing, residual arrays
+    distinct), an AllReduce call interleaved every 10th, no host sync; verify every call."""
+    import cupy as cp
+
+    W, me = world.size, world.rank
+    dtype = "float32"
+    _, res_all, w = _draw(7, 64, H)
+    weight = cp.asarray(w)
+    issued = []
+    with AllReduceRMSNorm(world, 64, H, dtype, output="replicated", timeout_s=120) as norm, \
+            AllReduce(world, 64 * H, dtype, timeout_s=120) as ar:
+        for i in range(calls):
+            T = 1 + (i * 37) % 64
+            base = np.random.default_rng([i, 1]).standard_normal((T, H), dtype=np.float32)
+            residual = cp.asarray(res_all[:T])
+            out = norm(cp.asarray(_rank_x(base, me)), residual, weight,
+                       algo="one_shot" if i % 2 else "two_shot")
+            issued.append((T, base, out, residual, None))
+            if i % 10 == 0:
+                issued.append((T, base, ar(cp.asarray(_rank_x(base, me))), None, None))
+        norm.synchronize()
+        ar.synchronize()
+    for i, (T, base, out, residual, _) in enumerate(issued):
+        xs = [_rank_x(base, r) for r in range(W)]
+        if residual is None:
+            _close(cp.asnumpy(out), reference_allreduce(xs), dtype, f"call {i} (AllReduce)")
+            continue
+        want = reference_allreduce_rmsnorm(xs, res_all[:T], w, 1e-6, "replicated", W)[me]
+        _close(cp.asnumpy(out), want[0], dtype, f"call {i} out")
+        _close(cp.asnumpy(residual), want[1], dtype, f"call {i} residual")
+    return len(issued)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_back_to_back_calls(W):
-    issued = run_ranks(W, "tests.cases_allreduce:back_to_back", timeout_s=600)
+    issued = back_to_back.run(W, timeout_s=600)
     assert issued == [1100] * W
+
+
+# ==== CPU tests (no GPU needed) ===================================================================
+# ---- token slices ---------------------------------------------------------------------------
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("T", [0, 1, 2, 5, 7, 8, 9, 128, 1000, 4097])
+def test_token_slices_cover_every_row_once(T, W):
+    slices = [token_slice(T, W, r) for r in range(W)]
+    assert slices[0][0] == 0 and slices[-1][1] == T
+    for (a0, b0), (a1, b1) in zip(slices, slices[1:]):
+        assert b0 == a1  # contiguous, in rank order
+    sizes = [b - a for a, b in slices]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    assert max(sizes) == -(-T // W)  # the two-shot grid bound
+
+
+def test_token_slices_with_fewer_tokens_than_ranks():
+    assert [token_slice(3, 8, r) for r in range(8)] == \
+        [(0, 1), (1, 2), (2, 3), (3, 3), (3, 3), (3, 3), (3, 3), (3, 3)]
+    assert [token_slice(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+# ---- golden models ----------------------------------------------------------------------------
+def _manual_rmsnorm(xs, residual, weight, eps):
+    """Element by element, independent of the vectorised reference."""
+    T, H = residual.shape
+    out, h = np.zeros((T, H)), np.zeros((T, H))
+    for t in range(T):
+        for j in range(H):
+            h[t, j] = sum(float(x[t, j]) for x in xs) + float(residual[t, j])
+        ms = sum(v * v for v in h[t]) / H
+        for j in range(H):
+            out[t, j] = h[t, j] / math.sqrt(ms + eps) * float(weight[j])
+    return out, h
+
+
+@pytest.mark.parametrize("W", [1, 2, 3])
+def test_reference_matches_manual_and_modes_agree(W):
+    rng = np.random.default_rng(W)
+    T, H = 5, 6
+    xs = [rng.standard_normal((T, H)).astype(np.float32) for _ in range(W)]
+    residual = rng.standard_normal((T, H)).astype(np.float32)
+    weight = rng.standard_normal(H).astype(np.float32)
+    out, h = _manual_rmsnorm(xs, residual, weight, 1e-3)
+    rep = reference_allreduce_rmsnorm(xs, residual, weight, 1e-3, "replicated", W)
+    shd = reference_allreduce_rmsnorm(xs, residual, weight, 1e-3, "sharded_residual", W)
+    sp = reference_allreduce_rmsnorm(xs, residual, weight, 1e-3, "sequence_parallel", W)
+    for r in range(W):
+        a, b = token_slice(T, W, r)
+        np.testing.assert_allclose(rep[r][0], out, rtol=1e-12)
+        np.testing.assert_allclose(rep[r][1], h, rtol=1e-12)
+        np.testing.assert_allclose(shd[r][0], out, rtol=1e-12)
+        np.testing.assert_allclose(shd[r][1][a:b], h[a:b], rtol=1e-12)
+        outside = np.r_[0:a, b:T]
+        assert np.array_equal(shd[r][1][outside], residual[outside].astype(np.float64))
+        np.testing.assert_allclose(sp[r][0], out[a:b], rtol=1e-12)
+        np.testing.assert_allclose(sp[r][1], h[a:b], rtol=1e-12)
+    np.testing.assert_allclose(np.concatenate([s[0] for s in sp]), out, rtol=1e-12)
+    np.testing.assert_allclose(reference_allreduce(xs), sum(x.astype(np.float64) for x in xs))
+
+
+def test_reference_rejects_bad_arguments():
+    xs = [np.ones((2, 3))] * 2
+    with pytest.raises(ValueError, match="mode must be one of"):
+        reference_allreduce_rmsnorm(xs, np.ones((2, 3)), np.ones(3), 1e-6, "plain", 2)
+    with pytest.raises(ValueError, match="2 inputs for W=3"):
+        reference_allreduce_rmsnorm(xs, np.ones((2, 3)), np.ones(3), 1e-6, "replicated", 3)
+
+
+# ---- crossover and launch plans --------------------------------------------------------------
+def test_crossover():
+    for mode in ("sharded_residual", "sequence_parallel"):
+        assert all(choose_algo(n, W, mode) == "two_shot" for n in (2, 1 << 30) for W in (1, 2, 8))
+    assert choose_algo(1 << 30, 2, "plain") == "one_shot"       # W = 2: never fewer bytes
+    assert choose_algo(1 << 30, 3, "replicated") == "one_shot"
+    for W in (4, 8):
+        for mode in ("plain", "replicated"):
+            algos = [choose_algo(n, W, mode) for n in (1 << 10, 1 << 16, 1 << 20, 1 << 26)]
+            assert algos[0] == "one_shot" and algos[-1] == "two_shot"
+            assert algos == sorted(algos)  # one threshold: "one_shot" < "two_shot"
+
+
+ALL_NAMES = set(ar.FAMILY.names)
+
+
+@pytest.mark.parametrize("dtype", ar.DTYPES)
+@pytest.mark.parametrize("mode", ["replicated", "sharded_residual", "sequence_parallel"])
+@pytest.mark.parametrize("W", [1, 2, 8])
+@pytest.mark.parametrize("T,H", [(1, 1024), (7, 5128), (1000, 8192), (3, 1001), (4096, 4096)])
+def test_norm_plans(dtype, mode, W, T, H):
+    d = dtype_info(dtype)
+    for algo in (["two_shot"] if mode != "replicated" else ["one_shot", "two_shot"]):
+        p = plan_launch(mode, dtype, T * H, H, W, algo, True, 16, 132)
+        assert p.kernel in ALL_NAMES
+        assert p.vec_bytes == (16 if H * d.itemsize % 16 == 0 else d.itemsize)
+        nvec = H // (p.vec_bytes // d.itemsize)
+        assert p.rows == T and p.cols == H and p.num_elems == T * H
+        in_registers = "rmsnorm_local_reg" in p.kernel
+        per_thread = ar.LOCAL_REG_VECS if in_registers else -(-nvec // 1024)
+        assert p.block % 32 == 0 and p.block * per_thread >= nvec
+        assert p.block <= (ar.LOCAL_REG_THREADS if in_registers else 1024)
+        assert p.shared_mem == 0 if in_registers else p.shared_mem >= 4 * H
+        if W == 1:
+            assert p.local and p.kernel.startswith("rmsnorm_local") and p.grid == T
+            assert in_registers == (nvec <= ar.LOCAL_REG_VECS * ar.LOCAL_REG_THREADS)
+        else:
+            assert not p.local and not in_registers and p.grid <= 16
+            assert p.shared_mem >= 4 * H + 8 * W
+            assert p.grid <= (-(-T // W) if algo == "two_shot" else T)
+        assert plan_launch(mode, dtype, T * H, H, W, algo, False, 16, 132).vec_bytes == d.itemsize
+
+
+@pytest.mark.parametrize("dtype", ar.DTYPES)
+@pytest.mark.parametrize("n", [8, 1000 * 8, 8192 * 3, 1 << 22])
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_plain_row_geometry_does_not_depend_on_pointer_alignment(dtype, n, W):
+    """One rank passing a misaligned view (narrow accesses) must stage and reduce the same rows
+    in the same blocks as its aligned peers: rows, cols and grid agree, only the vector width
+    differs."""
+    for algo in ("one_shot", "two_shot"):
+        wide = plan_launch("plain", dtype, n, None, W, algo, True, 32, 132)
+        narrow = plan_launch("plain", dtype, n, None, W, algo, False, 32, 132)
+        assert narrow.vec_bytes < wide.vec_bytes == 16
+        assert (narrow.rows, narrow.cols, narrow.grid) == (wide.rows, wide.cols, wide.grid)
+
+
+@pytest.mark.parametrize("dtype", ar.DTYPES)
+@pytest.mark.parametrize("n", [1, 7, 8, 1000, 8192 * 3 + 5, 1 << 22])
+def test_plain_plans(dtype, n):
+    d = dtype_info(dtype)
+    for W, algo in ((1, "one_shot"), (4, "one_shot"), (4, "two_shot")):
+        p = plan_launch("plain", dtype, n, None, W, algo, True, 32, 132)
+        assert p.kernel in ALL_NAMES and not p.local
+        assert p.vec_bytes == (16 if n * d.itemsize % 16 == 0 else d.itemsize)
+        assert p.cols == ar.PLAIN_ROW_VECS * 16 // d.itemsize
+        assert (p.rows - 1) * p.cols < n <= p.rows * p.cols
+        assert p.block == 1024 and p.shared_mem == 8 * W
+
+
+# ---- argument checks --------------------------------------------------------------------------
+def _fake_world(W=2, rank=0):
+    return SimpleNamespace(rank=rank, size=W, device=None, check_same=lambda v, what: None,
+                           allgather=lambda o: [o] * W, topology=None)
+
+
+@pytest.mark.parametrize("kwargs,exc,text", [
+    (dict(output="tensor_parallel"), ValueError, "output must be one of"),
+    (dict(algo="three_shot"), ValueError, "algo must be one of"),
+    (dict(eps=0.0), ValueError, "eps must be a finite number > 0"),
+    (dict(eps=-1e-6), ValueError, "eps must be a finite number > 0"),
+    (dict(eps=float("nan")), ValueError, "eps must be a finite number > 0"),
+    (dict(dtype="int8"), TypeError, "not supported"),
+    (dict(dtype="float8_e4m3fn"), TypeError, "expected one of"),
+    (dict(max_tokens=0), ValueError, r"(max_tokens|hidden) must be an integer in \[1, "),
+    (dict(hidden=0), ValueError, r"(max_tokens|hidden) must be an integer in \[1, "),
+    (dict(max_tokens=1 << 20, hidden=1 << 12), ValueError, r"max_tokens \* hidden must be"),
+    (dict(timeout_s=0), ValueError, "timeout_s must be a finite number of seconds > 0"),
+    (dict(timeout_s=float("nan")), ValueError, "timeout_s must be a finite number"),
+    (dict(timeout_s=float("inf")), ValueError, "timeout_s must be a finite number"),
+    (dict(timeout_s="30"), ValueError, "timeout_s must be a finite number"),
+    (dict(max_blocks=0), ValueError, r"max_blocks must be an integer >= 1 or None"),
+    (dict(output="sharded_residual", algo="one_shot"), ValueError, "needs the two-shot"),
+    (dict(output="sequence_parallel", algo="one_shot"), ValueError, "needs the two-shot"),
+    (dict(), CufluxError, "needs a CUDA device"),  # valid arguments reach the allocation
+])
+def test_norm_constructor_checks(kwargs, exc, text):
+    args = dict(max_tokens=16, hidden=64, dtype="bfloat16")
+    args.update(kwargs)
+    with pytest.raises(exc, match=text) as e:
+        AllReduceRMSNorm(_fake_world(), **args)
+    assert "AllReduceRMSNorm" in str(e.value)
+
+
+@pytest.mark.parametrize("kwargs,exc,text", [
+    (dict(max_elems=0), ValueError, r"max_elems must be an integer in \[1, "),
+    (dict(max_elems=1 << 31), ValueError, r"max_elems must be an integer in \[1, "),
+    (dict(algo="ring"), ValueError, "algo must be one of"),
+    (dict(dtype="float64"), TypeError, "not supported"),
+    (dict(), CufluxError, "needs a CUDA device"),
+])
+def test_allreduce_constructor_checks(kwargs, exc, text):
+    args = dict(max_elems=1000, dtype="float16")
+    args.update(kwargs)
+    with pytest.raises(exc, match=text) as e:
+        AllReduce(_fake_world(), **args)
+    assert "AllReduce" in str(e.value)
+
+
+def _fake_norm(output, W=4, rank=3):
+    op = object.__new__(AllReduceRMSNorm)
+    op.op, op.world = "AllReduceRMSNorm", SimpleNamespace(size=W, rank=rank, device=0)
+    op.dtype, op.hidden, op.max_tokens, op.output = dtype_info("bfloat16"), 64, 16, output
+    return op
+
+
+A = FakeArray
+
+
+@pytest.mark.parametrize("output,x,res,w,out,algo,exc,text", [
+    ("replicated", A((8, 64), "float16"), A((8, 64)), A((64,)), None, None, TypeError,
+     "x must be bfloat16"),
+    ("replicated", A((8, 64, 1)), A((8, 64)), A((64,)), None, None, ValueError,
+     "x must have 2 dimensions"),
+    ("replicated", A((8, 32)), A((8, 32)), A((64,)), None, None, ValueError,
+     r"x must be \[T, 64\]"),
+    ("replicated", A((17, 64)), A((17, 64)), A((64,)), None, None, ValueError,
+     "17 tokens, more than max_tokens=16"),
+    ("replicated", A((8, 64)), A((7, 64)), A((64,)), None, None, ValueError,
+     r"residual must have shape \(8, 64\)"),
+    ("replicated", A((8, 64)), A((8, 64)), A((64, 1)), None, None, ValueError,
+     r"weight must have shape \(64,\)"),
+    ("replicated", A((8, 64)), A((8, 64)), A((64,), "float32"), None, None, TypeError,
+     "weight must be bfloat16"),
+    ("replicated", A((8, 64), contiguous=False), A((8, 64)), A((64,)), None, None, ValueError,
+     "x must be C-contiguous"),
+    ("replicated", A((8, 64)), A((8, 64), device=1), A((64,)), None, None, ValueError,
+     "residual is on device 1"),
+    ("replicated", A((8, 64)), A((8, 64)), A((64,)), A((8, 63)), None, ValueError,
+     r"out must have shape \(8, 64\)"),
+    # W = 4, rank 3, T = 10: this rank's slice is rows [8, 10).
+    ("sequence_parallel", A((10, 64)), A((10, 64)), A((64,)), None, None, ValueError,
+     r"residual must have shape \(2, 64\)"),
+    ("sequence_parallel", A((10, 64)), A((2, 64)), A((64,)), A((10, 64)), None, ValueError,
+     r"out must have shape \(2, 64\)"),
+    ("sharded_residual", A((10, 64)), A((2, 64)), A((64,)), None, None, ValueError,
+     r"residual must have shape \(10, 64\)"),
+    ("sharded_residual", A((10, 64)), A((10, 64)), A((64,)), None, "one_shot", ValueError,
+     "needs algo='two_shot'"),
+    ("replicated", A((10, 64)), A((10, 64)), A((64,)), None, "fast", ValueError,
+     "algo must be one of"),
+])
+def test_norm_call_checks(monkeypatch, output, x, res, w, out, algo, exc, text):
+    monkeypatch.setattr(ar, "as_cupy", lambda a, name, op: a)
+    with pytest.raises(exc, match=text) as e:
+        ar.check_norm_call(_fake_norm(output), x, res, w, out, algo)
+    assert "AllReduceRMSNorm" in str(e.value)
+
+
+def test_norm_call_accepts_good_shapes(monkeypatch):
+    monkeypatch.setattr(ar, "as_cupy", lambda a, name, op: a)
+    ar.check_norm_call(_fake_norm("sequence_parallel"), A((10, 64)), A((2, 64)), A((64,)),
+                       A((2, 64)), "two_shot")
+    ar.check_norm_call(_fake_norm("sequence_parallel", rank=3, W=8), A((3, 64)), A((0, 64)),
+                       A((64,)), None, None)  # T < W: an empty slice
+    ar.check_norm_call(_fake_norm("replicated"), A((16, 64)), A((16, 64)), A((64,)), None,
+                       "one_shot")
+
+
+# ---- compilation --------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_allreduce_kernels_compile(arch):
+    cubin, lowered = kernels.compile_source("allreduce.cu", ar.FAMILY.names, arch)
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(ar.FAMILY.names)
+
+
+# ---- launch arguments against the kernel signatures (no GPU: a wrong order would corrupt) ----
+def _check_args(kernel, args):
+    check_args("allreduce.cu", kernel, args)
+
+
+@pytest.mark.parametrize("W,T", [(1, 5), (4, 300)])
+def test_launch_arguments_match_kernel_signatures(monkeypatch, W, T):
+    captured = []
+    monkeypatch.setattr(ar, "_kernel", lambda module, plan: plan.kernel)
+    monkeypatch.setattr(ar.kernels, "launch",
+                        lambda fn, grid, block, args, stream, **kw: captured.append((fn, args)))
+    op = object.__new__(AllReduceRMSNorm)
+    op.op, op.world = "AllReduceRMSNorm", SimpleNamespace(size=W, rank=W - 1, device=0)
+    op.mode, op.dtype, op.module = "replicated", dtype_info("bfloat16"), None
+    op._offsets, op._stage_parity_bytes, op.flag_stride = {"stage": 0, "start": 4096,
+                                                           "mid": 8192}, 1 << 20, 32
+    op.buf, op.state = SimpleNamespace(ptrs_dev=DeviceArray()), DeviceArray()
+    op.err_args = (np.uint64(1 << 40), DeviceArray(), np.uint64(10**9), np.uint32(4))
+    op._static_args()
+    arr = DeviceArray()
+    for H in (4096, 1001, 8192 * 4):
+        plan = plan_launch("replicated", "bfloat16", T * H, H, W, "two_shot", True, 16, 132)
+        op._launch(op._entry(plan), arr, arr, arr, arr, np.float32(1e-6), None)
+        name = plan.kernel.split("<")[0]
+        expected = ("allreduce_rmsnorm" if W > 1 else
+                    "rmsnorm_local_reg" if H <= 8192 else "rmsnorm_local")
+        assert captured[-1][0] == plan.kernel and name == expected
+        _check_args(name, captured[-1][1])
+    if W > 1:
+        plan = plan_launch("plain", "float32", 1000, None, W, "one_shot", True, 16, 132)
+        op._launch(op._entry(plan), arr, arr, None, None, np.float32(0.0), None)
+        _check_args("allreduce_rmsnorm", captured[-1][1])
