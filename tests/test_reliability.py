@@ -1,51 +1,764 @@
-"""GPU tests of issue 19's reliability work (skipped without a GPU): the World's GPU choice on a
-sub-communicator and the caller's current device, close(abort=True) with a peer gone, stream
-waits on host-mapped symmetric flags, and the watchdog's CPU release with
-CUDA_DEVICE_MAX_CONNECTIONS=1."""
+"""Issue 19's reliability work: bounded host collectives (a late or absent rank is named within
+the timeout), agreement on symmetric set-up, op communicators built or closed in different
+orders, the GPU choice, what device_count's failures mean, the environment on import, the
+stream-wait watchdog's CPU release and its failure path, and SymmetricBuffer.close(abort=True).
+
+Every multi-rank test runs the rank body just above it (decorated @on_ranks) on W ranks.
+GPU tests (marked gpu; skipped with "no CUDA device" where there is none): the World's GPU
+choice on a sub-communicator and the caller's current device, close(abort=True) with a peer
+gone, stream waits on host-mapped symmetric flags, and the watchdog's CPU release with
+CUDA_DEVICE_MAX_CONNECTIONS=1. CPU tests (no GPU needed, never skipped): test doubles for
+memory, events, streams and groups, and rank bodies that never touch CUDA.
+"""
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
 import pytest
 
-from tests.mpi import gpu_available, run_ranks, world_sizes
+import cuflux
+from cuflux import errors as E
+from cuflux import symmetric, watchdog
+from cuflux import world as world_mod
+from cuflux.errors import CommTimeoutError, CufluxError
+from tests.fakes import FakeErrorRecord
+from tests.mpi import ROOT, on_ranks, world_sizes
 
-pytestmark = pytest.mark.skipif(not gpu_available(), reason="no CUDA device")
 WS = world_sizes()
-SLACK_S = 2.0
+GPU_SLACK_S = 2.0  # slack on the GPU tests' timings
+SLACK_S = 1.5  # scheduling slack on a loaded 2-core machine (ranks share the cores)
 
 
+def _short(world, timeout_s):
+    """A World on the same ranks with a short bound (collective)."""
+    return cuflux.World(world.comm, timeout_s=timeout_s)
+
+
+def _outcome(fn):
+    """(exception class name, message, seconds it took) of fn(), or ("ok", result, seconds)."""
+    t0 = time.monotonic()
+    try:
+        result = fn()
+    except Exception as e:
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0,
+                "peer": getattr(e, "peer", None)}
+    return {"error": None, "result": result, "seconds": time.monotonic() - t0}
+
+
+# ==== GPU tests: each rank body, then its test ====================================================
+@on_ranks
+def gpu_subcomm_device(world):
+    """A World on a sub-communicator picks the GPU a World on COMM_WORLD picks, and neither
+    moves the caller's current device."""
+    import cupy
+    from mpi4py import MPI
+
+    n = cupy.cuda.runtime.getDeviceCount()
+    before = cupy.cuda.runtime.getDevice()
+    other = (world.device + 1) % n  # the caller's choice, different from ours where possible
+    cupy.cuda.runtime.setDevice(other)
+    full = cuflux.World(MPI.COMM_WORLD)
+    assert cupy.cuda.runtime.getDevice() == other, "World moved the current device"
+    sub = cuflux.World(MPI.COMM_WORLD.Split(world.rank % 2, world.rank))
+    assert cupy.cuda.runtime.getDevice() == other, "World(sub) moved the current device"
+    assert sub.device == full.device, (sub.device, full.device)
+    explicit = cuflux.World(MPI.COMM_WORLD, device=n - 1)
+    assert explicit.device == n - 1 and cupy.cuda.runtime.getDevice() == other
+    buf = full.alloc_symmetric((16,), np.uint32)
+    assert cupy.cuda.runtime.getDevice() == other, "SymmetricBuffer moved the current device"
+    assert buf.local().device.id == full.device
+    buf.close()
+    assert cupy.cuda.runtime.getDevice() == other
+    cupy.cuda.runtime.setDevice(before)
+    return {"device": full.device, "devices": n}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_sub_communicator_world_picks_the_same_gpu_and_leaves_the_current_device(W):
-    res = run_ranks(W, "tests.cases_reliability:gpu_subcomm_device")
+    res = gpu_subcomm_device.run(W)
     n = res[0]["devices"]
     assert [r["device"] for r in res] == [r % n for r in range(W)]  # one host: rank = local
 
 
+@on_ranks
+def gpu_abort_close(world, bound_s=2.0):
+    """The last rank is gone (never closes): a normal close raises CommTimeoutError within the
+    timeout; close(abort=True) returns at once and keeps (leaks) the local allocation."""
+    import cupy
+
+    w = _short(world, bound_s)
+    a = w.alloc_symmetric((1024,), np.float32)
+    b = w.alloc_symmetric((1024,), np.float32)
+    w.barrier()
+    gone = w.size - 1
+    if w.rank == gone:
+        return {"gone": True}
+    t0 = time.monotonic()
+    b.close(abort=True, streams=[cupy.cuda.get_current_stream()])
+    abort_s = time.monotonic() - t0
+    before = symmetric.leaked_bytes()
+    out = _outcome(a.close)
+    return {"abort_s": abort_s, "close": out, "leaked": symmetric.leaked_bytes() - before}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", [w for w in WS if w > 1])
 def test_abort_close_returns_at_once_with_a_peer_gone(W):
-    res = run_ranks(W, "tests.cases_reliability:gpu_abort_close", bound_s=2.0)
+    res = gpu_abort_close.run(W, bound_s=2.0)
     assert res[-1]["gone"]
     for out in res[:-1]:
         assert out["abort_s"] < 0.5, out
         close = out["close"]
         assert close["error"] == "CommTimeoutError" and close["peer"] == W - 1, out
-        assert 2.0 <= close["seconds"] < 2.0 + SLACK_S, out
+        assert 2.0 <= close["seconds"] < 2.0 + GPU_SLACK_S, out
         assert out["leaked"] > 0  # the local allocation is kept, not freed under a peer
 
 
+@on_ranks
+def gpu_host_flags(world, bound_s=1.0):
+    """Stream waits on host-mapped symmetric flags: rank p signals every peer with
+    cuStreamWriteValue32 into their host memory and the waits pass; then a flag nobody writes
+    times out and the watchdog releases it with a CPU store."""
+    import cupy
+
+    from cuflux import driver
+    from cuflux.errors import OP_CODES, ErrorRecord
+    from cuflux.symmetric import Layout
+    from cuflux.watchdog import StreamWaiter
+
+    W, me = world.size, world.rank
+    layout = Layout()
+    layout.add("flags", (W,), np.uint32)
+    layout.add("never", (1,), np.uint32)
+    with world.device_context():
+        pad = world.alloc_layout(layout, memory="host")
+        err = ErrorRecord("test", me, bound_s)
+        waiter = StreamWaiter(err, world.device, OP_CODES["test"])
+        s = cupy.cuda.Stream(non_blocking=True)
+        for p in range(W):
+            if p != me:
+                driver.stream_write_value32(s, pad.ptr(p, "flags", 4 * me), 7)
+        for p in range(W):
+            if p != me:
+                waiter.wait(s, pad.ptr(me, "flags", 4 * p), 7, peer=p, index=p)
+        s.synchronize()
+        err.check()
+        seen = [int(x) for x in pad.host_view("flags")]
+        world.barrier()
+        t0 = time.monotonic()
+        waiter.wait(s, pad.ptr(me, "never"), 1, peer=(me + 1) % W, index=99)
+        s.synchronize()  # released by the CPU after bound_s
+        released_s = time.monotonic() - t0
+        out = _outcome(err.check)
+        waiter.close()
+        world.barrier()
+        pad.close()
+        err.close()
+    return {"seen": seen, "released_s": released_s, "check": out}
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 def test_stream_waits_on_host_mapped_flags(W):
-    res = run_ranks(W, "tests.cases_reliability:gpu_host_flags", bound_s=1.0)
+    res = gpu_host_flags.run(W, bound_s=1.0)
     for me, out in enumerate(res):
         assert out["seen"] == [0 if p == me else 7 for p in range(W)], out
-        assert 1.0 <= out["released_s"] < 1.0 + SLACK_S, out
+        assert 1.0 <= out["released_s"] < 1.0 + GPU_SLACK_S, out
         assert out["check"]["error"] == "CommTimeoutError", out
 
 
+@on_ranks
+def gpu_watchdog_one_connection(world, bound_s=1.0):
+    """Run with CUDA_DEVICE_MAX_CONNECTIONS=1 (set before CUDA starts): a stream blocked in
+    cuStreamWaitValue32 on a host-mapped flag shares the one hardware queue with everything
+    else, the release included; the CPU release still frees it, and the work queued behind it
+    on another stream then runs."""
+    import warnings
+
+    import cupy
+
+    from cuflux.errors import OP_CODES, ErrorRecord
+    from cuflux.symmetric import Layout
+    from cuflux.watchdog import StreamWaiter
+
+    assert os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1"
+    layout = Layout()
+    layout.add("flag", (1,), np.uint32)
+    with world.device_context():
+        pad = world.alloc_layout(layout, memory="host")
+        err = ErrorRecord("test", world.rank, bound_s)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            waiter = StreamWaiter(err, world.device, OP_CODES["test"])
+        s = cupy.cuda.Stream(non_blocking=True)
+        t = cupy.cuda.Stream(non_blocking=True)
+        t0 = time.monotonic()
+        waiter.wait(s, pad.ptr(world.rank, "flag"), 1, peer=world.rank, index=0)
+        with t:
+            x = cupy.arange(1 << 20, dtype=cupy.float32) * 2  # queued behind the wait
+        t.synchronize()
+        s.synchronize()
+        elapsed = time.monotonic() - t0
+        ok = bool(float(x[-1].get()) == 2.0 * ((1 << 20) - 1))
+        out = _outcome(err.check)
+        waiter.close()
+        world.barrier()
+        pad.close()
+        err.close()
+    return {"elapsed": elapsed, "ok": ok, "check": out,
+            "warned": any("CUDA_DEVICE_MAX_CONNECTIONS=1" in str(w.message) for w in caught)}
+
+
+@pytest.mark.gpu
 def test_watchdog_releases_by_cpu_with_one_hardware_queue(monkeypatch):
     # A fresh process: the variable must be set before CUDA starts.
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     monkeypatch.setenv("CUFLUX_TEST_POOL", "0")
-    (out,) = run_ranks(1, "tests.cases_reliability:gpu_watchdog_one_connection", timeout_s=120,
-                       bound_s=1.0)
+    (out,) = gpu_watchdog_one_connection.run(1, timeout_s=120, bound_s=1.0)
     assert out["ok"], out  # the work queued behind the blocked wait ran, and ran right
-    assert 1.0 <= out["elapsed"] < 1.0 + SLACK_S, out
+    assert 1.0 <= out["elapsed"] < 1.0 + GPU_SLACK_S, out
     assert out["check"]["error"] == "CommTimeoutError", out
     assert out["warned"], out
+
+
+# ==== CPU tests (no GPU needed, never skipped) ====================================================
+# ---- bounded host collectives ------------------------------------------------------------------
+@on_ranks
+def late_rank(world, late, op="barrier", bound_s=1.0, sleep_s=None):
+    """Every rank but `late` runs one bounded collective at once; `late` arrives after the
+    others gave up (sleep_s) or never (sleep_s None)."""
+    w = _short(world, bound_s)
+    run = (lambda: w.barrier()) if op == "barrier" else (lambda: w.allgather(w.rank * 10))
+    if world.rank == late:
+        if sleep_s is None:
+            return {"error": None, "skipped": True}
+        time.sleep(sleep_s)
+        out = _outcome(run)  # the others' messages are there: the late rank passes
+    else:
+        out = _outcome(run)
+        # Out of step from now on: later collectives refuse at once.
+        out["after"] = _outcome(lambda: w.barrier())
+    return out
+
+
+@on_ranks
+def mismatched_collectives(world):
+    """Rank 0 runs a barrier while the others run an allgather: every rank says so."""
+    w = _short(world, 5.0)
+    if world.rank == 0:
+        return _outcome(lambda: w.barrier(what="close buffers"))
+    return _outcome(lambda: w.allgather(1, what="exchange handles"))
+
+
+@pytest.mark.parametrize("op", ["barrier", "allgather"])
+def test_absent_rank_is_named_within_the_timeout(op):
+    res = late_rank.run(4, timeout_s=120, late=2, op=op)
+    for r, out in enumerate(res):
+        if r == 2:
+            assert out["skipped"]
+            continue
+        assert out["error"] == "CommTimeoutError", out
+        assert out["peer"] == 2 and "rank 2" in out["message"], out
+        assert 1.0 <= out["seconds"] < 1.0 + SLACK_S, out
+        # The group is out of step now: the next collective refuses at once.
+        assert out["after"]["error"] == "CufluxError" and "out of step" in out["after"]["message"]
+        assert out["after"]["seconds"] < 0.5
+
+
+def test_late_rank_times_out_its_peers_and_passes_itself():
+    res = late_rank.run(3, timeout_s=120, late=1, op="allgather", sleep_s=2.5)
+    for r in (0, 2):
+        assert res[r]["error"] == "CommTimeoutError" and res[r]["peer"] == 1, res[r]
+    # The late rank finds the messages its peers sent before giving up.
+    assert res[1]["error"] is None and res[1]["result"] == [0, 10, 20], res[1]
+
+
+def test_ranks_at_different_collectives_raise_instead_of_pairing():
+    res = mismatched_collectives.run(2, timeout_s=120)
+    for out in res:
+        assert out["error"] == "CufluxError", out
+        assert "different orders" in out["message"], out
+        assert "close buffers" in out["message"] and "exchange handles" in out["message"], out
+        assert out["seconds"] < 2.0
+
+
+# ---- agreed symmetric set-up (test doubles for the memory) -------------------------------------
+class FakeMemory:
+    """What establish() asks of a memory kind, recording every call; fails where told."""
+
+    kind = "fake"
+
+    def __init__(self, rank, fail_alloc=False, fail_open=False):
+        self.rank, self.fail_alloc, self.fail_open = rank, fail_alloc, fail_open
+        self.allocated, self.freed, self.opened, self.closed, self.set = [], [], [], [], []
+
+    def alloc(self, num_bytes):
+        if self.fail_alloc:
+            raise MemoryError(f"out of memory allocating {num_bytes} bytes (on purpose)")
+        ptr = 0x1000 * (self.rank + 1)
+        self.allocated.append(ptr)
+        return ptr
+
+    def export(self, ptr):
+        return ("handle", self.rank, ptr)
+
+    def open(self, handle):
+        if self.fail_open:
+            raise RuntimeError("cudaErrorMapBufferObjectFailed (on purpose)")
+        _, owner, ptr = handle
+        p = 0x100000 * (self.rank + 1) + ptr
+        self.opened.append(p)
+        return p
+
+    def close(self, ptr):
+        self.closed.append(ptr)
+
+    def free(self, ptr):
+        self.freed.append(ptr)
+
+    def set_up(self, ptr):
+        self.set.append(ptr)
+
+    def state(self):
+        return {"allocated": self.allocated, "freed": self.freed, "opened": self.opened,
+                "closed": self.closed, "set": self.set}
+
+
+@on_ranks
+def symmetric_agreement(world, fail_rank=None, stage="alloc", absent_rank=None, bound_s=5.0):
+    """establish() with a test double: one rank fails its allocation or opening (or never comes);
+    every rank must raise, name it, and free / close everything it made."""
+    w = _short(world, bound_s)
+    if world.rank == absent_rank:
+        return {"absent": True}
+    mem = FakeMemory(world.rank, fail_alloc=(world.rank == fail_rank and stage == "alloc"),
+                     fail_open=(world.rank == fail_rank and stage == "open"))
+    before = symmetric.leaked_bytes()
+    out = _outcome(lambda: symmetric.establish(w, mem, 4096)[1])
+    out["mem"] = mem.state()
+    out["leaked"] = symmetric.leaked_bytes() - before
+    return out
+
+
+@on_ranks
+def shared_host_memory(world):
+    """The host kind without CUDA (device=None: no registration): every rank writes word `me`
+    of every peer's allocation through its own mapping, and reads what the peers wrote into
+    its own; the /dev/shm names are gone once set up."""
+    w = _short(world, 10.0)
+    mem = symmetric.SharedHostMemory(None)
+    base, ptrs, opened = symmetric.establish(w, mem, 4096, "test")
+    W, me = w.size, w.rank
+    leftover = [f for f in os.listdir(mem.DIRECTORY) if f.startswith(f"cuflux-{os.getpid()}-")]
+    words = {p: np.ctypeslib.as_array((ctypes.c_uint32 * W).from_address(ptrs[p]))
+             for p in range(W)}
+    for p in range(W):
+        words[p][me] = 1000 * me + p + 1
+    w.barrier()
+    got = [int(x) for x in words[me]]
+    w.barrier()
+    for p in opened:
+        mem.close(p)
+    w.barrier()
+    mem.free(base)
+    return {"got": got, "leftover": leftover}
+
+
+def test_symmetric_set_up_succeeds_and_opens_every_peer():
+    res = symmetric_agreement.run(3, timeout_s=120)
+    for r, out in enumerate(res):
+        assert out["error"] is None, out
+        ptrs = out["result"]
+        assert len(ptrs) == 3 and ptrs[r] == 0x1000 * (r + 1)
+        mem = out["mem"]
+        assert len(mem["opened"]) == 2 and mem["freed"] == [] and mem["closed"] == []
+        assert mem["set"] == [0x1000 * (r + 1)]
+
+
+@pytest.mark.parametrize("stage", ["alloc", "open"])
+def test_one_rank_failing_set_up_fails_every_rank_and_frees_everything(stage):
+    res = symmetric_agreement.run(3, timeout_s=120, fail_rank=1, stage=stage)
+    for r, out in enumerate(res):
+        assert out["error"] == "CufluxError", out
+        assert "rank(s) [1]" in out["message"], out
+        assert "on purpose" in out["message"], out  # the failing rank's reason, on every rank
+        mem = out["mem"]
+        assert sorted(mem["freed"]) == sorted(mem["allocated"]), mem  # nothing kept
+        assert sorted(mem["closed"]) == sorted(mem["opened"]), mem
+        assert mem["set"] == [] and out["leaked"] == 0
+
+
+def test_absent_rank_at_set_up_is_named_and_nothing_leaks():
+    res = symmetric_agreement.run(3, timeout_s=120, absent_rank=2, bound_s=1.0)
+    for r in (0, 1):
+        out = res[r]
+        assert out["error"] == "CommTimeoutError" and out["peer"] == 2, out
+        # Nobody passed the allocation round, so nobody can have opened our handle: freed.
+        assert out["mem"]["freed"] == out["mem"]["allocated"] and out["leaked"] == 0
+    assert res[2]["absent"]
+
+
+def test_host_memory_is_shared_between_ranks_and_leaves_no_file():
+    res = shared_host_memory.run(3, timeout_s=120)
+    for me, out in enumerate(res):
+        want = [1000 * p + me + 1 if p != me else 1000 * me + me + 1 for p in range(3)]
+        assert out["got"] == want, (me, out)
+        assert out["leftover"] == []
+
+
+# ---- op communicators --------------------------------------------------------------------------
+@on_ranks
+def sub_comm_order(world, swap_rank=None):
+    """Ranks build two ops; `swap_rank` builds them in the other order."""
+    w = _short(world, 5.0)
+    names = ["AllGather", "AllReduce"]
+    if world.rank == swap_rank:
+        names.reverse()
+    first = []
+    out = _outcome(lambda: first.append(w.sub_comm(names[0])) or first[0].op_id)
+    if out["error"] is None:
+        first[0].free()
+        a = w.sub_comm(names[1])
+        # The op's own collectives do not pair with the World's.
+        got = a.allgather(world.rank, what="op exchange")
+        w.barrier()
+        a.barrier()
+        out["second"] = a.op_id
+        out["gathered"] = got
+        a.close()
+    return out
+
+
+@on_ranks
+def close_order(world, swap_rank=None):
+    """Two ops closed in different orders: check_close raises on every rank."""
+    w = _short(world, 5.0)
+    ops = [w.sub_comm("AllGather"), w.sub_comm("AllReduce")]
+    if world.rank == swap_rank:
+        ops.reverse()
+    out = _outcome(lambda: ops[0].check_close())
+    for op in ops:
+        op.free()
+    return out
+
+
+def test_sub_comm_agreed_in_order():
+    res = sub_comm_order.run(3, timeout_s=120)
+    for out in res:
+        assert out["error"] is None, out
+        assert out["result"] == "AllGather#0" and out["second"] == "AllReduce#1"
+        assert out["gathered"] == [0, 1, 2]
+
+
+def test_sub_comm_built_in_different_orders_raises_on_every_rank():
+    res = sub_comm_order.run(3, timeout_s=120, swap_rank=2)
+    for out in res:
+        assert out["error"] == "CufluxError", out
+        assert "different orders" in out["message"]
+        assert "rank 2 builds op #0 'AllReduce'" in out["message"], out
+        assert out["seconds"] < 2.0
+
+
+def test_ops_closed_in_different_orders_raise_on_every_rank():
+    res = close_order.run(2, timeout_s=120, swap_rank=1)
+    for out in res:
+        assert out["error"] == "CufluxError", out
+        assert "rank 0 closes AllGather#0, rank 1 closes AllReduce#1" in out["message"], out
+
+
+# ---- GPU choice ---------------------------------------------------------------------------------
+def test_choose_device():
+    choose = world_mod.choose_device
+    assert choose(0) is None  # no GPU: no device, whatever the rank
+    assert choose(2, env_local_rank=3) == 1
+    assert choose(8, env_local_rank=3, node_local_rank=5) == 3  # the launcher's word first
+    assert choose(8, node_local_rank=5) == 5
+    assert choose(8, device=6, env_local_rank=1) == 6  # device= wins
+    with pytest.raises(ValueError, match="device=8 is not one of the 8"):
+        choose(8, device=8)
+    with pytest.raises(TypeError, match="device must be an int"):
+        choose(8, device="0")
+    with pytest.raises(world_mod.NoDeviceError, match="no CUDA device"):
+        choose(0, device=0)
+    with pytest.raises(CufluxError, match="pass device="):
+        choose(8)  # a sub-communicator, no launcher variable, COMM_WORLD never seen
+
+
+def test_local_rank_from_env_prefers_the_mpi_launcher():
+    env = {"SLURM_LOCALID": "0", "LOCAL_RANK": "2", "MPI_LOCALRANKID": "3"}
+    assert world_mod.local_rank_from_env(env) == ("MPI_LOCALRANKID", 3)
+    assert world_mod.local_rank_from_env({"SLURM_LOCALID": "1"}) == ("SLURM_LOCALID", 1)
+    assert world_mod.local_rank_from_env({"LOCAL_RANK": "x"}) is None
+    assert world_mod.local_rank_from_env({}) is None
+
+
+@on_ranks
+def node_local_rank(world):
+    """The node-local rank computed over COMM_WORLD (the launcher's variable hidden) and the GPU
+    a World on a sub-communicator would choose from it."""
+    from mpi4py import MPI
+
+    from cuflux import world as world_mod
+
+    saved = {k: os.environ.pop(k) for k in world_mod.LOCAL_RANK_ENV if k in os.environ}
+    try:
+        world_mod._NODE_LOCAL_RANK = None
+        full = cuflux.World(MPI.COMM_WORLD, timeout_s=10.0)
+        computed = world_mod._NODE_LOCAL_RANK
+        sub = cuflux.World(world.comm.Split(world.rank % 2, world.rank), timeout_s=10.0)
+        pick = world_mod.choose_device(4, None, None, world_mod._NODE_LOCAL_RANK)
+        return {"computed": computed, "local_rank": full.local_rank, "sub_rank": sub.rank,
+                "sub_local_rank": sub.local_rank, "pick": pick}
+    finally:
+        os.environ.update(saved)
+
+
+def test_node_local_rank_from_comm_world_serves_a_sub_communicator():
+    res = node_local_rank.run(4, timeout_s=120)
+    for r, out in enumerate(res):
+        assert out["computed"] == r and out["local_rank"] == r  # one host in tests
+        assert out["sub_rank"] == r // 2 and out["pick"] == r % 4, out
+
+
+def test_world_timeout_is_validated(monkeypatch):
+    for bad in (0, -1, float("nan"), float("inf"), True, "5"):
+        with pytest.raises(ValueError, match="finite number of seconds"):
+            world_mod.check_timeout("World", bad)
+    monkeypatch.setenv(world_mod.TIMEOUT_ENV, "nan")
+    with pytest.raises(ValueError, match=world_mod.TIMEOUT_ENV):
+        world_mod.default_timeout_s()
+    monkeypatch.setenv(world_mod.TIMEOUT_ENV, "7.5")
+    assert world_mod.default_timeout_s() == 7.5
+
+
+# ---- what device_count's failures mean ----------------------------------------------------------
+def test_no_gpu_reads_as_zero():
+    classify = world_mod.classify_device_error
+    assert classify(100, driver_present=True) == 0  # cudaErrorNoDevice
+    assert classify(35, driver_present=False) == 0  # no libcuda: no driver at all
+
+
+def test_wrong_extra_or_old_driver_raises_and_says_what_to_install():
+    classify = world_mod.classify_device_error
+    with pytest.raises(world_mod.CudaSetupError, match=r"cuflux\[cuda12\]") as e:
+        classify(35, driver_present=True, driver_version=12040, runtime_version=13000)
+    assert "CUDA 12.4" in str(e.value) and "CUDA 13.0" in str(e.value)
+    with pytest.raises(world_mod.CudaSetupError, match="update the NVIDIA driver"):
+        classify(35, driver_present=True, driver_version=11080, runtime_version=12060)
+    with pytest.raises(world_mod.CudaSetupError, match="could not start"):
+        classify(3, driver_present=True, message="initialization error")
+    assert issubclass(world_mod.CudaSetupError, CufluxError)
+
+
+def test_device_count_without_cupy_raises(monkeypatch):
+    monkeypatch.setitem(sys.modules, "cupy", None)
+    monkeypatch.setitem(sys.modules, "cupy.cuda", None)
+    with pytest.raises(world_mod.CudaSetupError, match="needs CuPy"):
+        world_mod.device_count()
+
+
+def test_device_count_here_is_honest():
+    present, _ = world_mod._driver_probe()
+    n = world_mod.device_count()  # must not raise on this machine
+    if not present:
+        assert n == 0
+        with pytest.raises(world_mod.NoDeviceError,
+                           match="AllGather: needs a CUDA device; no NVIDIA driver"):
+            world_mod.require_device("AllGather")
+
+
+def test_require_device_says_which_op(monkeypatch):
+    monkeypatch.setattr(world_mod, "_device_count_and_reason",
+                        lambda: (0, "CUDA sees no device (CUDA_VISIBLE_DEVICES='')"))
+    with pytest.raises(world_mod.NoDeviceError,
+                       match=r"^All2AllHeads: needs a CUDA device; CUDA sees no device"):
+        world_mod.require_device("All2AllHeads")
+    monkeypatch.setattr(world_mod, "_device_count_and_reason", lambda: (2, ""))
+    assert world_mod.require_device("All2AllHeads") == 2
+
+
+# ---- the environment on import -------------------------------------------------------------------
+def test_import_sets_only_nccl_nvls():
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING", "NCCL_NVLS_ENABLE")}
+    env["PYTHONPATH"] = ROOT
+    code = ("import os, cuflux; print(repr(os.environ.get('CUDA_DEVICE_MAX_CONNECTIONS')), "
+            "repr(os.environ.get('CUDA_MODULE_LOADING')), os.environ.get('NCCL_NVLS_ENABLE'))")
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["None", "None", "0"], out.stdout
+    env.update(NCCL_NVLS_ENABLE="1", CUDA_DEVICE_MAX_CONNECTIONS="1")  # the caller's values stay
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.stdout.split() == ["'1'", "None", "1"], out.stdout
+
+
+def test_one_connection_warns_once(monkeypatch):
+    monkeypatch.setattr(watchdog, "_warned_one_connection", False)
+    assert not watchdog.warn_if_one_connection({"CUDA_DEVICE_MAX_CONNECTIONS": "8"})
+    with pytest.warns(RuntimeWarning, match="one hardware queue"):
+        assert watchdog.warn_if_one_connection({"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+    assert not watchdog.warn_if_one_connection({"CUDA_DEVICE_MAX_CONNECTIONS": "1"})
+
+
+# ---- the watchdog: CPU release of host-mapped flags, and its failure path ----------------------
+class FakeEvent:
+    def __init__(self, *a, **k):
+        self.done = False
+
+    def record(self, stream):
+        pass
+
+
+class BrokenEvent(FakeEvent):
+    @property
+    def done(self):
+        raise RuntimeError("cudaErrorIllegalAddress (on purpose)")
+
+    @done.setter
+    def done(self, value):
+        pass
+
+
+def _waiter(monkeypatch, timeout_s, host_flags, event=FakeEvent):
+    """A StreamWaiter without CUDA: fake events, no stream wait; the flags in `host_flags` (a
+    NumPy uint32 array standing for host-mapped memory) are known to be host-mapped."""
+    import cupy
+
+    monkeypatch.setattr(cupy.cuda, "Event", event)
+    monkeypatch.setattr(watchdog.driver, "stream_wait_value32", lambda *a, **k: None)
+    base = host_flags.ctypes.data
+    monkeypatch.setattr(watchdog.driver, "host_address",
+                        lambda p: base + (p - 0x9000) if 0x9000 <= p < 0x9000 + 4 * host_flags.size
+                        else None)
+    w = watchdog.StreamWaiter.__new__(watchdog.StreamWaiter)
+    w.err, w.device = FakeErrorRecord(timeout_s, rank=3), None
+    w.op_code = E.OP_CODES["AllGather"]
+    w._pending, w._lock, w._thread, w._stop = {}, threading.Lock(), None, threading.Event()
+    w._host_words = {}
+
+    def no_gpu(*a, **k):
+        raise AssertionError("a host-mapped flag must be released by the CPU, not a stream")
+    w._expire_device = no_gpu
+    return w
+
+
+def test_host_mapped_wait_is_released_by_a_cpu_store(monkeypatch):
+    flags = np.zeros(4, dtype=np.uint32)
+    flags[2] = 4  # the peer got as far as epoch 4
+    w = _waiter(monkeypatch, 0.1, flags)
+    try:
+        w.wait(7, 0x9000 + 8, 5, peer=1, index=2)
+        (item,) = list(w._pending[7])
+        assert item[8] == flags.ctypes.data + 8
+        item[0].done = True  # the stream reaches the wait
+        time.sleep(0.4)
+        assert int(flags[2]) == 5  # released: the awaited value, stored by the CPU
+        words = w.err.words
+        assert int(words[E.STATUS]) == E.STATUS_TIMEOUT and int(words[E.PEER]) == 1
+        assert int(words[E.OBSERVED]) == 4 and int(words[E.EXPECTED]) == 5
+        assert int(words[E.INDEX]) == 2 and int(words[E.RANK]) == 3
+        assert w.fault is None
+    finally:
+        w.close()
+
+
+def test_watchdog_thread_failure_is_recorded_and_raised(monkeypatch):
+    flags = np.zeros(2, dtype=np.uint32)
+    w = _waiter(monkeypatch, 30, flags, event=BrokenEvent)
+    try:
+        w.wait(1, 0x9000, 9, peer=2)
+        deadline = time.monotonic() + 5
+        while w.fault is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert isinstance(w.fault, RuntimeError) and "on purpose" in str(w.fault)
+        assert w.err.fault is w.fault
+        words = w.err.words
+        assert int(words[E.STATUS]) == E.STATUS_ABORTED and int(words[E.ABORT]) == 1
+        assert int(flags[0]) == 9  # the pending host-mapped wait was released on the way out
+        with pytest.raises(CufluxError, match="AllGather: the stream-wait watchdog failed"):
+            w.wait(1, 0x9004, 1, peer=2)  # the op's next call raises it
+        with pytest.raises(CufluxError, match="on purpose"):
+            w.check()
+    finally:
+        w.close()
+
+
+# ---- SymmetricBuffer.close on test doubles ------------------------------------------------------
+class FakeGroup:
+    def __init__(self, size, fail=None):
+        self.rank, self.size, self.fail, self.calls = 0, size, fail, []
+
+    def barrier(self, timeout_s=None, what=""):
+        self.calls.append(what)
+        if self.fail is not None:
+            raise self.fail
+
+
+class FakeStream:
+    def __init__(self, done):
+        self.done = done
+
+
+def _buffer(size, memory="device", fail=None):
+    buf = symmetric.SymmetricBuffer.__new__(symmetric.SymmetricBuffer)
+    buf.memory, buf.num_bytes, buf._closed = memory, 4096, False
+    buf.name = "SymmetricBuffer #0"
+    buf.group = FakeGroup(size, fail)
+    buf._mem = FakeMemory(0)
+    buf._base = buf._mem.alloc(4096)
+    buf._opened = [buf._mem.open(("handle", p, 0x1000 * (p + 1))) for p in range(1, size)]
+    buf.base_ptrs = [buf._base] + buf._opened
+    buf._synchronize_device = lambda: None
+    return buf
+
+
+def test_abort_close_is_local_and_keeps_memory_a_peer_may_write():
+    before = symmetric.leaked_bytes()
+    buf = _buffer(3)
+    t0 = time.monotonic()
+    buf.close(abort=True)  # streams unknown: nothing is unmapped, nothing freed
+    assert time.monotonic() - t0 < 0.1 and buf.group.calls == []
+    assert buf._mem.closed == [] and buf._mem.freed == [] and buf.closed
+    assert symmetric.leaked_bytes() - before == 3 * 4096
+    buf.close(abort=True)  # idempotent
+
+    buf = _buffer(3)
+    buf.close(abort=True, streams=[FakeStream(True)])  # our work is done: unmap the peers
+    assert sorted(buf._mem.closed) == sorted(buf._mem.opened) and buf._mem.freed == []
+    buf = _buffer(3)
+    buf.close(abort=True, streams=[FakeStream(True), FakeStream(False)])  # still running
+    assert buf._mem.closed == []
+    buf = _buffer(1)
+    buf.close(abort=True, streams=[])  # no peer: freeing is safe
+    assert buf._mem.freed == buf._mem.allocated
+    buf = _buffer(3, memory="host")
+    buf.close(abort=True, streams=[])  # host pages: the peers keep their own mappings
+    assert buf._mem.freed == buf._mem.allocated
+
+
+def test_close_with_a_dead_peer_raises_and_leaks_rather_than_frees():
+    buf = _buffer(2, fail=CommTimeoutError("SymmetricBuffer.close", 0, 1, 1.0))
+    with pytest.raises(CommTimeoutError):
+        buf.close()
+    assert buf._mem.freed == [] and sorted(buf._mem.closed) == sorted(buf._mem.opened)
+
+    buf = _buffer(2)
+    buf.close()
+    assert buf.group.calls == ["SymmetricBuffer #0 close: every rank done with it",
+                               "SymmetricBuffer #0 close: every rank unmapped it"]
+    assert buf._mem.freed == buf._mem.allocated
+
+
+def test_context_exit_on_a_timeout_aborts():
+    buf = _buffer(2)
+    with pytest.raises(CommTimeoutError):
+        with buf:
+            raise CommTimeoutError("AllGather", 0, 1, 1.0)
+    assert buf.closed and buf.group.calls == []  # no collective after a peer timed out
