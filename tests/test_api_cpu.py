@@ -15,7 +15,7 @@ from cuflux import world as world_mod
 from cuflux.errors import CufluxError
 from cuflux.ops.ag_gemm import AllGatherGemm, check_build_args
 from cuflux.ops.allgather import AllGather
-from tests.test_ag_gemm_cpu import _fake_env, _Sim, _world
+from tests.test_ag_gemm import _fake_env, _Sim, _world
 
 # Not sizes: floats (integral or not), strings, bools, None, arrays.
 NOT_INTS = [4096.0, 4096.7, "4096", True, False, np.bool_(True), np.float64(64), None,
