@@ -41,7 +41,7 @@
 // by column; row by row, at W = 1 the whole kernel would stream B from DRAM). Own tiles are the
 // only ones that wait, a tile's part is always delivered before its wait, so every rank
 // delivers all of its peers' tiles without waiting; and because every rank walks a tile row
-// shared with a neighbour in increasing tn, no cycle of waits can form (tests/test_gemm_rs_cpu.py
+// shared with a neighbour in increasing tn, no cycle of waits can form (tests/test_gemm_rs.py
 // simulates the protocol on many shapes and grids). The grid must be co-resident (persistent
 // CTAs never wait for a CTA that is not running), which the Python side ensures.
 #pragma once
