@@ -1,37 +1,591 @@
-"""GPU tests of the PyTorch route (issue 21): cuflux.torch's layers forward and backward
-against the unsharded torch layer in float64, torch in / torch out of the ops, and cuflux.init on
-a torch.distributed gloo group. Ranks share the GPU under mpiexec (W from
-CUFLUX_TEST_WORLD_SIZES, default 1, 2, 4). Skipped, with the reason, without a GPU or without
-torch."""
-import importlib.util
+"""Tests of the PyTorch route (issue 21), GPU and CPU in one file. torch is optional: the tests
+that need it are skipped, with the reason, where it is missing.
 
+GPU tests (marked gpu; skipped, with the reason, without a GPU): cuflux.torch's layers forward
+and backward against the unsharded torch layer in float64, torch in / torch out of the ops, and
+cuflux.init on a torch.distributed gloo group. Each runs a rank body beside it (@on_ranks) on W
+ranks that share the GPU under mpiexec (W from CUFLUX_TEST_WORLD_SIZES, default 1, 2, 4). Every
+rank draws the full layer (weights, inputs, output gradients) from one seed, runs its shard
+through cuflux.torch, and checks its share of the outputs and gradients against the unsharded
+torch layer computed in float64 from the same (bf16-rounded) values, to bf16 / cuBLAS tolerance.
+A body returns True, or "torch missing" where torch cannot be imported.
+
+CPU tests: cuflux.torch's import refusal, the launcher's environment and its mismatch refusal
+(pure functions), torch in / torch out helpers, the layers' argument checks, and cuflux.init over
+a torch.distributed gloo group on two CPU processes (World's host collectives, op communicators,
+a timeout naming the peer).
+"""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import numpy as np
 import pytest
 
-from tests.mpi import fresh_seed, gpu_available, run_ranks, world_sizes
+import cuflux
+from cuflux import world as world_mod
+from cuflux.arrays import framework_of, is_torch, to_caller
+from cuflux.errors import CufluxError
+from tests.mpi import fresh_seed, on_ranks, world_sizes
 
-pytestmark = [
-    pytest.mark.skipif(not gpu_available(), reason="no CUDA device"),
-    pytest.mark.skipif(importlib.util.find_spec("torch") is None,
-                       reason="torch is not installed: pip install torch"),
-]
+try:
+    import torch
+except ImportError:  # the tests that need it are skipped, with the reason
+    torch = None
+
+needs_torch = pytest.mark.skipif(torch is None, reason="torch is not installed: pip install torch")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WS = world_sizes()
+
+
+# ==== GPU tests: the rank bodies (@on_ranks), their helpers and the test that runs them ===========
+def _torch():
+    try:
+        import torch
+
+        return torch
+    except ImportError:
+        return None
+
+
+def _close(got, want, what, rtol=2e-2, atol_frac=2e-2):
+    """|got - want| <= atol + rtol |want|, atol a fraction of want's largest magnitude."""
+    g, w = got.detach().double().cpu(), want.detach().double().cpu()
+    assert g.shape == w.shape, f"{what}: shape {tuple(g.shape)}, want {tuple(w.shape)}"
+    atol = atol_frac * float(w.abs().max()) + 1e-12
+    bad = (g - w).abs() > atol + rtol * w.abs()
+    if bad.any() or not g.isfinite().all():
+        i = tuple(int(v) for v in bad.nonzero()[0]) if bad.any() else ()
+        raise AssertionError(f"{what}: {int(bad.sum())} of {g.numel()} off; first {i}: got "
+                             f"{g[i].item() if i else g.flatten()[0]}, want "
+                             f"{w[i].item() if i else w.flatten()[0]}")
+
+
+def _draw(torch, seed, *shape, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.rand(*shape, generator=g, dtype=torch.float64) * 2 - 1) * scale
+
+
+@on_ranks
+def linear_layers(world, seed=0, tokens_per_rank=24, dtype="bfloat16"):
+    """ColumnParallelLinear and RowParallelLinear, forward and backward, with bias."""
+    torch = _torch()
+    if torch is None:
+        return "torch missing"
+    from cuflux.torch import ColumnParallelLinear, RowParallelLinear, shard_rows
+
+    W, me = world.size, world.rank
+    dt = getattr(torch, dtype)
+    dev = torch.device("cuda", world.device)
+    T, d_in, d_out = tokens_per_rank * W, 64, 32 * W
+    q = lambda a: a.to(dt).double()  # noqa: E731  (what the GPU sees, in float64)
+    x = q(_draw(torch, seed, T, d_in))
+    wc = q(_draw(torch, seed + 1, d_out, d_in, scale=d_in ** -0.5))
+    bc = q(_draw(torch, seed + 2, d_out))
+    gy = q(_draw(torch, seed + 3, T, d_out))
+    rows, cols = shard_rows(T, W, me), shard_rows(d_out, W, me)
+
+    with ColumnParallelLinear(world, d_in, d_out, max_tokens=T, bias=True, dtype=dt) as col:
+        col.load_full(wc.to(dt).to(dev), bc.to(dt).to(dev))
+        xs = x[rows].to(dt).to(dev).requires_grad_()
+        y = col(xs)
+        assert isinstance(y, torch.Tensor) and y.dtype == dt and y.shape == (T, d_out // W)
+        _close(y, (x @ wc.T + bc)[:, cols], f"column forward rank {me}")
+        y.backward(gy[:, cols].to(dt).to(dev))
+        torch.cuda.synchronize(dev)
+        _close(xs.grad, (gy @ wc)[rows], f"column grad x rank {me}")
+        _close(col.weight.grad, gy[:, cols].T @ x, f"column grad weight rank {me}")
+        _close(col.bias.grad, gy[:, cols].sum(0), f"column grad bias rank {me}")
+
+    # Row-parallel: in = d_out (the column layer's width), out = d_in.
+    z = q(_draw(torch, seed + 4, T, d_out))
+    wr = q(_draw(torch, seed + 5, d_in, d_out, scale=d_out ** -0.5))
+    br = q(_draw(torch, seed + 6, d_in))
+    gz = q(_draw(torch, seed + 7, T, d_in))
+    with RowParallelLinear(world, d_out, d_in, max_tokens=T, bias=True, dtype=dt) as row:
+        row.load_full(wr.to(dt).to(dev), br.to(dt).to(dev))
+        zs = z[:, cols].to(dt).to(dev).requires_grad_()
+        y = row(zs)
+        assert isinstance(y, torch.Tensor) and y.shape == (T // W, d_in)
+        _close(y, (z @ wr.T + br)[rows], f"row forward rank {me}")
+        y.backward(gz[rows].to(dt).to(dev))
+        torch.cuda.synchronize(dev)
+        _close(zs.grad, (gz @ wr)[:, cols], f"row grad x rank {me}")
+        _close(row.weight.grad, gz.T @ z[:, cols], f"row grad weight rank {me}")
+        _close(row.bias.grad, gz.sum(0), f"row grad bias rank {me}")
+    return True
+
+
+NORM_OUTPUTS = ("replicated", "sharded_residual", "sequence_parallel")
+
+
+@on_ranks
+def norm_layer(world, seed=10, H=256, token_counts=(12, 13)):
+    """ParallelRMSNorm, every output mode, forward and backward against torch in float64: one
+    layer per mode called at a token count the ranks split evenly and at one they do not
+    (token_slice: slices differing by a row). sharded_residual: the residual rows a rank does
+    not own are poisoned, to show the op neither reads nor writes them."""
+    torch = _torch()
+    if torch is None:
+        return "torch missing"
+    from cuflux.torch import ParallelRMSNorm
+
+    for i, output in enumerate(NORM_OUTPUTS):
+        with ParallelRMSNorm(world, H, max_tokens=max(token_counts), eps=1e-6,
+                             dtype=torch.bfloat16, output=output) as norm:
+            for j, T in enumerate(token_counts):  # the same layer again: its ops' next epoch
+                _check_norm(torch, world, norm, seed + 1000 * (len(token_counts) * i + j), T)
+    return True
+
+
+def _check_norm(torch, world, norm, seed, T):
+    from cuflux.ops.allreduce import token_slice
+
+    W, me, H, output = world.size, world.rank, norm.hidden, norm.output
+    dt, dev, eps = torch.bfloat16, torch.device("cuda", world.device), norm.eps
+    q = lambda a: a.to(dt).double()  # noqa: E731
+    xs = [q(_draw(torch, seed + r, T, H)) for r in range(W)]
+    res, w = q(_draw(torch, seed + 100, T, H)), q(1 + 0.5 * _draw(torch, seed + 101, H))
+    g_out, g_res = q(_draw(torch, seed + 102, T, H)), q(_draw(torch, seed + 103, T, H))
+    # the unsharded layer, float64 autograd: loss = <out, g_out> + <h, g_res>
+    xr = [x.clone().requires_grad_() for x in xs]
+    rr, wr = res.clone().requires_grad_(), w.clone().requires_grad_()
+    h = sum(xr) + rr
+    out = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * wr
+    torch.autograd.backward((out, h), (g_out, g_res))
+    h, out = h.detach(), out.detach()
+
+    a, b = token_slice(T, W, me)
+    mine = torch.zeros(T, dtype=torch.bool)
+    mine[a:b] = True
+    poison = 512.0 * (me + 1)  # exact in bf16
+    if output == "replicated":   # everything for all T tokens, the same on every rank
+        r_in, grads, want_out, want_res, want_gr = res, (g_out, g_res), out, h, rr.grad
+    elif output == "sharded_residual":  # out replicated; the residual's other rows pass through
+        r_in = torch.where(mine[:, None], res, torch.full_like(res, poison))
+        grads, want_out, want_res = (g_out, g_res), out, h  # want_res: on the slice's rows
+        want_gr = torch.where(mine[:, None], rr.grad, g_res)
+    else:                        # sequence_parallel: this rank's slice of everything
+        r_in, grads, want_out, want_res, want_gr = (
+            res[a:b], (g_out[a:b], g_res[a:b]), out[a:b], h[a:b], rr.grad[a:b])
+    what = f"norm {output} T={T} seed={seed} rank {me}"
+
+    norm.weight.data.copy_(w.to(dt))
+    norm.weight.grad = None
+    x = xs[me].to(dt).to(dev).requires_grad_()
+    r = r_in.to(dt).to(dev).requires_grad_()
+    o, new_res = norm(x, r)
+    assert isinstance(o, torch.Tensor) and isinstance(new_res, torch.Tensor)
+    _close(o, want_out, f"{what}: out")
+    if output == "sharded_residual":
+        _close(new_res[a:b], want_res[a:b], f"{what}: residual")
+        assert bool((new_res[~mine.to(dev)] == poison).all()), f"{what}: rows of others written"
+    else:
+        _close(new_res, want_res, f"{what}: residual")
+    torch.autograd.backward((o, new_res), tuple(g.to(dt).to(dev) for g in grads))
+    torch.cuda.synchronize(dev)
+    _close(x.grad, xr[me].grad, f"{what}: grad x")  # the full grad of h, every rank
+    _close(r.grad, want_gr, f"{what}: grad residual")
+    _close(norm.weight.grad, wr.grad, f"{what}: grad weight")  # the full one, every rank
+
+
+@on_ranks
+def ulysses(world, seed=20, T_r=16, D=32, dtype="float32"):
+    """UlyssesAttention (scaled_dot_product_attention, causal) forward and backward."""
+    torch = _torch()
+    if torch is None:
+        return "torch missing"
+    from cuflux.torch import UlyssesAttention, shard_rows
+
+    W, me = world.size, world.rank
+    dt, dev = getattr(torch, dtype), torch.device("cuda", world.device)
+    H, T, B = 2 * W, T_r * W, 1
+    q = lambda a: a.to(dt).double()  # noqa: E731
+    qkv = [q(_draw(torch, seed + i, B, T, H, D)) for i in range(3)]
+    g = q(_draw(torch, seed + 3, B, T, H, D))
+    ref_in = [t.clone().requires_grad_() for t in qkv]
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        *(t.transpose(1, 2) for t in ref_in), is_causal=True).transpose(1, 2)
+    ref.backward(g)
+    rows = shard_rows(T, W, me)
+    tol = dict(rtol=1e-3, atol_frac=1e-3) if dtype == "float32" else {}
+    with UlyssesAttention(world, H, D, max_tokens_per_rank=T_r, batch=B, dtype=dt) as attn:
+        mine = [t[:, rows].to(dt).to(dev).requires_grad_() for t in qkv]
+        out = attn(*mine, is_causal=True)
+        assert isinstance(out, torch.Tensor) and out.shape == (B, T_r, H, D)
+        _close(out, ref.detach()[:, rows], f"ulysses out rank {me}", **tol)
+        out.backward(g[:, rows].to(dt).to(dev))
+        torch.cuda.synchronize(dev)
+        for name, t, r in zip("qkv", mine, ref_in):
+            _close(t.grad, r.grad[:, rows], f"ulysses grad {name} rank {me}", **tol)
+    return True
+
+
+@on_ranks
+def torch_in_torch_out(world, seed=30):
+    """AllReduce / AllReduceRMSNorm / All2AllHeads / AllGather: torch tensors in, torch tensors
+    out, on torch's current stream (a side stream here) by default."""
+    torch = _torch()
+    if torch is None:
+        return "torch missing"
+    import cuflux
+
+    W, me = world.size, world.rank
+    dev = torch.device("cuda", world.device)
+    side = torch.cuda.Stream(device=dev)
+    with cuflux.AllReduce(world, 4096, "bfloat16") as ar, \
+            cuflux.All2AllHeads(world, 16, 2 * W, 64, "bfloat16") as a2a, \
+            cuflux.AllGather(world, 8, 64, "bfloat16") as ag:
+        x = torch.full((64, 64), float(me + 1), dtype=torch.bfloat16, device=dev)
+        side.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(side):  # torch's current stream: where the ops queue by default
+            y = ar(x)
+            given = torch.empty_like(x)
+            y2 = ar(x, out=given)
+            h = torch.full((1, 16, 2 * W, 64), float(me), dtype=torch.bfloat16, device=dev)
+            heads = a2a.scatter_heads(h, (16,) * W)
+            g = ag(x[:8])
+        side.synchronize()
+        assert isinstance(y, torch.Tensor) and y.device == dev and y.shape == x.shape
+        assert y2 is given
+        want = W * (W + 1) / 2
+        assert bool((y == want).all()) and bool((y2 == want).all()), y
+        assert isinstance(heads, torch.Tensor) and heads.shape == (1, 16 * W, 2, 64)
+        for r in range(W):
+            assert bool((heads[:, 16 * r:16 * (r + 1)] == r).all())
+        assert isinstance(g, torch.Tensor) and g.shape == (8 * W, 64)
+        for r in range(W):
+            assert bool((g[8 * r:8 * (r + 1)] == r + 1).all())
+        # CuPy in, CuPy out, unchanged
+        import cupy
+
+        with world.device_context():
+            c = ar(cupy.from_dlpack(x[0, :16].contiguous()))
+            assert isinstance(c, cupy.ndarray)
+            cupy.cuda.Device().synchronize()
+    return True
+
+
+@on_ranks
+def torch_route(world, seed=40):
+    """cuflux.init on a torch.distributed gloo group (file:// store made by rank 0): a World
+    without mpi4py's collectives, ops on it, torch in / torch out, an All2AllHeads argument
+    check through the gloo group."""
+    torch = _torch()
+    if torch is None:
+        return "torch missing"
+    import torch.distributed as dist
+
+    import cuflux
+
+    W, me = world.size, world.rank
+    path = world.allgather(tempfile.mktemp(prefix="cuflux-gloo-") if me == 0 else None)[0]
+    dist.init_process_group("gloo", init_method=f"file://{path}", rank=me, world_size=W)
+    try:
+        tw = cuflux.init(dist.group.WORLD, device=world.device, timeout_s=60)
+        assert (tw.rank, tw.size, tw.device) == (me, W, world.device), tw
+        dev = torch.device("cuda", tw.device)
+        with cuflux.AllReduce(tw, 1024, "float32") as ar, \
+                cuflux.All2AllHeads(tw, 8, 2 * W, 32, "float32") as a2a:
+            x = torch.full((1024,), float(me + 1), device=dev)
+            y = ar(x)
+            torch.cuda.synchronize(dev)
+            assert isinstance(y, torch.Tensor) and bool((y == W * (W + 1) / 2).all())
+            for tokens in ((8,) * W, tuple(range(8, 8 - W, -1))):  # two new lists: checked
+                xs = torch.full((1, tokens[me], 2 * W, 32), float(me), device=dev)
+                out = a2a.scatter_heads(xs, tokens)
+                back = a2a.gather_heads(out, tokens)
+                torch.cuda.synchronize(dev)
+                assert torch.equal(back, xs)
+        tw.close()
+    finally:
+        dist.destroy_process_group()
+        if me == 0 and os.path.exists(path):
+            os.remove(path)
+    return True
 
 
 # Each case runs at every W on fresh random data and returns True on every rank when its checks
 # passed (a failure names the seed).
-CASES = {"column_and_row_parallel_linear_forward_backward": "linear_layers",
-         "parallel_rmsnorm_every_output_forward_backward": "norm_layer",
-         "ulysses_attention_forward_backward": "ulysses",
-         "torch_in_torch_out_on_torch_current_stream": "torch_in_torch_out",
-         "init_on_a_torch_distributed_group": "torch_route"}
+CASES = {"column_and_row_parallel_linear_forward_backward": linear_layers,
+         "parallel_rmsnorm_every_output_forward_backward": norm_layer,
+         "ulysses_attention_forward_backward": ulysses,
+         "torch_in_torch_out_on_torch_current_stream": torch_in_torch_out,
+         "init_on_a_torch_distributed_group": torch_route}
 
 
+@pytest.mark.gpu
+@needs_torch
 @pytest.mark.parametrize("W", WS)
 @pytest.mark.parametrize("what", list(CASES))
 def test_torch_route(what, W):
     seed = fresh_seed()
     try:
-        result = run_ranks(W, f"tests.cases_torch:{CASES[what]}", timeout_s=300, seed=seed)
+        result = CASES[what].run(W, timeout_s=300, seed=seed)
     except AssertionError as e:
         raise AssertionError(f"seed={seed}: {e}") from None
     assert result == [True] * W, f"seed={seed}"
+
+
+# ==== CPU tests (no GPU needed) ===================================================================
+def _python(code: str, env=None, timeout=120):
+    e = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=timeout, env=e, cwd=ROOT)
+
+
+# ---- cuflux.torch needs torch ------------------------------------------------------------------
+def test_cuflux_torch_without_torch_says_pip_install_torch():
+    out = _python("""
+        import sys
+        sys.modules["torch"] = None  # as if torch were not installed
+        import cuflux  # cuflux itself never needs torch
+        try:
+            import cuflux.torch
+        except ImportError as e:
+            print("REFUSED:", e)
+    """)
+    assert "REFUSED: cuflux.torch needs PyTorch" in out.stdout, out.stdout + out.stderr
+    assert "pip install torch" in out.stdout
+
+
+@needs_torch
+def test_cuflux_torch_imports_and_exports_the_layers():
+    import cuflux.torch as ct
+
+    for name in ("ColumnParallelLinear", "RowParallelLinear", "ParallelRMSNorm",
+                 "UlyssesAttention"):
+        assert issubclass(getattr(ct, name), torch.nn.Module)
+
+
+# ---- the launcher ------------------------------------------------------------------------------
+TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1"}
+MPIRUN = {"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "4",
+          "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+
+
+def test_launcher_from_env_reads_torchrun_and_mpi_launchers():
+    t, m = world_mod.launcher_from_env(TORCHRUN)
+    assert t == world_mod.Launch("torchrun", 1, 2, 1, "RANK=1, WORLD_SIZE=2") and m is None
+    t, m = world_mod.launcher_from_env(MPIRUN)
+    assert t is None and (m.launcher, m.rank, m.size, m.local_rank) == ("mpirun", 0, 4, 0)
+    t, m = world_mod.launcher_from_env({"PMI_RANK": "3", "PMI_SIZE": "8"})
+    assert (m.rank, m.size, m.local_rank) == (3, 8, None)
+    assert world_mod.launcher_from_env({}) == (None, None)
+    assert world_mod.launcher_from_env({"RANK": "x", "WORLD_SIZE": "2"}) == (None, None)
+
+
+@pytest.mark.parametrize("env,torch_size,route", [
+    (TORCHRUN, None, "torch"),                 # torchrun: torch.distributed from its env
+    (MPIRUN, None, "mpi"),                     # mpirun
+    ({}, None, "mpi"),                         # no launcher: one process, MPI's singleton
+    ({}, 1, "torch"),                          # the caller initialised torch.distributed
+    (MPIRUN, 4, "torch"),                      # ... under mpirun, same size: theirs
+    (dict(MPIRUN, RANK="0", WORLD_SIZE="4"), None, "mpi"),  # scripts that copy the MPI vars
+])
+def test_choose_route(env, torch_size, route):
+    assert world_mod.choose_route(env, torch_size) == route
+
+
+@pytest.mark.parametrize("env,torch_size,says", [
+    (dict(MPIRUN, RANK="0", WORLD_SIZE="2"), None,
+     r"torchrun says 2 \(RANK=0, WORLD_SIZE=2\); mpirun says 4"),
+    (TORCHRUN, 1, r"torchrun says 2 .*torch.distributed says 1"),
+    (MPIRUN, 2, r"mpirun says 4 .*torch.distributed says 2"),
+])
+def test_launchers_that_disagree_are_refused(env, torch_size, says):
+    with pytest.raises(CufluxError, match="cuflux.init: the launchers disagree on the number "
+                                          "of processes: .*" + says):
+        world_mod.choose_route(env, torch_size)
+
+
+@needs_torch
+def test_init_refuses_torch_objects_that_are_not_process_groups():
+    with pytest.raises(TypeError, match=r"comm is a torch object \(torch.Tensor\) but not a "
+                                        r"torch.distributed ProcessGroup; comm must be .*"
+                                        r"a torch.distributed ProcessGroup"):
+        cuflux.init(torch.zeros(1))
+
+
+# ---- torch in, torch out ------------------------------------------------------------------------
+@needs_torch
+def test_framework_of_is_a_type_test():
+    assert framework_of(torch.zeros(2)) == "torch" and is_torch(torch.zeros(2))
+    assert framework_of(np.zeros(2)) == "cupy" and not is_torch(np.zeros(2))
+    assert not is_torch(None)
+
+
+@needs_torch
+def test_to_caller_gives_torch_tensors_sharing_memory():
+    out = np.arange(6, dtype=np.float32).reshape(2, 3)
+    like = torch.zeros(1)
+    t = to_caller(out, like)
+    assert isinstance(t, torch.Tensor) and t.shape == (2, 3)
+    out[0, 0] = 42  # zero-copy: the tensor sees it
+    assert t[0, 0].item() == 42
+    assert to_caller(out, np.zeros(1)) is out  # CuPy (or anything else) in: as it is
+    given = torch.empty(2, 3)
+    assert to_caller(out, like, given) is given  # the caller's own out= comes back
+    pair = to_caller((out, None), like, (None, None))
+    assert isinstance(pair[0], torch.Tensor) and pair[1] is None
+    scale = np.ones(2, np.float32)
+    pair = to_caller((out, scale), like, (given, None))
+    assert pair[0] is given and isinstance(pair[1], torch.Tensor)
+
+
+# ---- the layers' argument checks -----------------------------------------------------------------
+@needs_torch
+def test_linear_argument_checks():
+    from cuflux.torch import check_linear_args, shard_rows
+
+    assert check_linear_args("L", 2, 64, 128, 256, torch.bfloat16, "out") == (64, 64)
+    assert check_linear_args("L", 2, 128, 64, 256, torch.float16, "in") == (64, 64)
+    with pytest.raises(ValueError, match="L: out_features=100 must be divisible by the world "
+                                         "size 8"):
+        check_linear_args("L", 8, 64, 100, 256, torch.bfloat16, "out")
+    with pytest.raises(ValueError, match=r"in_features per rank = 12 must be a multiple of 8"):
+        check_linear_args("L", 2, 24, 64, 256, torch.bfloat16, "in")
+    with pytest.raises(TypeError, match="dtype must be torch.bfloat16 or torch.float16"):
+        check_linear_args("L", 2, 64, 64, 256, torch.float32, "out")
+    with pytest.raises(ValueError, match="max_tokens=255 must be a multiple of the world size"):
+        check_linear_args("L", 2, 64, 64, 255, torch.bfloat16, "out")
+    with pytest.raises(ValueError, match="in_features must be an int >= 1, got 64.0"):
+        check_linear_args("L", 2, 64.0, 64, 256, torch.bfloat16, "out")
+    assert shard_rows(12, 3, 1) == slice(4, 8)
+
+
+@needs_torch
+def test_layers_check_arguments_before_building_ops():
+    """A stand-in world (no GPU, no ranks): the checks raise before any op is built."""
+    from types import SimpleNamespace
+
+    from cuflux.torch import ColumnParallelLinear, RowParallelLinear
+
+    world = SimpleNamespace(size=4, rank=0, device=None)
+    with pytest.raises(ValueError, match="ColumnParallelLinear: out_features=66 must be "
+                                         "divisible by the world size 4"):
+        ColumnParallelLinear(world, 64, 66, 256)
+    with pytest.raises(ValueError, match="RowParallelLinear: in_features per rank = 4"):
+        RowParallelLinear(world, 16, 64, 256)
+
+
+# ---- ParallelRMSNorm's backward: the local math and the gather of uneven slices ---------------
+@needs_torch
+def test_rmsnorm_backward_closed_form_matches_autograd():
+    from cuflux.torch import _rmsnorm_backward
+
+    g = torch.Generator().manual_seed(3)
+    h, go = (torch.randn(7, 40, generator=g, dtype=torch.float64) for _ in range(2))
+    w = 1 + 0.3 * torch.randn(40, generator=g, dtype=torch.float64)
+    hr, wr = h.clone().requires_grad_(), w.clone().requires_grad_()
+    out = hr * torch.rsqrt(hr.pow(2).mean(-1, keepdim=True) + 1e-6) * wr
+    want_h, want_w = torch.autograd.grad(out, (hr, wr), go)
+    gh, gw = _rmsnorm_backward(h, w, 1e-6, go)  # fp32 inside
+    assert torch.allclose(gh.double(), want_h, rtol=1e-4, atol=1e-5)
+    assert torch.allclose(gw.double(), want_w, rtol=1e-4, atol=1e-4)
+
+
+@needs_torch
+@pytest.mark.parametrize("T,W", [(12, 4), (13, 4), (3, 4), (7, 2), (5, 1)])
+def test_norm_gathers_every_ranks_token_slice_in_token_order(T, W, monkeypatch):
+    """_gather_slices pads this rank's slice to the largest for AllGather (equal rows per rank)
+    and drops every rank's padding: token t lands at row t. A stand-in AllGather returns what
+    the W ranks would pass, padding rows set to -1."""
+    from types import SimpleNamespace
+
+    import cuflux.torch as ct
+    from cuflux.ops.allreduce import token_slice
+
+    monkeypatch.setattr(ct, "_stream", lambda: None)
+    n_max = -(-T // W)
+    tokens = torch.arange(T, dtype=torch.float32)[:, None].expand(T, 3)
+    for me in range(W):
+        def all_gather(part, stream=None):
+            padded = [torch.full((n_max, 3), -1.0) for _ in range(W)]
+            for r in range(W):
+                a, b = token_slice(T, W, r)
+                padded[r][:b - a] = tokens[a:b]
+            a, b = token_slice(T, W, me)
+            assert part.shape == (n_max, 3) and torch.equal(part[:b - a], tokens[a:b])
+            return torch.cat(padded)
+
+        layer = SimpleNamespace(world=SimpleNamespace(size=W, rank=me), all_gather=all_gather)
+        a, b = token_slice(T, W, me)
+        got = ct.ParallelRMSNorm._gather_slices(layer, tokens[a:b], T)
+        assert torch.equal(got, tokens), (me, got[:, 0])
+
+
+# ---- cuflux.init on a torch.distributed group: two CPU processes over gloo ----------------------
+_RANK_BODY = """
+    import os, sys, time
+    import torch.distributed as dist
+    import cuflux
+    from cuflux.errors import CommTimeoutError
+    rank = int(os.environ["RANK"])
+    if os.environ["HOW"] == "group":
+        dist.init_process_group("gloo", init_method=os.environ["INIT"], rank=rank, world_size=2)
+        world = cuflux.init(dist.group.WORLD, timeout_s=20)
+    else:  # torchrun's variables: init reads them
+        world = cuflux.init(timeout_s=20)
+    assert "mpi4py.MPI" not in sys.modules, "the torch route imported mpi4py"
+    assert (world.rank, world.size, world.device) == (rank, 2, None), world
+    assert world.allgather(rank * 10) == [0, 10]
+    world.check_same(("same", 1), "arguments")
+    try:
+        world.check_same(rank, "rank")
+        raise AssertionError("check_same passed different values")
+    except ValueError as e:
+        assert "rank 0: 0, rank 1: 1" in str(e)
+    oc = world.sub_comm("AllReduce")
+    assert oc.op_id == "AllReduce#0" and oc.allgather("x") == ["x", "x"]
+    assert oc.exchange_digest(2**64 - 1 - rank, 10.0) == [2**64 - 1, 2**64 - 2]
+    oc.close()
+    if rank == 1:
+        time.sleep(4)  # never comes to the barrier
+        print("RANK1-DONE")
+    else:
+        t = time.monotonic()
+        try:
+            world.barrier(timeout_s=1.5)
+        except CommTimeoutError as e:
+            print(f"TIMEOUT op={e.op!r} rank={e.rank} peer={e.peer} after "
+                  f"{time.monotonic() - t:.1f}")
+    world.close()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_torch
+@pytest.mark.parametrize("how", ["group", "torchrun_env"])
+def test_init_on_torch_distributed_gloo_two_processes(how):
+    port = _free_port()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               HOW=how, INIT=f"tcp://127.0.0.1:{port}", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(port), WORLD_SIZE="2")
+    for k in [k for k in env if k.startswith(("OMPI_", "PMI_", "PMIX_"))]:
+        del env[k]
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(_RANK_BODY)],
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=120)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append(p.communicate()[0] + "\nKILLED")
+    assert all(p.returncode == 0 for p in procs), "\n----\n".join(outs)
+    assert "TIMEOUT op='World World.barrier' rank=0 peer=1" in outs[0], outs[0]
+    seconds = float(outs[0].split("after ")[1].split()[0])
+    assert 1.0 <= seconds < 10, outs[0]
+    assert "RANK1-DONE" in outs[1]
