@@ -116,7 +116,7 @@ class Sm80Config:
 
 # The one tile of the portable core, in gemm.cu, gemm_rs.cu and ag_gemm.cu alike: the mirror
 # of gemm_sm80.cuh's kTileM, kTileN, kTileK, kTileStages, kTileWarpsM, kTileWarpsN,
-# kTileCtasPerSm (tests/test_gemm_cpu.py reads the header and compares).
+# kTileCtasPerSm (tests/test_gemm.py reads the header and compares).
 SM80 = Sm80Config(bm=128, bn=128, bk=32, stages=4, warps_m=2, warps_n=4, ctas_per_sm=2)
 SM80_CONFIG = SM80.name  # "128x128x32s4"
 

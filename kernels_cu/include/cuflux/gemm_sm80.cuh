@@ -43,7 +43,7 @@ struct Config {
 // The portable core's one tile, used by every kernel built on it (gemm.cu, gemm_rs.cu,
 // ag_gemm.cu: the same bits for the same tile): 128 x 128 x 32, 4 stages, 8 warps of 64 x 32,
 // 256 threads, 2 CTAs per SM (64 KiB of shared memory each). Mirrored by cuflux/gemm_core.py
-// SM80 (tests/test_gemm_cpu.py reads these numbers and compares).
+// SM80 (tests/test_gemm.py reads these numbers and compares).
 constexpr int kTileM = 128, kTileN = 128, kTileK = 32, kTileStages = 4;
 constexpr int kTileWarpsM = 2, kTileWarpsN = 4, kTileCtasPerSm = 2;
 constexpr int kTileThreads = 32 * kTileWarpsM * kTileWarpsN;
