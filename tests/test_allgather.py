@@ -1,96 +1,21 @@
-"""Rank bodies of the runtime GPU tests (run under tests/mpi.py, ranks sharing the GPU).
+"""Tests of the AllGather op: exact results in pull and push mode, chunked or not, in every
+dtype, with stream or kernel waits; torch arrays; many calls back to back; a timeout that names
+the late rank and leaves the GPU usable. (The runtime under it: tests/test_runtime.py.)
 
-Inputs encode the source rank and the call, so a check proves who sent what.
+GPU tests (marked gpu, skipped with the reason where there is no GPU) run the rank bodies beside
+them on W ranks sharing the GPU under mpiexec (@on_ranks, tests/mpi.py); inputs encode the source
+rank and the call, so a check proves who sent what.
 """
 import time
 
 import numpy as np
+import pytest
 
 import cuflux
-from cuflux import driver
-from cuflux.errors import CommTimeoutError, ErrorRecord
-from cuflux.signal import wait_flags
-from cuflux.symmetric import Layout
+from cuflux.errors import CommTimeoutError
+from tests.mpi import on_ranks, world_sizes
 
-
-def _rng(*key):
-    return np.random.default_rng(abs(hash(key)) % (2**32))
-
-
-def symmetric_visible(world):
-    import cupy
-
-    W, me = world.size, world.rank
-    buf = world.alloc_symmetric((W, 1001), np.float32)
-    mine = np.random.default_rng(1000 + me).standard_normal((W, 1001)).astype(np.float32)
-    buf.local()[...] = cupy.asarray(mine)
-    cupy.cuda.Device().synchronize()
-    world.barrier()
-    for p in range(W):  # every peer's memory, read through its IPC mapping
-        want = np.random.default_rng(1000 + p).standard_normal((W, 1001)).astype(np.float32)
-        assert np.array_equal(cupy.asnumpy(buf.peer(p)), want), f"rank {me} reading peer {p}"
-    world.barrier()
-    for p in range(W):  # write row `me` of every peer
-        buf.peer(p)[me] = cupy.full(1001, 100.0 * me + p, dtype=cupy.float32)
-    cupy.cuda.Device().synchronize()
-    world.barrier()
-    got = cupy.asnumpy(buf.local())
-    for p in range(W):
-        assert np.all(got[p] == 100.0 * p + me), f"row {p} on rank {me}"
-    ptrs = cupy.asnumpy(buf.ptrs_dev)
-    assert list(ptrs) == buf.base_ptrs and ptrs[me] == buf.ptr(me)
-    buf.close()
-    buf.close()  # idempotent
-    assert buf.closed
-    with world.alloc_symmetric((3,), np.uint32) as b2:
-        assert int(b2.local().sum()) == 0  # zeroed at set-up
-    return True
-
-
-def flags_by_epoch(world, calls=200):
-    import cupy
-
-    W, me = world.size, world.rank
-    lay = Layout()
-    lay.add("flags", (W,), np.uint32)
-    lay.add("wide", (W,), np.uint64)
-    pad = world.alloc_layout(lay)
-    err = ErrorRecord("test", me, timeout_s=20)
-    s = cupy.cuda.Stream(non_blocking=True)
-    for e in range(1, calls + 1):
-        for p in range(W):  # signal peer p: "rank me reached epoch e"
-            driver.stream_write_value32(s, pad.ptr(p, "flags", 4 * me), e)
-        wait_flags(pad.ptr(me, "flags"), e, err, s, op="test", num_groups=W)
-    s.synchronize()
-    err.check()
-    assert np.all(cupy.asnumpy(pad.local("flags")) == calls)
-    world.barrier()
-    # 64-bit write, and the driver's (unbounded) stream wait on a value already reached.
-    big = (1 << 40) + me
-    for p in range(W):
-        driver.stream_write_value64(s, pad.ptr(p, "wide", 8 * me), big - me + p)
-    s.synchronize()
-    world.barrier()
-    for p in range(W):
-        driver.stream_wait_value64(s, pad.ptr(me, "wide", 8 * p), (1 << 40) + me, "geq")
-        driver.stream_wait_value32(s, pad.ptr(me, "flags", 4 * p), calls, "geq")
-    s.synchronize()
-    assert list(cupy.asnumpy(pad.local("wide"))) == [(1 << 40) + me] * W
-    # A flag nobody writes: the bounded wait gives up and names the peer.
-    err2 = ErrorRecord("test", me, timeout_s=0.5)
-    t0 = time.perf_counter()
-    wait_flags(pad.ptr(me, "flags"), calls + 7, err2, s, op="test", num_groups=1, first_peer=(me + 1) % W)
-    s.synchronize()
-    waited = time.perf_counter() - t0
-    try:
-        err2.check()
-        raise AssertionError("a wait on a flag nobody writes did not time out")
-    except CommTimeoutError as e:
-        assert e.rank == me and e.peer == (me + 1) % W and "expected %d" % (calls + 7) in str(e)
-    assert waited < 0.5 + 1.0, waited
-    err.close(); err2.close()
-    pad.close()
-    return waited
+WS = world_sizes()
 
 
 def _input(rank, call, rows, cols, dtype_name):
@@ -102,6 +27,9 @@ def _input(rank, call, rows, cols, dtype_name):
     return rng.standard_normal((rows, cols)).astype(np.float32).astype(info.storage)
 
 
+# ---- exact results ------------------------------------------------------------------------------
+
+@on_ranks
 def allgather_exact(world, mode, chunk_rows, dtype, cols=777, max_rows=100, calls=6,
                     wait="stream"):
     import cupy
@@ -110,7 +38,8 @@ def allgather_exact(world, mode, chunk_rows, dtype, cols=777, max_rows=100, call
     info = cuflux.arrays.dtype_info(dtype)
     with cuflux.AllGather(world, max_rows, cols, dtype, mode=mode, chunk_rows=chunk_rows,
                           timeout_s=15, wait=wait) as ag:
-        rows_seq = [max_rows, 1, max_rows * 3 // 8 + 1, max_rows - 1, 0, min(64, max_rows)][:calls]
+        rows_seq = [max_rows, 1, max_rows * 3 // 8 + 1, max_rows - 1, 0,
+                    min(64, max_rows)][:calls]
         for call, rows in enumerate(rows_seq):
             x = cupy.asarray(_input(me, call, rows, cols, dtype))
             out = cupy.empty((W * rows, cols), dtype=info.storage)
@@ -131,6 +60,20 @@ def allgather_exact(world, mode, chunk_rows, dtype, cols=777, max_rows=100, call
     return True
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", WS)
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("chunk_rows,dtype,wait", [(None, "bfloat16", "stream"),
+                                                   (64, "float32", "kernel"),
+                                                   (7, "float8_e4m3fn", "stream"),
+                                                   (13, "float16", "stream")])
+def test_allgather_exact(W, mode, chunk_rows, dtype, wait):
+    allgather_exact.run(W, mode=mode, chunk_rows=chunk_rows, dtype=dtype, wait=wait)
+
+
+# ---- torch arrays -------------------------------------------------------------------------------
+
+@on_ranks
 def allgather_torch(world):
     try:
         import torch
@@ -140,7 +83,8 @@ def allgather_torch(world):
 
     W, me = world.size, world.rank
     with cuflux.AllGather(world, 8, 64, "bfloat16") as ag:
-        x = torch.full((8, 64), float(me + 1), dtype=torch.bfloat16, device=f"cuda:{world.device}")
+        x = torch.full((8, 64), float(me + 1), dtype=torch.bfloat16,
+                       device=f"cuda:{world.device}")
         y = ag(x, stream=torch.cuda.current_stream().cuda_stream)
         ag.synchronize(stream=torch.cuda.current_stream().cuda_stream)
         assert isinstance(y, torch.Tensor), f"torch in, {type(y).__name__} out"
@@ -149,6 +93,15 @@ def allgather_torch(world):
     return True
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", WS)
+def test_allgather_torch_arrays(W):
+    allgather_torch.run(W)
+
+
+# ---- back to back -------------------------------------------------------------------------------
+
+@on_ranks
 def allgather_back_to_back(world, mode, wait, calls=1000):
     """Many calls with changing row counts and no host sync between them; verify every one."""
     import cupy
@@ -159,7 +112,8 @@ def allgather_back_to_back(world, mode, wait, calls=1000):
     with cuflux.AllGather(world, 64, cols, "float32", mode=mode, timeout_s=60, wait=wait) as ag:
         for i in range(calls):
             rows = 1 + (i * 37) % 64
-            x = (me * 1_000_000 + i * 1000) + cupy.arange(rows * cols, dtype=cupy.float32).reshape(rows, cols) % 1000
+            x = (me * 1_000_000 + i * 1000) \
+                + cupy.arange(rows * cols, dtype=cupy.float32).reshape(rows, cols) % 1000
             outs.append(ag(x))
             rows_seq.append(rows)
         ag.synchronize()
@@ -170,6 +124,17 @@ def allgather_back_to_back(world, mode, wait, calls=1000):
     return calls
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", WS)
+@pytest.mark.parametrize("mode,wait", [("pull", "stream"), ("push", "stream"),
+                                       ("pull", "kernel")])
+def test_allgather_back_to_back(W, mode, wait):
+    allgather_back_to_back.run(W, mode=mode, wait=wait, timeout_s=600)
+
+
+# ---- timeout, then usable -----------------------------------------------------------------------
+
+@on_ranks
 def allgather_timeout(world, mode, wait, timeout_s=2.0):
     """After one good call everywhere, the last rank never calls again: the others' stream or
     kernel waits raise CommTimeoutError naming it within the timeout plus a second; afterwards
@@ -204,3 +169,13 @@ def allgather_timeout(world, mode, wait, timeout_s=2.0):
     # The CUDA context is not poisoned: a new op works.
     res = allgather_exact(world, mode, None, "float32", cols=33, max_rows=9, calls=3, wait=wait)
     return {"waited": waited, "after": res}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [w for w in WS if w > 1])
+@pytest.mark.parametrize("mode,wait", [("pull", "stream"), ("push", "stream"),
+                                       ("pull", "kernel"), ("push", "kernel")])
+def test_allgather_timeout_then_usable(W, mode, wait):
+    res = allgather_timeout.run(W, mode=mode, wait=wait)
+    assert all(r["after"] for r in res)
+    assert all(r["waited"] is not None for r in res[:-1])
