@@ -44,11 +44,13 @@ step() { local log=$1 cap=$2; shift 2; echo "=== [$cap s] $*" >>"$log"; local t0
 TEST_END=$((SECONDS + ${CUFLUX_TEST_BUDGET_S:-360}))
 tests() { local g=$1 ws=$2 cap=$3; shift 3; cap=$(( cap < TEST_END - SECONDS ? cap : TEST_END - SECONDS ))
           [ "$cap" -gt 5 ] || { echo "=== skipped (test budget spent): $*" >>"$L/tests-$g.log"; return; }
-          CUFLUX_TEST_WORLD_SIZES=$ws step "$L/tests-$g.log" "$cap" python -m pytest -q -rf --durations=5 "$@"; }
+          CUFLUX_TEST_WORLD_SIZES=$ws step "$L/tests-$g.log" "$cap" python -m pytest -q -rf -m gpu \
+            --durations=5 "$@"; }
 bench() { step "$B" "$1" "${MPI[@]}" -np "$2" python -m cuflux.bench "$3" --quick --outdir "$L" "${@:4}"; }
 WS=$CUFLUX_TEST_WORLD_SIZES
 
-tests_runtime() { tests runtime "$WS" 400 tests/test_gpu_runtime.py tests/test_reliability.py; }
+tests_runtime() { tests runtime "$WS" 400 tests/test_runtime.py tests/test_allgather.py \
+                   tests/test_reliability.py; }
 tests_a2a() { tests comm "$WS" 200 tests/test_all2all.py; }
 tests_comm() { tests comm "$WS" 220 tests/test_allreduce.py; tests_a2a; }
 tests_gemm() { tests gemm 1,2,4 300 tests/test_gemm.py; }
@@ -59,7 +61,7 @@ tests_rs2() { tests rs "$WS" 300 tests/test_gemm_rs.py -k "float_sweep or back_t
 tests_ag() { tests ag 2 120 -x tests/test_ag_gemm.py -k "late_peer or (matches and sm90) or timeout"; }
 tests_ag2() { tests ag "$WS" 300 tests/test_ag_gemm.py -k "not late_peer"; }
 tests_graphs() { tests graphs "$WS" 300 tests/test_graphs.py tests/test_base.py; }
-tests_torch() { tests torch 1,2,4 180 tests/test_torch.py tests/test_all2all.py tests/test_gpu_runtime.py -k torch
+tests_torch() { tests torch 1,2,4 180 tests/test_torch.py tests/test_all2all.py tests/test_allgather.py -k torch
   examples 2; }
 examples() {  # every example at W = $1 (ranks may share the GPU: correctness, not speed)
   step "$L/examples.log" 60 "${MPI[@]}" -np "$1" python scripts/examples/mlp_tp_sp.py \
@@ -99,7 +101,7 @@ step "$B" 240 python -c "from cuflux import kernels; [kernels.load(f) for f in k
 case $1 in
   all)
     shift
-    step "$L/tests-all.log" 3000 python -m pytest -q -rf --durations=12 "$@" tests
+    step "$L/tests-all.log" 3000 python -m pytest -q -rf -m gpu --durations=12 "$@" tests
     for W in 1 2 4 8; do bench 60 "$W" allgather; done
     bench_comm; finish ;;
   multi)  # one device call (< 10 minutes): every benchmark, ranks on distinct GPUs
@@ -107,16 +109,16 @@ case $1 in
     nvidia-smi topo -m >"$L/topo.txt" 2>&1
     for op in all2all allreduce; do bench 60 "$W" "$op"; done
     bench 120 "$W" gemm_rs; bench 120 "$W" ag_gemm; bench 60 "$W" allgather
-    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 90 python -m pytest -q -rf \
+    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 90 python -m pytest -q -rf -m gpu \
       tests/test_all2all.py tests/test_allreduce.py
     finish ;;
   pytest)  # one capped pytest run of chosen tests: pytest NAME WS CAP PYTEST-ARGS...
     TEST_END=$((SECONDS + $4)); tests "$2" "$3" "$4" "${@:5}"; finish ;;
   multi-tests)  # a second device call: every GPU test at W = GPU count, a rank per GPU
     W=$(nvidia-smi -L | wc -l)
-    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 540 python -m pytest -q -rf \
-      tests/test_gpu_runtime.py tests/test_reliability.py tests/test_graphs.py tests/test_base.py \
-      tests/test_gemm_rs.py tests/test_ag_gemm.py tests/test_torch.py
+    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 540 python -m pytest -q -rf -m gpu \
+      tests/test_runtime.py tests/test_allgather.py tests/test_reliability.py tests/test_graphs.py \
+      tests/test_base.py tests/test_gemm_rs.py tests/test_ag_gemm.py tests/test_torch.py
     finish ;;
   *)
     for g in "$@"; do
