@@ -90,7 +90,7 @@ class KernelFamily:
 # Which module registers each kernel family (by calling `register` when it is imported). This
 # module imports none of them: a family's module is imported by name, the first time that family
 # is asked for, so kernels.py sits below the ops with no import circle. A new .cu needs a line
-# here (tests/test_compile_cpu.py checks that every kernels_cu/*.cu has one).
+# here (tests/test_compile.py checks that every kernels_cu/*.cu has one).
 _FAMILY_MODULES = {
     "signal.cu": "cuflux.signal",
     "allreduce.cu": "cuflux.ops.allreduce",

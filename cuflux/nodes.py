@@ -10,7 +10,7 @@ its P2P row); `node_size` (World(node_size=...) or CUFLUX_NODE_SIZE) splits each
 smaller nodes of consecutive ranks, so one host emulates several nodes (two GPUs as two nodes of
 one). The plans below are pure functions of a NodeLayout: which rows or chunks each rank
 exchanges with whom, in which step, over IPC or NCCL. They hold no memory and launch nothing;
-tests/test_nodes_cpu.py plays each one on NumPy arrays over fake layouts (2 x 1, 2 x 2, 2 x 4,
+tests/test_nodes.py plays each one on NumPy arrays over fake layouts (2 x 1, 2 x 2, 2 x 4,
 4 x 2) and checks the result against the op's definition.
 
     AllReduce (+RMSNorm)   reduce-scatter in the node, all-reduce of the owned shard across the
