@@ -154,6 +154,14 @@ class _ParallelLinear(_Layer):
         raise NotImplementedError
 
 
+def _weight_and_bias_grads(ctx, grad_y, x):
+    """nn.Linear's weight [out, in] and bias [out] gradients from grad_y [T, out] and the input
+    x [T, in] the GEMM saw (None where autograd does not need them)."""
+    grad_w = grad_y.t() @ x.contiguous() if ctx.needs_input_grad[1] else None
+    grad_b = grad_y.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return grad_w, grad_b
+
+
 # ---- ColumnParallelLinear ------------------------------------------------------------------------
 class _ColumnFn(torch.autograd.Function):
     @staticmethod
@@ -171,14 +179,10 @@ class _ColumnFn(torch.autograd.Function):
         layer = ctx.layer
         gathered, weight = ctx.saved_tensors
         grad_y = grad_y.contiguous()
-        grad_x = grad_w = grad_b = None
+        grad_x = None
         if ctx.needs_input_grad[0]:  # reduce-scatter(grad_y [T, out/W] @ W_r [out/W, in])
             grad_x = _torch(layer.gemm_rs(grad_y, _plain(weight), stream=_stream()))
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_y.t() @ gathered
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_y.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return (grad_x, *_weight_and_bias_grads(ctx, grad_y, gathered), None)
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -232,14 +236,8 @@ class _RowFn(torch.autograd.Function):
         layer = ctx.layer
         x, weight = ctx.saved_tensors
         grad_y = _torch(layer.all_gather(_plain(grad_y_shard), stream=_stream()))
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = grad_y @ weight
-        if ctx.needs_input_grad[1]:
-            grad_w = grad_y.t() @ x.contiguous()
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_y.sum(0)
-        return grad_x, grad_w, grad_b, None
+        grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+        return (grad_x, *_weight_and_bias_grads(ctx, grad_y, x), None)
 
 
 class RowParallelLinear(_ParallelLinear):

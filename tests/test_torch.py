@@ -473,6 +473,48 @@ def test_layers_check_arguments_before_building_ops():
         RowParallelLinear(world, 16, 64, 256)
 
 
+# ---- the parallel Linear layers' autograd, with the ops stood in by torch math (W = 1) ---------
+@needs_torch
+@pytest.mark.parametrize("which", ["column", "row"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_autograd_matches_nn_linear(which, with_bias, monkeypatch):
+    """_ColumnFn / _RowFn forward and backward against F.linear's autograd in float64, the
+    cuflux ops replaced by what they compute at W = 1 (gather: identity; reduce-scatter: the
+    plain product), so every gradient path of both Functions runs without a GPU."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    import cuflux.torch as ct
+
+    monkeypatch.setattr(ct, "_stream", lambda: None)
+
+    def gemm(a, b, bias=None, stream=None, layout="nk"):
+        y = a @ (b.t() if layout == "nk" else b)
+        return y if bias is None else y + bias
+
+    layer = SimpleNamespace(
+        ag_gemm=lambda x, w, bias=None, return_gathered=False, stream=None:
+            (gemm(x, w, bias), x),
+        gemm_rs=lambda a, b, bias=None, stream=None:
+            gemm(a, b, bias, layout="nk" if which == "row" else "kn"),
+        all_gather=lambda x, stream=None: x)
+    g = torch.Generator().manual_seed(5)
+    x, w, go = (torch.randn(*shape, generator=g, dtype=torch.float64)
+                for shape in ((6, 8), (4, 8), (6, 4)))
+    b = torch.randn(4, generator=g, dtype=torch.float64) if with_bias else None
+    leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if with_bias else ())]
+    fn = ct._ColumnFn if which == "column" else ct._RowFn
+    got = fn.apply(leaves[0], leaves[1], leaves[2] if with_bias else None, layer)
+    got_grads = torch.autograd.grad(got, leaves, go)
+    ref_leaves = [t.clone().requires_grad_() for t in (x, w) + ((b,) if with_bias else ())]
+    want = F.linear(*ref_leaves)
+    want_grads = torch.autograd.grad(want, ref_leaves, go)
+    assert torch.allclose(got, want)
+    for name, gg, ww in zip(("x", "weight", "bias"), got_grads, want_grads):
+        assert torch.allclose(gg, ww), name
+
+
 # ---- ParallelRMSNorm's backward: the local math and the gather of uneven slices ---------------
 @needs_torch
 def test_rmsnorm_backward_closed_form_matches_autograd():
