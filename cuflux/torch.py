@@ -42,10 +42,6 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear", "ParallelRMSNorm", "Ulys
 _GEMM_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _stream():
-    return torch.cuda.current_stream()
-
-
 def _plain(t):
     """What a cuflux op takes: contiguous, detached (DLPack refuses tensors that require
     grad; autograd is this module's business)."""
@@ -167,7 +163,7 @@ class _ColumnFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_shard, weight, bias, layer):
         out, gathered = layer.ag_gemm(_plain(x_shard), _plain(weight), bias=_plain(bias),
-                                      return_gathered=True, stream=_stream())
+                                      return_gathered=True)
         ctx.layer = layer
         ctx.has_bias = bias is not None
         gathered = _torch(gathered)
@@ -181,7 +177,7 @@ class _ColumnFn(torch.autograd.Function):
         grad_y = grad_y.contiguous()
         grad_x = None
         if ctx.needs_input_grad[0]:  # reduce-scatter(grad_y [T, out/W] @ W_r [out/W, in])
-            grad_x = _torch(layer.gemm_rs(grad_y, _plain(weight), stream=_stream()))
+            grad_x = _torch(layer.gemm_rs(grad_y, _plain(weight)))
         return (grad_x, *_weight_and_bias_grads(ctx, grad_y, gathered), None)
 
 
@@ -225,7 +221,7 @@ class ColumnParallelLinear(_ParallelLinear):
 class _RowFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
-        out = layer.gemm_rs(_plain(x), _plain(weight), bias=_plain(bias), stream=_stream())
+        out = layer.gemm_rs(_plain(x), _plain(weight), bias=_plain(bias))
         ctx.layer = layer
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
@@ -235,7 +231,7 @@ class _RowFn(torch.autograd.Function):
     def backward(ctx, grad_y_shard):
         layer = ctx.layer
         x, weight = ctx.saved_tensors
-        grad_y = _torch(layer.all_gather(_plain(grad_y_shard), stream=_stream()))
+        grad_y = _torch(layer.all_gather(_plain(grad_y_shard)))
         grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
         return (grad_x, *_weight_and_bias_grads(ctx, grad_y, x), None)
 
@@ -297,7 +293,7 @@ class _NormFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, layer):
         new_residual = residual.detach().clone()  # the op updates it in place
-        out = layer.op(_plain(x), new_residual, _plain(weight), stream=_stream())
+        out = layer.op(_plain(x), new_residual, _plain(weight))
         ctx.layer, ctx.num_tokens = layer, x.shape[0]
         ctx.save_for_backward(new_residual, weight)
         return out, new_residual
@@ -341,7 +337,7 @@ class _NormFn(torch.autograd.Function):
                 grad_residual[a:b] = gh
             else:
                 grad_residual = gh
-        grad_w = _torch(layer.grad_w_sum(gw.contiguous(), stream=_stream())).to(weight.dtype) \
+        grad_w = _torch(layer.grad_w_sum(gw.contiguous())).to(weight.dtype) \
             if need_w else None
         return grad_x, grad_residual, grad_w, None
 
@@ -388,7 +384,7 @@ class ParallelRMSNorm(_Layer):
         n_max = -(-num_tokens // W)
         if part.shape[0] != n_max:
             part = torch.cat([part, part.new_zeros(n_max - part.shape[0], part.shape[1])])
-        gathered = _torch(self.all_gather(part.contiguous(), stream=_stream()))
+        gathered = _torch(self.all_gather(part.contiguous()))
         if num_tokens % W == 0:
             return gathered
         rows = [token_slice(num_tokens, W, r) for r in range(W)]
@@ -407,12 +403,12 @@ class _HeadsFn(torch.autograd.Function):
     def forward(ctx, a, op, tokens, gather: bool):
         ctx.op, ctx.tokens, ctx.gather = op, tokens, gather
         run = op.gather_heads if gather else op.scatter_heads
-        return run(_plain(a), tokens, stream=_stream())
+        return run(_plain(a), tokens)
 
     @staticmethod
     def backward(ctx, grad):
         run = ctx.op.scatter_heads if ctx.gather else ctx.op.gather_heads
-        return run(_plain(grad), ctx.tokens, stream=_stream()), None, None, None
+        return run(_plain(grad), ctx.tokens), None, None, None
 
 
 def _sdpa(q, k, v, **kwargs):
