@@ -26,7 +26,7 @@ from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of, to
 from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, CaptureError,
                            CommTimeoutError, CufluxError)
 from cuflux.launch import capturing as _capturing
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout
+from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, on_op_device
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
@@ -313,13 +313,7 @@ class All2AllHeads(CommOp):
         self._row_bytes = self.spec.row_bytes
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._hashes: dict = {}
-        self._host_failure: Exception | None = None
-        # The op's own communicator for the argument checks: a check abandoned on timeout
-        # leaves its messages there, not in the caller's communicator.
-        self._comm = self.comm.comm if W > 1 else None
-        self._last_stream = None
         self.w1 = w1
-        self.epoch = 0
         self._closed = False
 
     # ---- public calls ------------------------------------------------------------------------
@@ -396,12 +390,10 @@ class All2AllHeads(CommOp):
         try:
             theirs = self.comm.exchange_digest(mine, self.err.timeout_s, "argument check",
                                                CHECK_TAG)
-        except CommTimeoutError as e:
-            self._host_failure = CommTimeoutError(
-                _OP, me, e.peer, self.err.timeout_s,
-                "checking a new tokens_per_rank list: the peer did not make this call, or "
-                "passed a list it had used before while this one is new here")
-            raise self._host_failure
+        except CommTimeoutError as e:  # the op is failed: later calls raise it too
+            self._host_failure(e, "checking a new tokens_per_rank list (the peer did not make "
+                                  "this call, or passed a list it had used before while this one "
+                                  "is new here)")
         peers = [p for p in range(self.spec.world_size) if p != me]
         differ = [p for p in peers if theirs[p] != mine]
         if differ:
@@ -412,12 +404,10 @@ class All2AllHeads(CommOp):
                 f"tokens_per_rank={list(tokens)}, batch {batch}, scale mode {mode}; ranks "
                 f"{differ} passed something else")
 
+    @on_op_device
     def _run(self, gather, a, tokens_per_rank, scale, out, out_scale, view, stream):
         import cupy
 
-        if self._off_device():
-            with self.world.device_context():
-                return self._run(gather, a, tokens_per_rank, scale, out, out_scale, view, stream)
         if self._closed:
             raise CufluxError(f"{_OP}: the op is closed")
         self._raise_if_failed()
@@ -555,8 +545,6 @@ class All2AllHeads(CommOp):
 
     # ---- errors and lifetime -----------------------------------------------------------------
     def _raise_if_failed(self) -> None:
-        if self._host_failure is not None:
-            raise self._host_failure
         w = self.err.words
         if int(w[STATUS]) == STATUS_MISMATCH:
             raise ValueError(
@@ -581,7 +569,6 @@ class All2AllHeads(CommOp):
         """Views of the slots die with the buffer (the base closes it after this)."""
         self._plans.clear()
         self._hashes.clear()
-        self._comm = None  # freed with the op's communicator
 
 
 class _Plan:

@@ -21,7 +21,8 @@ import numpy as np
 
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, is_torch, stream_of, to_caller
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, sm_count
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
+                             on_op_device, sm_count)
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
@@ -303,12 +304,10 @@ class AllReduce(_P2PReduce):
         super().__init__(world, op, "plain", max_elems, d, algo, timeout_s, max_blocks)
         self._eps = _EPS0
 
+    @on_op_device
     def __call__(self, x, out=None, stream=None, algo: str | None = None):
         """x: any shape, C-contiguous, x.size <= max_elems, the same on every rank ->
         out (same shape) = sum over ranks. `algo` overrides the op's choice for this call."""
-        if self._off_device():
-            with self.world.device_context():
-                return self(x, out, stream, algo)
         self._check_open()
         x_in, out_in = x, out  # the caller's: torch in, torch out
         x = as_cupy(x, "x", self.op)
@@ -380,10 +379,8 @@ class AllReduceRMSNorm(_P2PReduce):
             return stop - start
         return num_tokens
 
+    @on_op_device
     def __call__(self, x, residual, weight, out=None, stream=None, algo: str | None = None):
-        if self._off_device():
-            with self.world.device_context():
-                return self(x, residual, weight, out, stream, algo)
         self._check_open()
         x_in, out_in = x, out  # the caller's: torch in, torch out
         x, residual, weight, out = check_norm_call(self, x, residual, weight, out, algo)

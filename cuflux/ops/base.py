@@ -257,11 +257,6 @@ class CommOp(Closeable):
             self._host_failure(e, what)
         self.epoch = 0
 
-    def _off_device(self) -> bool:
-        """True when the caller's current device is not this op's: the call must then run
-        inside `with self.world.device_context():` (0.1 us to ask)."""
-        return current_device() != self.world.device
-
     def _no_capture(self, stream, why: str) -> None:
         refuse_capture(self.op, stream, why)
 

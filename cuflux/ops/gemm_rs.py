@@ -32,7 +32,7 @@ from cuflux import gemm_core as core
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_route,
-                             check_timeout, fused_route, require_world_device)
+                             check_timeout, fused_route, on_op_device, require_world_device)
 from cuflux.ops.gemm import gemm
 from cuflux.sizes import count
 from cuflux.symmetric import Layout
@@ -396,15 +396,13 @@ class GemmReduceScatter(CommOp):
                            stream, op=_OP, name=name, shared_mem=sm80.smem_bytes)
 
     # ---- calls ------------------------------------------------------------------------------
+    @on_op_device
     def __call__(self, a, b, bias=None, out=None, stream=None):
         """a [M, k], b [k, n] ("kn") or [n, k] ("nk"), bias [n] or None -> out [M / W, n].
 
         out: optional output array (else allocated). stream: CuPy stream, raw handle or torch
         stream (default: CuPy's current stream). Returns out (a CuPy array).
         """
-        if self._off_device():
-            with self.world.device_context():
-                return self(a, b, bias, out, stream)
         self._check_open()
         a_in, out_in = a, out  # the caller's: torch in, torch out
         given = out is not None
@@ -433,13 +431,11 @@ class GemmReduceScatter(CommOp):
             self._reduce_scatter(partial, bias, out, M, s)
         return to_caller(out, a_in, out_in)
 
+    @on_op_device
     def reduce_scatter(self, partial, bias=None, out=None, stream=None):
         """The comm-only reduce-scatter: partial [M, n] (this rank's C, in out_dtype, e.g. from
         cuBLAS) -> out [M / W, n] = sum over ranks of their partials' rows of this rank
         (+ bias), with this op's reduce mode, buffers and flags. The unfused baseline."""
-        if self._off_device():
-            with self.world.device_context():
-                return self.reduce_scatter(partial, bias, out, stream)
         self._check_open()
         p_in, out_in = partial, out  # the caller's: torch in, torch out
         given = out is not None
