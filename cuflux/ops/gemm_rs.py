@@ -26,6 +26,8 @@ partial (e.g. cuBLAS's): the unfused baseline, through the same buffers, flags a
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from cuflux import gemm_core as core
@@ -304,8 +306,6 @@ class GemmReduceScatter(CommOp):
                 raise ValueError(f"{op}: bias must start at a 16-byte aligned address "
                                  f"(got {bias.data.ptr:#x})")
         if out is None:
-            import contextlib
-
             import cupy
 
             # From the pool arena of the stream that writes it (see gemm._check_args).
