@@ -42,7 +42,7 @@ from cuflux import gemm_tuner as tuner
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.ops import gemm as gemm_op
-from cuflux.ops.allgather import CopyGather, arrival_order
+from cuflux.ops.allgather import _MEMCPY_DEFAULT, CopyGather, arrival_order
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_route, check_timeout, on_op_device,
                              on_world_device, require_world_device)
 from cuflux.sizes import count, optional_count
@@ -54,7 +54,6 @@ _OP = "AllGatherGemm"
 _SRC = "ag_gemm.cu"
 _IN = ("bfloat16", "float16")
 _LAYOUTS = ("kn", "nk")
-_MEMCPY_DEFAULT = 4
 # Hopper configurations instantiated here: every single-CTA cooperative one of the plain GEMM
 # (ag_gemm_sm90 has neither cluster multicast nor the ping-pong schedule); a tuner choice outside
 # these falls back to the heuristic (_sm90_config).

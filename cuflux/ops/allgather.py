@@ -438,4 +438,4 @@ class AllGather(CopyGather):
         if rows > self.max_rows:
             raise ValueError(f"{self.op}: x has {rows} rows, more than "
                              f"max_rows={self.max_rows}")
-        return x, rows, (stream_of(stream, x_in) if is_torch(x_in) else stream_of(stream))
+        return x, rows, stream_of(stream, x_in)
