@@ -892,7 +892,7 @@ def _fake_env(monkeypatch, sim):
     monkeypatch.setattr(kernels, "device_arch", lambda device=None: "sm_90a")
     for name in ("as_cupy", "check_array"):
         monkeypatch.setattr(AGM, name, lambda x, *a, **k: x)
-    monkeypatch.setattr(AGM, "stream_of", lambda s: s)
+    monkeypatch.setattr(AGM, "stream_of", lambda s, like=None: s)
     from cuflux import launch
 
     monkeypatch.setattr(launch, "capturing", lambda s: False)  # simulated streams
