@@ -493,6 +493,11 @@ def load(source: str, device_id: int | None = None) -> LoadedModule:
     fam = _family(source)
     if fam is None:
         raise KeyError(f"kernel family {source!r} is not registered")
+    # Loaded already: no device queries (ops and baselines call this on their call paths).
+    mod = _LOADED.get((source, _launch.current_device() if device_id is None else device_id,
+                       fam.names))
+    if mod is not None:
+        return mod
     dev = cupy.cuda.Device(device_id).id if device_id is not None else cupy.cuda.Device().id
     arch = device_arch(dev)
     if arch_number(arch) < fam.min_arch:
