@@ -42,6 +42,7 @@ import warnings
 from typing import Iterable, Sequence
 
 from cuflux import knobs
+from cuflux.errors import CompileError  # the one class (kernels.CompileError is the same)
 
 __all__ = ["KERNEL_DIR", "KernelFamily", "register", "families", "compile_source", "compile_ptx",
            "compile_all", "compile_family", "cache_dir", "cache_entry", "CacheEntry", "Compiled",
@@ -60,10 +61,6 @@ BASE_OPTIONS = ("--std=c++17", "-default-device", "--use_fast_math", "-lineinfo"
 COMPILE_LOCK_TIMEOUT_S = 600.0
 # Part of every cache key: a change of the on-disk format leaves old entries unused.
 _CACHE_FORMAT = 2
-
-
-class CompileError(RuntimeError):
-    pass
 
 
 class CacheDirError(CompileError):
