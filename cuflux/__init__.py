@@ -16,8 +16,7 @@ _os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # cuflux's hazard under lazy loading is a kernel of its own loaded at first launch (which may
 # need the context to synchronise) while one of its waits blocks a stream. Its kernels are
 # loaded when an op is built instead: kernels.load fetches every function of a module
-# (cuModuleGetFunction loads the kernel it returns), driver.load_functions forces it with
-# cuFuncLoad (and warns once where the driver cannot), and ops warm up in their constructors.
+# (cuModuleGetFunction loads the kernel it returns), and ops warm up in their constructors.
 #
 # CUDA_DEVICE_MAX_CONNECTIONS: not touched (Megatron sets 1; CUDA's default is 8). A timed-out
 # stream wait on a host-mapped flag is released by a CPU store (watchdog.py), which needs no

@@ -11,19 +11,14 @@ Host-mapped memory (`host_register`, `host_device_pointer`, `host_address`): pin
 that kernels and stream memory operations address like device memory. A stream wait on a word
 there can be released by a plain CPU store (watchdog.py), which needs no GPU queue.
 
-Module loading (`module_loading_mode`, `load_functions`): under CUDA's lazy loading a kernel may
-be loaded at its first launch, which can need the context to synchronise; a kernel loaded while
-another of cuflux's waits blocks a stream can then stall until that wait times out. cuflux
-loads its own kernels when an op is built (`load_functions` forces it with cuFuncLoad).
+Module loading is not here: kernels.load fetches every function of a module when an op is built
+(cuModuleGetFunction loads the kernel it returns, under lazy loading too).
 """
 from __future__ import annotations
 
-import warnings
-
 __all__ = ["stream_write_value32", "stream_write_value64", "stream_wait_value32",
            "stream_wait_value64", "stream_handle", "host_register", "host_unregister",
-           "host_device_pointer", "host_address", "module_loading_mode", "load_functions",
-           "DriverError"]
+           "host_device_pointer", "host_address", "DriverError"]
 
 
 class DriverError(RuntimeError):
@@ -145,40 +140,3 @@ def host_address(ptr: int) -> int | None:
     if int(attrs.type) != _MEMORY_TYPE_HOST or not attrs.hostPointer:
         return None
     return int(attrs.hostPointer)
-
-
-# ---- module loading -----------------------------------------------------------------------------
-_warned_cannot_force = False
-
-
-def module_loading_mode() -> str:
-    """"lazy" or "eager": how this process's CUDA driver loads modules (CUDA_MODULE_LOADING,
-    read when CUDA starts; lazy is CUDA's default since 12.2)."""
-    drv = _drv()
-    _, mode = _check(drv.cuModuleGetLoadingMode(), "cuModuleGetLoadingMode")
-    return "lazy" if mode == drv.CUmoduleLoadingMode.CU_LAZY_LOADING else "eager"
-
-
-def load_functions(functions) -> None:
-    """Make sure every kernel (CuPy Functions, or raw CUfunction handles) is loaded now, not at
-    its first launch: under lazy loading, cuFuncLoad on each one that is not loaded yet. Where
-    the driver has no cuFuncLoad (CUDA < 12.4), warns once and relies on cuModuleGetFunction,
-    which loads the kernel it returns."""
-    global _warned_cannot_force
-    if module_loading_mode() == "eager":
-        return
-    drv = _drv()
-    if not hasattr(drv, "cuFuncLoad"):
-        if not _warned_cannot_force:
-            _warned_cannot_force = True
-            warnings.warn("cuflux: CUDA loads modules lazily here and this driver cannot force "
-                          "a kernel to load (cuFuncLoad needs CUDA 12.4); set "
-                          "CUDA_MODULE_LOADING=EAGER before CUDA starts if a first kernel "
-                          "launch stalls behind a cuflux wait", RuntimeWarning, stacklevel=2)
-        return
-    loaded = drv.CUfunctionLoadingState.CU_FUNCTION_LOADING_STATE_LOADED
-    for f in functions:
-        handle = drv.CUfunction(int(getattr(f, "ptr", f)))
-        _, state = _check(drv.cuFuncIsLoaded(handle), "cuFuncIsLoaded")
-        if state != loaded:
-            _check(drv.cuFuncLoad(handle), "cuFuncLoad")
