@@ -76,7 +76,7 @@ from cuflux.errors import CudaSetupError, NoDeviceError  # noqa: E402
 
 def check_timeout(what: str, timeout_s) -> float:
     """A finite number of seconds > 0 (nan and inf would make a wait unbounded)."""
-    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float))
+    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.floating))
             or not math.isfinite(timeout_s) or timeout_s <= 0):
         raise ValueError(f"{what}: timeout_s must be a finite number of seconds > 0, "
                          f"got {timeout_s!r}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import warnings
 
 import numpy as np
@@ -26,6 +25,7 @@ from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError
                            NoDeviceError)
 from cuflux.launch import current_device
 from cuflux.resource import Closeable
+from cuflux.world import check_timeout  # one check for every timeout_s (ops and World)
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
@@ -78,16 +78,6 @@ def ranks_on_my_gpu(world) -> int:
     between them."""
     return 1 + sum(1 for link in world.topology.links
                    if link.same_gpu and link.peer != world.rank)
-
-
-def check_timeout(op: str, timeout_s) -> float:
-    """timeout_s must be a finite number of seconds > 0 (nan and inf would make waits
-    unbounded)."""
-    if (isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float, np.floating))
-            or not math.isfinite(timeout_s) or timeout_s <= 0):
-        raise ValueError(f"{op}: timeout_s must be a finite number of seconds > 0, "
-                         f"got {timeout_s!r}")
-    return float(timeout_s)
 
 
 def check_route(op: str, route) -> str:
