@@ -63,14 +63,14 @@ class CommTimeoutError(CufluxError):
 
 
 class ErrorRecord:
-    fault: BaseException | None = None  # set by a watchdog whose thread failed
-    host_detail: str = ""               # set when a host exchange of the op failed it
-
     """NUM_WORDS uint32 in pinned, mapped host memory plus a device claim word.
 
     Kernels write it on timeout (see sync.cuh); the host reads it at any moment without
     synchronising, and can ask every waiter of the op to give up by setting the abort word.
     """
+
+    fault: BaseException | None = None  # set by a watchdog whose thread failed
+    host_detail: str = ""               # set when a host exchange of the op failed it
 
     def __init__(self, op: str, rank: int, timeout_s: float):
         import cupy
@@ -103,7 +103,7 @@ class ErrorRecord:
         self.words[STATUS] = STATUS_TIMEOUT
 
     def failed(self) -> bool:
-        return int(self.words[STATUS]) != STATUS_OK
+        return self._status.value != STATUS_OK  # the status word alone (the watchdog polls it)
 
     def check(self) -> None:
         """Raise CommTimeoutError if a device wait of this op has failed."""
