@@ -341,10 +341,9 @@ def cupy_module():
     costs ~0.5 us; gemm's whole host path is ~10 us)."""
     if not _CUPY:
         import cupy
-        from cupy.cuda import cublas
-        from cupy.cuda import device as cdev
+        from cupy.cuda import cublas  # loads libcublas (the ctypes calls below need it)
 
-        _CUPY.extend((cupy, cublas, cdev))
+        _CUPY.extend((cupy, cublas))
     return _CUPY[0]
 
 

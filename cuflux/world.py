@@ -256,10 +256,6 @@ class HostGroup:
         self._sends: list = []  # isend requests still in flight (their buffers must live)
         self._failure: BaseException | None = None
 
-    @property
-    def failed(self) -> bool:
-        return self._failure is not None
-
     def _check_usable(self, what: str) -> None:
         if self._failure is not None:
             raise CufluxError(f"{self.label}: cannot run {what}: an earlier host collective "
@@ -740,7 +736,6 @@ class World:
         env = local_rank_from_env(os.environ)
         self.device: int | None = choose_device(self.num_devices, device,
                                                 env[1] if env else None, _NODE_LOCAL_RANK)
-        self._closed_hooks: list = []
         previous = _current_device() if self.device is not None else None
         try:
             self.topology = self._discover()
