@@ -1,6 +1,7 @@
 """Shared benchmark plumbing: event timing (median of many), ceilings, JSON results.
 
-Results go to scripts/results/<op>-<machine>-<date>.json in one shape for every op:
+Results go to <outdir>/<op>-<machine>-W<world size>-<date>.json (outdir: the command's
+--outdir, ./cuflux-results by default; never inside the package) in one shape for every op:
 {"op", "machine", "date", "command", "world_size", "rows": [{"case", "cuflux_ms", "baseline",
  "baseline_ms", "speedup", ...}]}, speedup = baseline_ms / cuflux_ms.
 """
@@ -13,9 +14,6 @@ import socket
 import sys
 
 import numpy as np
-
-RESULTS_DIR = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "results"
-
 
 def time_ms(fn, warmup: int = 5, iters: int = 50, stream=None) -> float:
     """Median milliseconds of fn() over `iters` runs, timed with CUDA events on `stream`."""
@@ -113,7 +111,7 @@ def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5
     user_loop_ms = (time.perf_counter() - t0) * 1e3 / calls
     if barrier is not None:
         barrier()
-    hold_stream(stream, min(_HOLD_MAX_US, 2 * user_loop_ms * 1e3 * calls + 200))
+    hold_stream(stream, 2 * user_loop_ms * 1e3 * calls + 200)  # clamped there
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -140,8 +138,8 @@ def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5
             b.record(stream)
             b.synchronize()
             graph_ms = cupy.cuda.get_elapsed_time(a, b) / calls
-        except CaptureError:
-            graph_ms = None
+        except CaptureError:  # not capturable: no graph figure
+            pass
     return {"user_loop_ms": user_loop_ms, "host_us": host_us, "graph_ms": graph_ms}
 
 
@@ -208,14 +206,14 @@ def machine_name() -> str:
 
 
 def write_results(op: str, world_size: int, rows: list[dict], extra: dict | None = None,
-                  outdir: str | None = None) -> pathlib.Path:
+                  *, outdir: str) -> pathlib.Path:
     date = datetime.date.today().isoformat()
     doc = {"op": op, "machine": machine_name(), "date": date,
            "command": " ".join(["python -m cuflux.bench"] + sys.argv[1:]),
            "world_size": world_size, "rows": rows}
     if extra:
         doc.update(extra)
-    d = pathlib.Path(outdir) if outdir else RESULTS_DIR
+    d = pathlib.Path(outdir)
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{op}-{doc['machine']}-W{world_size}-{date}.json"
     path.write_text(json.dumps(doc, indent=1))

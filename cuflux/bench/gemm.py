@@ -26,8 +26,8 @@ import math
 
 from cuflux import knobs
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
-                                   measure_regimes, no_baseline_regimes, print_bench_table,
-                                   regime_calls, speed_header)
+                                   measure_regimes, no_baseline_regimes, on_stream,
+                                   print_bench_table, regime_calls, speed_header)
 from cuflux.bench.common import (print_table, ranks_share_gpu, time_interleaved, time_ms,
                                  write_results)
 
@@ -113,8 +113,6 @@ def _auto_row(G, case, l2, bf16, iters, quick, stream) -> dict:
     regimes of each."""
     import cupy
 
-    from cuflux.bench.__main__ import on_stream
-
     M, N, K, layout = case["M"], case["N"], case["K"], case["layout"]
     sets = _inputs(M, N, K, layout, l2, bf16)
     c = cupy.empty((M, N), dtype=bf16)
@@ -149,8 +147,6 @@ def _auto_row(G, case, l2, bf16, iters, quick, stream) -> dict:
 
 def run(world, args):
     import cupy
-
-    from cuflux.bench.__main__ import on_stream
 
     import cuflux.ops.gemm as G
     from cuflux import gemm_core, kernels
