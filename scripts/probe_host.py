@@ -17,11 +17,9 @@ import time
 import numpy as np
 
 
-def per_call_us(fn, calls=2000, hold=None):
+def per_call_us(fn, calls=2000):
     for _ in range(20):
         fn()
-    if hold is not None:
-        hold()
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -38,13 +36,11 @@ def main():
 
     import cuflux
     from cuflux import kernels
+    from cuflux.bench.common import hold_stream
 
     world = cuflux.init()
     s = cupy.cuda.Stream(non_blocking=True)
-    rows = []
-
     def row(label, us):
-        rows.append((label, us))
         print(f"{label:60s} {us:8.2f} us", flush=True)
 
     with s:
@@ -119,7 +115,7 @@ def main():
             a = cupy.ones((M, K), dtype=cupy.float16)
             w = cupy.ones((N, K), dtype=cupy.float16)
             row(f"cupy.matmul(a, w.T) {M}x{N}x{K} (host)", per_call_us(
-                lambda: cupy.matmul(a, w.T), 200, hold=None))
+                lambda: cupy.matmul(a, w.T), 200))
             from cupy.cuda import cublas
             from cupy.cuda import device as cdev
 
@@ -193,12 +189,9 @@ def main():
         if "only" in label or "gemm" in label:
             continue
         s.synchronize()
-        hold = lambda: None  # noqa: E731
-        from cuflux.bench.common import hold_stream
-
         hold_stream(cupy.cuda.get_current_stream(), 20000)
         hold_stream(s, 20000)
-        row(f"host only (GPU held): {label}", per_call_us(fn, 200, hold=hold))
+        row(f"host only (GPU held): {label}", per_call_us(fn, 200))
         cupy.cuda.runtime.deviceSynchronize()
     for label, fn in ops.items():
         pr = cProfile.Profile()
