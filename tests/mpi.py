@@ -34,6 +34,7 @@ def gpu_available() -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
 def hopper() -> bool:
     """A GPU with the Hopper core's instructions (sm_90a) is present."""
     if not gpu_available():
