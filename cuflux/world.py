@@ -319,8 +319,8 @@ class HostGroup:
         """Raise ValueError on every rank if `value` differs between ranks (compares a hash)."""
         _check_same(lambda o, label: self.allgather(o, timeout_s, label), value, what)
 
-    def exchange_digest(self, digest: int, timeout_s: float, what: str = "exchange_digest",
-                        tag: int = _DIGEST_TAG) -> list[int]:
+    def exchange_digest(self, digest: int, timeout_s: float,
+                        what: str = "exchange_digest") -> list[int]:
         """Every rank's 64-bit digest, in rank order: nonblocking point-to-point messages on
         their own tag, polled against the deadline. On expiry the receives are cancelled and
         CommTimeoutError names the lowest rank that did not send; the group stays usable (the
@@ -332,8 +332,8 @@ class HostGroup:
         theirs = np.zeros(W, dtype=np.uint64)
         theirs[me] = mine[0]
         peers = [p for p in range(W) if p != me]
-        sends = [comm.Isend(mine, dest=p, tag=tag) for p in peers]
-        recvs = {p: comm.Irecv(theirs[p:p + 1], source=p, tag=tag) for p in peers}
+        sends = [comm.Isend(mine, dest=p, tag=_DIGEST_TAG) for p in peers]
+        recvs = {p: comm.Irecv(theirs[p:p + 1], source=p, tag=_DIGEST_TAG) for p in peers}
         deadline = time.monotonic() + timeout_s
         while recvs:
             for p in [p for p, r in recvs.items() if r.Test()]:
@@ -552,8 +552,8 @@ class TorchGroup(HostGroup):
                 raise self._failure
         return [item[3] for item in got]
 
-    def exchange_digest(self, digest: int, timeout_s: float, what: str = "exchange_digest",
-                        tag: int = _DIGEST_TAG) -> list[int]:
+    def exchange_digest(self, digest: int, timeout_s: float,
+                        what: str = "exchange_digest") -> list[int]:
         """Every rank's 64-bit digest (an allgather: gloo keeps no per-tag queues)."""
         return [int(v) for v in self.allgather(int(digest), timeout_s, what)]
 

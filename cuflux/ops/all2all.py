@@ -39,7 +39,6 @@ BLOCKS_PER_SM = 2      # num_sms SMs -> num_sms * BLOCKS_PER_SM blocks (1024 thr
 FLAG_BYTES = 128       # one flag slot per (sender, block); kFlagWords in the .cu
 STATUS_MISMATCH = 3    # kStatusMismatch in the .cu: a peer's call had other arguments
 CACHE_MAX = 1024       # distinct token lists remembered (checked across ranks, uploaded)
-CHECK_TAG = 7301       # MPI tag of the per-distinct-call argument check (on the op's own comm)
 MEMCPY_DEFAULT = 4     # cudaMemcpyDefault
 MAX_ROWS = 2**31 - 1   # rows per kernel (u32 row indices in the .cu)
 W1_PATHS = ("pdl", "memcpy", "kernel")  # All2AllHeads(w1=...): how a W = 1 call copies
@@ -388,8 +387,7 @@ class All2AllHeads(CommOp):
         me = self.spec.rank
         mine = call_digest(key)
         try:
-            theirs = self.comm.exchange_digest(mine, self.err.timeout_s, "argument check",
-                                               CHECK_TAG)
+            theirs = self.comm.exchange_digest(mine, self.err.timeout_s, "argument check")
         except CommTimeoutError as e:  # the op is failed: later calls raise it too
             self._host_failure(e, "checking a new tokens_per_rank list (the peer did not make "
                                   "this call, or passed a list it had used before while this one "
