@@ -102,7 +102,7 @@ class StreamWaiter:
         run); the op's error record says the same through err.check()."""
         fault = self.fault
         if fault is not None:
-            op = {v: k for k, v in E.OP_CODES.items()}.get(self.op_code, "op")
+            op = E._OP_NAMES.get(self.op_code, "op")
             raise CufluxError(f"{op}: the stream-wait watchdog failed: "
                               f"{type(fault).__name__}: {fault}") from fault
 
