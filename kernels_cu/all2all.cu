@@ -31,9 +31,11 @@
 // Symmetric layout (built by cuflux/ops/all2all.py:build_layout, regions 128-byte aligned):
 //   data0, data1    u8  [slot_bytes]          receive slots, batch*max_tokens*H*D*itemsize bytes
 //   scale0, scale1  f32 [batch*max_tokens*H]  receive slots of the scales
-//   flags           u32 [2][W][G][kFlagWords] flags[e % 2][p][j], 128 bytes each: word 0 = epoch of
-//                   the call whose rows block j of sender p has written here, word 1 = that call's
-//                   hash; G = ceil(grid / W)
+//   flags           u32 [2][W][G][kFlagWords] flags[e % 2][p][j], 128 bytes each: words 0-1 = the
+//                   u64 epoch of the call whose rows block j of sender p has written here, word
+//                   2 = that call's hash; G = ceil(grid / W). 64-bit: the epoch lives on the
+//                   device (nothing could re-arm under a replayed graph), and a slot of a block
+//                   a small grid does not reach must never compare as reached, however long.
 // Sync points. Double buffering instead of a start barrier: call e uses slot and flags e % 2.
 //   The epoch lives in device memory (state[0], completed by a2a_wait), so calls captured in a
 //   CUDA graph replay with fresh epochs.
@@ -49,6 +51,7 @@ namespace cuflux {
 namespace a2a {
 
 constexpr u32 kFlagWords = 32;      // one 128-byte flag slot per (sender, block)
+constexpr u32 kHashWord = 2;        // after the u64 epoch
 constexpr u32 kStatusMismatch = 3;  // error record status: a peer's call had other arguments
 constexpr int kUnroll = 4;          // rows in flight per thread: enough bytes in flight for HBM
 constexpr int kMaxThreads = 1024;
@@ -135,11 +138,11 @@ template <int kVec, bool kGather>
 __global__ void __launch_bounds__(kMaxThreads) a2a_push(
     const u8* __restrict__ src, const u8* __restrict__ src_scale, u8* local_dst,
     u8* local_dst_scale, const u64* __restrict__ bases, u64 data_off0, u64 data_off1,
-    u64 scale_off0, u64 scale_off1, u64 flags_off0, u64 flags_off1, const u32* state,
+    u64 scale_off0, u64 scale_off1, u64 flags_off0, u64 flags_off1, const u64* state,
     const int* __restrict__ prefix, u32 me, u32 world, u32 batch, u64 row_bytes, u32 scale_cols,
     u32 scale_per_head, u32 call_hash) {
   const u32 t = blockIdx.x % world, worker = blockIdx.x / world;
-  const u32 epoch = *reinterpret_cast<const volatile u32*>(state) + 1;
+  const u64 epoch = *reinterpret_cast<const volatile u64*>(state) + 1;
   const bool odd = epoch & 1u;
   const u64 data_off = odd ? data_off1 : data_off0, scale_off = odd ? scale_off1 : scale_off0;
   const u64 flags_off = odd ? flags_off1 : flags_off0;
@@ -175,8 +178,8 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
     u32* flag = reinterpret_cast<u32*>(bases[t] + flags_off) +
                 (static_cast<u64>(me) * G + worker) * kFlagWords;
     fence_acq_rel_sys();
-    st_relaxed_sys(flag + 1, call_hash);
-    st_release_sys(flag, epoch);
+    st_relaxed_sys(flag + kHashWord, call_hash);
+    st_release_sys(reinterpret_cast<u64*>(flag), epoch);
   }
 }
 
@@ -184,17 +187,17 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
 // parity e % 2, e = state[0] + 1. Waits for every block each peer dealt to us; on timeout or a
 // hash mismatch records who and stops waiting (the host raises). Last, it completes the call's
 // epoch (state[0] = e): a2a_copy_out, after it on the stream, reads the parity from there.
-extern "C" __global__ void a2a_wait(const u32* flags0, const u32* flags1, u32* state, u32 me,
+extern "C" __global__ void a2a_wait(const u32* flags0, const u32* flags1, u64* state, u32 me,
                                     u32 world, u32 grid, u32 call_hash, u32* err, u32* err_claim,
                                     u64 timeout_ns, u32 op) {
-  __shared__ u32 s_epoch;
+  __shared__ u64 s_epoch;
   __shared__ volatile int s_failed;
   if (threadIdx.x == 0) {
-    s_epoch = *reinterpret_cast<const volatile u32*>(state) + 1;
+    s_epoch = *reinterpret_cast<const volatile u64*>(state) + 1;
     s_failed = 0;
   }
   __syncthreads();
-  const u32 epoch = s_epoch;
+  const u64 epoch = s_epoch;
   const u32* flags = (epoch & 1u) ? flags1 : flags0;
   const WaitSite site{err, err_claim, timeout_ns, op, me};
   const u32 G = (grid + world - 1) / world;
@@ -203,11 +206,11 @@ extern "C" __global__ void a2a_wait(const u32* flags0, const u32* flags1, u32* s
     const u32 p = i / g_me, j = i % g_me;
     if (p == me) continue;
     const u32* flag = flags + (static_cast<u64>(p) * G + j) * kFlagWords;
-    if (!wait_flag_acquire(flag, epoch, site, p, i)) {
+    if (!wait_flag_acquire(reinterpret_cast<const u64*>(flag), epoch, site, p, i)) {
       s_failed = 1;
       break;
     }
-    const u32 hash = ld_relaxed_sys(flag + 1);  // after the acquire: the sender's hash of call e
+    const u32 hash = ld_relaxed_sys(flag + kHashWord);  // after the acquire: the sender's hash of call e
     if (hash != call_hash) {
       record_error(site, kStatusMismatch, p, hash, call_hash, i);
       s_failed = 1;
@@ -225,9 +228,9 @@ extern "C" __global__ void a2a_wait(const u32* flags0, const u32* flags1, u32* s
 template <int kVec>
 __global__ void __launch_bounds__(kMaxThreads) a2a_copy_out(
     const u8* slot0, const u8* slot1, u8* out, u64 row_bytes, const u8* slot_scale0,
-    const u8* slot_scale1, u8* out_scale, u64 scale_row_bytes, const u32* state, u32 num_rows,
+    const u8* slot_scale1, u8* out_scale, u64 scale_row_bytes, const u64* state, u32 num_rows,
     u32 n_keep, u32 skip_at, u32 skip_len) {
-  const bool odd = *reinterpret_cast<const volatile u32*>(state) & 1u;
+  const bool odd = *reinterpret_cast<const volatile u64*>(state) & 1u;
   const u8* __restrict__ slot = odd ? slot1 : slot0;
   const u8* __restrict__ slot_scale = odd ? slot_scale1 : slot_scale0;
   const SkipMap map{n_keep, skip_at, skip_len};

@@ -23,8 +23,10 @@
 //   stage[2][max_elems]   this rank's x, double-buffered by call parity (epoch & 1)
 //   tmp_out[max_elems]    two-shot: finished rows of this rank's slice, for peers to pull
 //   tmp_res[max_elems]    two-shot replicated: new residual rows of this rank's slice
-//   start[max_blocks][stride], mid[max_blocks][stride]   u32 epochs; slot [b][p] lives in the
+//   start[max_blocks][stride], mid[max_blocks][stride]   u64 epochs; slot [b][p] lives in the
 //                         memory of the rank that waits and is written by rank p's block b.
+//                         64-bit: a block slot the grid does not reach goes unwritten for as
+//                         long as calls stay small, and must never compare as reached.
 //
 // One-shot (small T). Block b of a G-block grid owns rows t = b (mod G) of all T rows.
 //   stage own rows -> START barrier -> pull those rows from every rank's stage, reduce,
@@ -121,19 +123,19 @@ __device__ __forceinline__ void copy_rows(T* dst, const T* src, Slice s, int col
 // acquires the flag; the acquire makes every peer's such stores visible to this block's
 // loads after it. `which` (0 START, 1 MID) only labels a timeout.
 __device__ __forceinline__ bool block_barrier(const u64* s_base, u64 flags_off, int stride,
-                                              int world_size, int me, u32 e, const WaitSite& site,
+                                              int world_size, int me, u64 e, const WaitSite& site,
                                               int which, int* s_failed) {
   __syncthreads();  // the whole block's stores precede the releases below
   const int b = blockIdx.x;
   for (int p = threadIdx.x; p < world_size; p += blockDim.x) {
     if (p == me) continue;
-    u32* slot = reinterpret_cast<u32*>(s_base[p] + flags_off) + static_cast<u64>(b) * stride + me;
+    u64* slot = reinterpret_cast<u64*>(s_base[p] + flags_off) + static_cast<u64>(b) * stride + me;
     st_release_sys(slot, e);
   }
   for (int p = threadIdx.x; p < world_size; p += blockDim.x) {
     if (p == me) continue;
-    const u32* slot =
-        reinterpret_cast<const u32*>(s_base[me] + flags_off) + static_cast<u64>(b) * stride + p;
+    const u64* slot =
+        reinterpret_cast<const u64*>(s_base[me] + flags_off) + static_cast<u64>(b) * stride + p;
     const u32 index = static_cast<u32>((which * gridDim.x + b) * world_size + p);
     if (!wait_flag_acquire(slot, e, site, p, index)) *s_failed = 1;
   }
@@ -231,7 +233,7 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
     const T* __restrict__ x, T* __restrict__ out, T* __restrict__ residual,
     const T* __restrict__ weight, const u64* __restrict__ bases, u64 stage_off,
     u64 stage_parity_bytes, u64 tmp_out_off, u64 tmp_res_off, u64 start_off, u64 mid_off,
-    int flag_stride, u32* state, int rows, int cols, long long num_elems, int world_size,
+    int flag_stride, u64* state, int rows, int cols, long long num_elems, int world_size,
     int rank, float eps, u32* err, u32* err_claim, u64 timeout_ns, u32 op) {
   constexpr bool kNorm = kMode != kPlain;
   static_assert(kTwoShot || kMode == kPlain || kMode == kReplicated,
@@ -240,17 +242,17 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
   float* s_h = reinterpret_cast<float*>(smem4);  // [kElems][cols / kElems] (norm modes)
   u64* s_base = reinterpret_cast<u64*>(smem4 + (kNorm ? (cols + 3) / 4 : 0));
   __shared__ float s_scratch[32];
-  __shared__ u32 s_epoch;
+  __shared__ u64 s_epoch;
   __shared__ int s_failed;
 
   const int W = world_size, me = rank;
   if (threadIdx.x == 0) {
-    s_epoch = *reinterpret_cast<volatile u32*>(state) + 1;
+    s_epoch = *reinterpret_cast<volatile u64*>(state) + 1;
     s_failed = 0;
   }
   for (int p = threadIdx.x; p < W; p += blockDim.x) s_base[p] = bases[p];
   __syncthreads();
-  const u32 e = s_epoch;
+  const u64 e = s_epoch;
   const WaitSite site{err, err_claim, timeout_ns, op, static_cast<u32>(me)};
   const Slice all{0, rows};
   const Slice mine = kTwoShot ? token_slice(rows, W, me) : all;
@@ -294,7 +296,7 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
   // Every block, failed or not, counts itself out; the last one advances the epoch. Each block
   // read the epoch before counting, so no block of this call can see the new value.
   __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(state + 1, 1u) == gridDim.x - 1) {
+  if (threadIdx.x == 0 && atomicAdd(state + 1, 1ull) == gridDim.x - 1) {
     state[1] = 0;
     state[0] = e;
   }

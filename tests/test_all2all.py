@@ -354,6 +354,44 @@ def test_back_to_back_1000_calls(W):
 
 
 @on_ranks
+def epochs_past_32_bits(world, seed):
+    """The device epoch (and the host's parity count) seeded past 2^31 and just below 2^32
+    (#19 item 6), the flags fresh (0): with 32-bit flags a slot still 0 compares as reached past
+    2^31, so a rank would copy its slot out before a late peer pushed. The last rank sleeps before
+    every call to open that window; every result is checked bit for bit."""
+    import cupy
+
+    W, me = world.size, world.rank
+    H, D, max_tokens = 2 * W, 64, 16
+    done = 0
+    with All2AllHeads(world, max_tokens, H, D, "bfloat16", num_sms=4, timeout_s=60) as op:
+        for seed_epoch in ((1 << 31) + 5, (1 << 32) - 2):
+            op.synchronize()
+            world.barrier()  # nothing of the op in flight anywhere before the epoch moves
+            op.state[0] = seed_epoch
+            op.epoch = seed_epoch  # the host's count picks the parity of views
+            for i in range(4):
+                tokens = [(i * 5 + r * 3) % max_tokens + 1 for r in range(W)]
+                xs = [_data((1, tokens[r], H, D), "bfloat16", seed, seed_epoch, i, r)
+                      for r in range(W)]
+                if me == W - 1:
+                    time.sleep(0.2)
+                y = op.scatter_heads(cupy.asarray(xs[me]), tokens, view=bool(i % 2))
+                op.synchronize()
+                _same_bits(y, reference_scatter_heads(xs, tokens, W)[me],
+                           f"rank {me} epoch {seed_epoch + i + 1} tokens {tokens}")
+                done += 1
+            assert int(op.state[0]) == seed_epoch + 4
+    return done
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [w for w in WS if w > 1])
+def test_epochs_past_32_bits_never_pass_an_unwritten_flag(W):
+    assert epochs_past_32_bits.run(W, timeout_s=300, seed=fresh_seed()) == [8] * W
+
+
+@on_ranks
 def timeout(world, seed, timeout_s=2.0):
     """The last rank skips a call: the others raise CommTimeoutError naming op, rank and peer
     within timeout + 1 s, whether the call's arguments were checked before (the device wait

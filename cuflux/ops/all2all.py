@@ -307,7 +307,7 @@ class All2AllHeads(CommOp):
         import cupy
 
         with world.device_context():
-            self.state = cupy.zeros(1, dtype=cupy.uint32)  # [epoch of the last completed call]
+            self.state = cupy.zeros(1, dtype=cupy.uint64)  # [epoch of the last completed call]
         self._captured = False  # once captured, the host no longer knows the device's epoch
         self._row_bytes = self.spec.row_bytes
         self._plans: collections.OrderedDict = collections.OrderedDict()

@@ -207,15 +207,17 @@ class _P2PReduce(CommOp):
                 layout.add("tmp_out", (padded,), self.dtype.storage)
             if self.two_shot_ok and mode == "replicated":
                 layout.add("tmp_res", (padded,), self.dtype.storage)
-        self.flag_stride = -(-W // 32) * 32  # 128-byte slot per block
-        layout.add("start", (self.max_blocks, self.flag_stride), np.uint32)
-        layout.add("mid", (self.max_blocks, self.flag_stride), np.uint32)
+        # u64 epochs (the epoch lives on the device: nothing could re-arm 32-bit flags under a
+        # replayed graph), a 128-byte slot per block.
+        self.flag_stride = -(-W // 16) * 16
+        layout.add("start", (self.max_blocks, self.flag_stride), np.uint64)
+        layout.add("mid", (self.max_blocks, self.flag_stride), np.uint64)
         self.layout = layout
         self._offsets = {n: r.offset for n, r in layout.regions.items()}
         self._stage_parity_bytes = padded * self.dtype.itemsize
         self._alloc(layout)
         with world.device_context():
-            self.state = cupy.zeros(2, dtype=cupy.uint32)  # [epoch, blocks finished this call]
+            self.state = cupy.zeros(2, dtype=cupy.uint64)  # [epoch, blocks finished this call]
         # eager: nothing may load a module while peers spin
         self.module = kernels.load(_SRC, world.device)
         self._static_args()

@@ -4,7 +4,11 @@
 //   writer: data stores, then st_release_sys(flag, epoch)  -> the data is visible before the flag;
 //   reader: wait_flag_acquire(flag, epoch, ...) then reads  -> reads see what the writer stored.
 // Flags are epoch counters (call i writes i) and are compared with wrap-around arithmetic, so
-// nothing resets them between calls. A rank waits only on flags in its own memory; peers write
+// nothing resets them between calls. Two widths: 32-bit flags for ops whose host counts the
+// calls (CommOp re-arms them every 2^30 calls, long before a stale slot could compare as
+// reached at 2^31), 64-bit flags for ops whose epoch lives in device memory (AllReduce,
+// All2AllHeads: a replayed CUDA graph calls them without the host, so nothing could re-arm;
+// 2^63 calls never come). A rank waits only on flags in its own memory; peers write
 // them remotely through IPC pointers (no peer atomics: they fail over PCIe).
 //
 // Every wait is bounded by a wall-clock budget read from %globaltimer (nanoseconds; unlike
@@ -36,6 +40,14 @@ __device__ __forceinline__ u32 ld_relaxed_sys(const u32* p) {
 __device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
   asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
+__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
+  u64 v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
 __device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) {
   asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
 }
@@ -47,9 +59,12 @@ __device__ __forceinline__ u64 globaltimer_ns() {
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
-// Epochs wrap at 2^32: "reached" means the signed distance is not negative.
+// "Reached" means the signed distance is not negative (wrap-around safe within half the range).
 __device__ __forceinline__ bool epoch_reached(u32 observed, u32 expected) {
   return static_cast<int>(observed - expected) >= 0;
+}
+__device__ __forceinline__ bool epoch_reached(u64 observed, u64 expected) {
+  return static_cast<long long>(observed - expected) >= 0;
 }
 
 // ---- error record -----------------------------------------------------------------------------
@@ -89,10 +104,12 @@ __device__ __forceinline__ bool op_failed(const WaitSite& s) {
 }
 
 // Spin (one thread) until *flag has reached `expected`, with acquire semantics at system scope.
-// Returns false on timeout or abort, after recording who waited for whom.
-__device__ __forceinline__ bool wait_flag_acquire(const u32* flag, u32 expected, const WaitSite& s,
-                                                  u32 peer, u32 index) {
-  u32 v = ld_acquire_sys(flag);
+// Returns false on timeout or abort, after recording who waited for whom (the error record keeps
+// the low 32 bits of a 64-bit epoch).
+template <typename E>
+__device__ __forceinline__ bool wait_epoch_acquire(const E* flag, E expected, const WaitSite& s,
+                                                   u32 peer, u32 index) {
+  E v = ld_acquire_sys(flag);
   if (epoch_reached(v, expected)) return true;
   const u64 start = globaltimer_ns();
   for (u32 iter = 1;; ++iter) {
@@ -101,12 +118,21 @@ __device__ __forceinline__ bool wait_flag_acquire(const u32* flag, u32 expected,
     if ((iter & 255u) == 0u) {
       if (op_failed(s)) return false;  // someone already reported; leave quickly
       if (globaltimer_ns() - start > s.timeout_ns) {
-        record_error(s, kStatusTimeout, peer, v, expected, index);
+        record_error(s, kStatusTimeout, peer, static_cast<u32>(v), static_cast<u32>(expected),
+                     index);
         return false;
       }
       __nanosleep(128);  // ranks may time-share one GPU: let the writer's context run
     }
   }
+}
+__device__ __forceinline__ bool wait_flag_acquire(const u32* flag, u32 expected, const WaitSite& s,
+                                                  u32 peer, u32 index) {
+  return wait_epoch_acquire<u32>(flag, expected, s, peer, index);
+}
+__device__ __forceinline__ bool wait_flag_acquire(const u64* flag, u64 expected, const WaitSite& s,
+                                                  u32 peer, u32 index) {
+  return wait_epoch_acquire<u64>(flag, expected, s, peer, index);
 }
 
 }  // namespace cuflux
