@@ -6,8 +6,8 @@ import ctypes
 import numpy as np
 
 __all__ = ["CufluxError", "CommTimeoutError", "CudaError", "CompileError", "CaptureError",
-           "NoDeviceError", "CudaSetupError",
-           "ErrorRecord", "OP_CODES"]
+           "NoDeviceError", "CudaSetupError", "PeerFailedError",
+           "ErrorRecord", "FailureBoard", "OP_CODES"]
 
 # Op codes written by kernels into the error record (kernels receive them as an argument).
 OP_CODES = {
@@ -21,9 +21,13 @@ OP_CODES = {
 }
 _OP_NAMES = {v: k for k, v in OP_CODES.items()}
 
-# Words of the record; mirrors the enum in kernels_cu/include/cuflux/sync.cuh.
-STATUS, OP, RANK, PEER, OBSERVED, EXPECTED, INDEX, ABORT, NUM_WORDS = range(9)
+# Words of the record; mirrors the enum in kernels_cu/include/cuflux/sync.cuh. BOARD_* / PEERS_*:
+# 64-bit device pointers (low word first) of this rank's failure-board word and of the device
+# array of every rank's board word, WORLD their count (0: no board, W = 1).
+(STATUS, OP, RANK, PEER, OBSERVED, EXPECTED, INDEX, ABORT, BOARD_LO, BOARD_HI, PEERS_LO, PEERS_HI,
+ WORLD, NUM_WORDS) = range(14)
 STATUS_OK, STATUS_TIMEOUT, STATUS_ABORTED = 0, 1, 2
+STATUS_PEER_FAILED = 4  # a wait gave up: another rank failed the op and told this one (3: a2a)
 
 
 class CufluxError(RuntimeError):
@@ -62,6 +66,63 @@ class CommTimeoutError(CufluxError):
         super().__init__(msg)
 
 
+class PeerFailedError(CommTimeoutError):
+    """Another rank failed the op first (a wait of its timed out, or it aborted) and told every
+    rank through the op's failure board: this rank's calls of the op since are void, whatever
+    they returned; close or abort the op and build a new one."""
+
+    def __init__(self, op: str, rank: int, peer: int, seconds: float, first: int):
+        # peer: whom this rank was waiting for when it gave up (else `first`); first: the rank
+        # that failed the op first (-1: not known here).
+        self.op, self.rank, self.peer, self.seconds, self.first = op, rank, peer, seconds, first
+        who = f"rank {first}" if first >= 0 else "another rank"
+        head = (f"rank {rank} gave up waiting for rank {peer}: {who} failed the op and told "
+                f"every rank" if peer != first else f"{who} failed the op and told rank {rank}")
+        CufluxError.__init__(self, f"{op}: {head}; every call of it on rank {rank} since then is "
+                                   f"void (outputs may be partial): close or abort the op")
+
+
+class FailureBoard:
+    """One uint32 per rank that any rank of the op can write: 0 while the op is healthy, else
+    1 + the rank that failed it first. Host memory shared by the ranks of one machine
+    (SymmetricBuffer(memory="host")), so the host reads and writes it with plain loads and
+    stores and kernels reach every rank's word through mapped device pointers.
+
+    #19 item 1: the first rank to fail an op (a device wait timed out, a host exchange timed
+    out, the stream-wait watchdog expired a wait, or abort()) tells every peer at once; a told
+    rank's waits give up at their next check (sync.cuh op_failed), its host refuses new calls,
+    and synchronize() raises PeerFailedError instead of returning outputs a late peer may have
+    half written.
+
+    host_addrs: each rank's word as seen by this process (host addresses); dev_word: this
+    rank's word as a device pointer; dev_table: device array of the W words' device pointers.
+    """
+
+    def __init__(self, rank: int, host_addrs, dev_word: int = 0, dev_table: int = 0):
+        self.rank, self.world_size = rank, len(host_addrs)
+        self.dev_word, self.dev_table = dev_word, dev_table
+        self._words = [ctypes.c_uint32.from_address(a) for a in host_addrs]
+
+    def told(self) -> int:
+        """-1 while nobody failed the op, else the rank that failed it first (as told here)."""
+        return self._words[self.rank].value - 1
+
+    def tell(self, failed_rank: int | None = None) -> None:
+        """Write 1 + failed_rank (default: this rank) into every rank's word not yet written,
+        this rank's own included (CPU stores into shared pages: nothing queued on a GPU)."""
+        v = (self.rank if failed_rank is None else failed_rank) + 1
+        for w in self._words:
+            if w.value == 0:
+                w.value = v
+
+    def clear(self) -> None:
+        self._words[self.rank].value = 0
+
+    def detach(self) -> None:
+        """Forget the mapped words (before the pages are unmapped)."""
+        self._words = [ctypes.c_uint32(0) for _ in self._words]
+
+
 class ErrorRecord:
     """NUM_WORDS uint32 in pinned, mapped host memory plus a device claim word.
 
@@ -71,6 +132,7 @@ class ErrorRecord:
 
     fault: BaseException | None = None  # set by a watchdog whose thread failed
     host_detail: str = ""               # set when a host exchange of the op failed it
+    board: FailureBoard | None = None   # the op's failure board (W > 1), attach_board()
 
     def __init__(self, op: str, rank: int, timeout_s: float):
         import cupy
@@ -101,14 +163,42 @@ class ErrorRecord:
         self.host_detail = detail
         self.words[OP], self.words[RANK], self.words[PEER] = op_code, self.rank, max(peer, 0)
         self.words[STATUS] = STATUS_TIMEOUT
+        self.tell()
+
+    def attach_board(self, board: FailureBoard) -> None:
+        """Give the kernels (through the record's words) and the host the op's board."""
+        self.board = board
+        w = self.words
+        w[BOARD_LO], w[BOARD_HI] = board.dev_word & 0xFFFFFFFF, board.dev_word >> 32
+        w[PEERS_LO], w[PEERS_HI] = board.dev_table & 0xFFFFFFFF, board.dev_table >> 32
+        w[WORLD] = board.world_size
+
+    def detach_board(self) -> None:
+        """Before the board's pages are unmapped: kernels and the host stop using it."""
+        if self.board is not None:
+            if self.words is not None:
+                self.words[BOARD_LO:NUM_WORDS] = 0
+            self.board.detach()
+
+    def tell(self) -> None:
+        """Tell every rank of the op that this rank failed it (no-op without a board)."""
+        if self.board is not None:
+            self.board.tell()
 
     def failed(self) -> bool:
-        return self._status.value != STATUS_OK  # the status word alone (the watchdog polls it)
+        # The status word and the board word alone (the watchdog polls them): ~0.1 us.
+        return self._status.value != STATUS_OK or (self.board is not None
+                                                   and self.board.told() >= 0)
 
     def check(self) -> None:
-        """Raise CommTimeoutError if a device wait of this op has failed."""
+        """Raise CommTimeoutError if a device wait of this op has failed, PeerFailedError if
+        another rank failed the op and told this one."""
         if self._status.value == STATUS_OK:
-            return
+            told = -1 if self.board is None else self.board.told()
+            if told < 0:
+                return
+            if told != self.rank:
+                raise PeerFailedError(self.op, self.rank, told, self.timeout_s, told)
         if self.fault is not None:  # the stream-wait watchdog thread died
             raise CufluxError(f"{self.op}: the stream-wait watchdog failed: {self.fault!r}") \
                 from self.fault
@@ -116,18 +206,25 @@ class ErrorRecord:
         if w[STATUS] == STATUS_OK:
             return
         name = _OP_NAMES.get(w[OP], self.op)
+        if w[STATUS] == STATUS_PEER_FAILED:
+            raise PeerFailedError(name, w[RANK], w[PEER], self.timeout_s,
+                                  -1 if self.board is None else self.board.told())
         detail = self.host_detail or (f"flag {w[INDEX]}: observed epoch {w[OBSERVED]}, "
                                       f"expected {w[EXPECTED]}")
         raise CommTimeoutError(name, w[RANK], w[PEER], self.timeout_s, detail)
 
     def reset(self) -> None:
         """Clear a reported failure (after the caller handled it) so the op can run again."""
-        self.words[:] = 0
+        self.words[:BOARD_LO] = 0
+        if self.board is not None:
+            self.board.clear()
         self.claim.fill(0)
 
     def abort(self) -> None:
-        """Release every waiter of this op: they return at their next timer check."""
+        """Release every waiter of this op (they return at their next timer check) and tell
+        every peer: this rank is leaving the op."""
         self.words[ABORT] = 1
+        self.tell()
 
     def close(self) -> None:
         if self._host_ptr:

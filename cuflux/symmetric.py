@@ -413,6 +413,13 @@ class SymmetricBuffer(Closeable):
     def local(self, name: str | None = None):
         return self.peer(self.world.rank, name)
 
+    def host_ptr(self, rank: int, name: str | None = None) -> int:
+        """memory="host": host address, in this process, of region `name` of rank's pages."""
+        if self.memory != "host":
+            raise CufluxError("SymmetricBuffer.host_ptr: only for memory='host'")
+        self._check_open()
+        return self._mem.host_address(self.base_ptrs[rank]) + self._region(name).offset
+
     def host_view(self, name: str | None = None) -> np.ndarray:
         """memory="host": NumPy view of this rank's region (CPU loads and stores)."""
         if self.memory != "host":

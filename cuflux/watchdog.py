@@ -148,9 +148,10 @@ class StreamWaiter:
             time.sleep(_POLL_S)
             w = self.err.words
             aborted = w is not None and int(w[E.ABORT]) != 0
-            # Once one wait of the op expired the op is failed: release every later wait as soon
-            # as its stream reaches it, so a dead peer costs one timeout, not one per flag.
-            failed = w is not None and int(w[E.STATUS]) != E.STATUS_OK
+            # Once one wait of the op expired (here, or on a rank that told this one through
+            # the op's failure board) the op is failed: release every later wait as soon as its
+            # stream reaches it, so a dead peer costs one timeout, not one per flag.
+            failed = w is not None and self.err.failed()
             with self._lock:
                 queues = list(self._pending.values())
             for q in queues:
@@ -169,7 +170,9 @@ class StreamWaiter:
                         item[2] = started = now
                     if not item[7] and (aborted or (started is not None and (
                             failed or now - started > self.err.timeout_s))):
-                        self._expire(item, E.STATUS_ABORTED if aborted else E.STATUS_TIMEOUT)
+                        self._expire(item, E.STATUS_ABORTED if aborted else
+                                     E.STATUS_TIMEOUT if now - started > self.err.timeout_s else
+                                     E.STATUS_PEER_FAILED)
                         item[7] = True  # released: it passes shortly and is popped then
                     break
 
@@ -180,6 +183,7 @@ class StreamWaiter:
             w[E.OP], w[E.RANK], w[E.PEER] = self.op_code, self.err.rank, peer
             w[E.OBSERVED], w[E.EXPECTED], w[E.INDEX] = observed, expected, index
             w[E.STATUS] = status
+            self.err.tell()  # every peer's queued work of the op gives up too (#19 item 1)
 
     def _expire(self, item, status: int) -> None:
         host = item[8] if len(item) > 8 else None
@@ -233,6 +237,7 @@ class StreamWaiter:
                 w[E.OBSERVED], w[E.EXPECTED], w[E.INDEX] = _UNKNOWN, _UNKNOWN, _UNKNOWN
                 w[E.STATUS] = E.STATUS_ABORTED
             w[E.ABORT] = 1  # kernel waits of the op give up too
+            self.err.tell()
 
     def _fail(self, exc: BaseException) -> None:
         """The thread is dying: keep the exception, fail the op, release what the CPU can."""

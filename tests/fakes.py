@@ -38,3 +38,6 @@ class FakeErrorRecord:
         from cuflux import errors as E
 
         return int(self.words[E.STATUS]) != 0
+
+    def tell(self):
+        """ErrorRecord.tell: this fake has no failure board (W = 1)."""

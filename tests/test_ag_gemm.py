@@ -887,6 +887,7 @@ def _fake_env(monkeypatch, sim):
     monkeypatch.setattr(op_base, "ErrorRecord", lambda op, rank, timeout_s: _Err(sim, op, rank,
                                                                               timeout_s))
     monkeypatch.setattr(op_base, "sm_count", lambda device: 132)
+    monkeypatch.setattr(op_base, "failure_board", lambda world, comm: (None, None))  # host pages
     monkeypatch.setattr(op_base, "current_device", lambda: 0)  # the op's device (world.device)
     monkeypatch.setattr(kernels, "load", lambda *a, **k: None)
     monkeypatch.setattr(kernels, "device_arch", lambda device=None: "sm_90a")

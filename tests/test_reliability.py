@@ -45,7 +45,7 @@ def _outcome(fn):
         result = fn()
     except Exception as e:
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0,
-                "peer": getattr(e, "peer", None)}
+                "peer": getattr(e, "peer", None), "first": getattr(e, "first", None)}
     return {"error": None, "result": result, "seconds": time.monotonic() - t0}
 
 
@@ -226,7 +226,123 @@ def test_watchdog_releases_by_cpu_with_one_hardware_queue(monkeypatch):
     assert out["warned"], out
 
 
+# ---- the failure board (#19 item 1) -------------------------------------------------------------
+def _told_op(world, kind, bound_s):
+    """(op, call) of a small op of `kind` whose call makes every rank wait for every other."""
+    import cupy
+
+    W, me = world.size, world.rank
+    if kind == "allreduce":
+        op = cuflux.AllReduce(world, 1 << 14, "float32", timeout_s=bound_s)
+        x = cupy.ones(1 << 14, cupy.float32)
+        return op, lambda: op(x)
+    if kind == "all2all":
+        op = cuflux.All2AllHeads(world, 16, 2 * W, 64, "float16", timeout_s=bound_s)
+        x = cupy.ones((1, 16, 2 * W, 64), cupy.float16)
+        return op, lambda: op.scatter_heads(x, [16] * W)
+    if kind == "allgather":  # copy engines behind stream waits: the watchdog tells
+        op = cuflux.AllGather(world, 16, 128, "float32", mode="push", timeout_s=bound_s)
+        x = cupy.ones((16, 128), cupy.float32)
+        return op, lambda: op(x)
+    op = cuflux.GemmReduceScatter(world, 256 * W, 256, 64, "float16", timeout_s=bound_s,
+                                  route="fused")  # the fused kernel's tile waits
+    a, b = cupy.ones((256 * W, 64), cupy.float16), cupy.ones((64, 256), cupy.float16)
+    return op, lambda: op(a, b)
+
+
+@on_ranks
+def told_late_rank(world, kind, bound_s=1.0):
+    """The last rank sleeps past the timeout while its peers' calls wait for it. The first peer
+    to time out tells every rank through the op's failure board: every peer raises a
+    CommTimeoutError naming the late rank (PeerFailedError, a subclass, where it was told before
+    its own wait expired), and the late rank, whose call could otherwise find its peers' flags
+    and return, raises PeerFailedError at once naming the rank that failed first."""
+    W, me = world.size, world.rank
+    with world.device_context():
+        op, call = _told_op(world, kind, bound_s)
+
+        def call_and_sync():
+            call()
+            op.synchronize()
+
+        warm = _outcome(call_and_sync)  # every rank: arguments agreed, kernels loaded
+        world.barrier()
+        if me == W - 1:
+            time.sleep(bound_s + 2.0)
+        out = _outcome(call_and_sync)
+        again = _outcome(call)  # a failed op refuses, on every rank
+        op.abort()
+    world.barrier()
+    return {"warm": warm, "out": out, "again": again}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["allreduce", "all2all", "allgather", "gemm_rs"])
+@pytest.mark.parametrize("W", [w for w in WS if w > 1][:2])
+def test_a_late_rank_is_told_and_raises_instead_of_returning(W, kind):
+    res = told_late_rank.run(W, timeout_s=120, kind=kind, bound_s=1.0)
+    late = W - 1
+    for me, r in enumerate(res):
+        assert r["warm"]["error"] is None, (me, r)
+        out = r["out"]
+        if me == late:
+            assert out["error"] == "PeerFailedError" and out["first"] in range(W - 1), r
+            assert out["seconds"] < 0.5, r  # refused at the call: nothing launched
+        else:
+            assert out["error"] in ("CommTimeoutError", "PeerFailedError"), (me, r)
+            assert out["peer"] == late, (me, r)
+            assert out["seconds"] < 1.0 + GPU_SLACK_S, (me, r)
+        assert r["again"]["error"] in ("CommTimeoutError", "PeerFailedError"), (me, r)
+    # The rank that failed first timed out itself; it is the one the late rank names.
+    first = res[late]["out"]["first"]
+    assert res[first]["out"]["error"] == "CommTimeoutError", res
+
+
 # ==== CPU tests (no GPU needed, never skipped) ====================================================
+# ---- the failure board (#19 item 1) -------------------------------------------------------------
+def test_failure_board_keeps_the_first_teller_and_reaches_every_rank():
+    W = 4
+    pages = [(ctypes.c_uint32 * 1)() for _ in range(W)]  # each rank's word, "mapped" here
+    boards = [E.FailureBoard(r, [ctypes.addressof(p) for p in pages]) for r in range(W)]
+    assert [b.told() for b in boards] == [-1] * W
+    boards[2].tell()
+    assert [b.told() for b in boards] == [2] * W
+    boards[0].tell()  # a later teller does not overwrite the first
+    assert [b.told() for b in boards] == [2] * W
+    boards[1].clear()
+    assert boards[1].told() == -1 and boards[3].told() == 2
+    boards[3].tell(failed_rank=0)
+    assert boards[1].told() == 0 and boards[3].told() == 2
+    boards[3].detach()  # the pages may go: the board reads nothing of them any more
+    pages[3][0] = 7
+    assert boards[3].told() == -1
+
+
+def test_peer_failed_error_names_whom_it_waited_for_and_who_failed_first():
+    e = E.PeerFailedError("AllReduce", 1, 3, 2.0, 0)
+    assert isinstance(e, CommTimeoutError) and (e.rank, e.peer, e.first) == (1, 3, 0)
+    assert "rank 1 gave up waiting for rank 3: rank 0 failed the op" in str(e)
+    e = E.PeerFailedError("AllReduce", 1, 0, 2.0, 0)
+    assert "AllReduce: rank 0 failed the op and told rank 1; every call" in str(e)
+
+
+def test_watchdog_releases_waits_of_a_told_op_as_peer_failed(monkeypatch):
+    """A wait whose stream reached it while the op was failed elsewhere (told) is released
+    at once, recorded as STATUS_PEER_FAILED naming the peer it waited for, and tells on."""
+    err = FakeErrorRecord(timeout_s=30.0, rank=1)
+    told = {"v": False, "tells": 0}
+    err.failed = lambda: told["v"] or int(err.words[E.STATUS]) != 0
+    err.tell = lambda: told.__setitem__("tells", told["tells"] + 1)
+    host = (ctypes.c_uint32 * 1)()
+    w = watchdog.StreamWaiter.__new__(watchdog.StreamWaiter)
+    w.err, w.op_code = err, E.OP_CODES["test"]
+    item = [None, None, 0.0, 0x1000, 5, 2, 9, False, ctypes.addressof(host)]
+    w._expire(item, E.STATUS_PEER_FAILED)
+    assert host[0] == 5  # released by a CPU store
+    assert int(err.words[E.STATUS]) == E.STATUS_PEER_FAILED and int(err.words[E.PEER]) == 2
+    assert told["tells"] == 1
+
+
 # ---- bounded host collectives ------------------------------------------------------------------
 @on_ranks
 def late_rank(world, late, op="barrier", bound_s=1.0, sleep_s=None):

@@ -12,6 +12,13 @@ takes in the same order:
 
 Kernels take the error record as four trailing arguments (`self.err_args`: record pointer,
 claim word, timeout in ns, op code); they never change, so they are built once here.
+
+At W > 1 the op also holds a failure board (cuflux.errors.FailureBoard: a word per rank in host
+memory the op's ranks share, its pointers in the error record's words): whoever fails the op
+first, a kernel's wait, a host exchange, the stream-wait watchdog or abort(), writes it on every
+rank. Waits everywhere then give up at their next check, and every rank's next call and
+synchronize() raise (PeerFailedError on the ranks that were told), so a late but alive rank
+never returns outputs that its peers' queued work may have half overwritten.
 """
 from __future__ import annotations
 
@@ -22,7 +29,7 @@ import warnings
 import numpy as np
 
 from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError, ErrorRecord,
-                           NoDeviceError)
+                           FailureBoard, NoDeviceError)
 from cuflux.launch import current_device
 from cuflux.resource import Closeable
 from cuflux.world import check_timeout  # one check for every timeout_s (ops and World)
@@ -149,9 +156,30 @@ def check_no_alias(op: str, out, **inputs) -> None:
             raise ValueError(f"{op}: out overlaps {name} in memory; pass a separate output")
 
 
+def failure_board(world, comm):
+    """(buffer, FailureBoard) of a new op: one uint32 per rank in host memory shared by the op's
+    ranks (collective over the op's communicator, bounded); (None, None) at W = 1."""
+    if world.size == 1:
+        return None, None
+    from cuflux.symmetric import Layout
+
+    layout = Layout()
+    layout.add("failed", (1,), np.uint32)
+    buf = world.alloc_layout(layout, group=comm, memory="host")
+    try:
+        board = FailureBoard(world.rank, [buf.host_ptr(r, "failed") for r in range(world.size)],
+                             buf.ptr(world.rank, "failed"), buf.ptrs_dev.data.ptr)
+    except BaseException:
+        buf.close(abort=True, streams=())
+        raise
+    return buf, board
+
+
 class CommOp(Closeable):
     """Base of the collective ops. Subclasses set `self.buf` (a SymmetricBuffer, or None) and
     free whatever else they own in `_free()`; `close()` is collective (every rank calls it)."""
+
+    board_buf = None  # the failure board's symmetric buffer (W > 1; failure_board)
 
     def __init__(self, world, op: str, timeout_s: float):
         """Collective: every rank builds its ops in the same order (World.sub_comm checks it).
@@ -164,10 +192,16 @@ class CommOp(Closeable):
         self.timeout_s = timeout_s
         self.buf = None
         self.comm = world.sub_comm(op, timeout_s)  # the op's own communicator, agreed id
+        self.err = None
         try:
             with world.device_context():
                 self.err = ErrorRecord(op, world.rank, timeout_s)
+                self.board_buf, board = failure_board(world, self.comm)
+            if board is not None:
+                self.err.attach_board(board)
         except BaseException:
+            if self.err is not None:
+                self.err.close()
             self.comm.free()
             raise
         self.err_args = (np.uint64(self.err.ptr), self.err.claim, np.uint64(self.err.timeout_ns),
@@ -186,10 +220,18 @@ class CommOp(Closeable):
             with self.world.device_context():
                 self.buf = self.world.alloc_layout(layout, group=self.comm)
         except BaseException:
-            self.err.close()
-            self.comm.free()
+            self._undo_init()
             raise
         return self.buf
+
+    def _undo_init(self) -> None:
+        """A constructor failing after CommOp.__init__ (every rank fails it: set-up is agreed):
+        free the board, the error record and the communicator. Nothing was launched."""
+        if self.board_buf is not None:
+            self.err.detach_board()
+            self.board_buf.close(abort=True, streams=())
+        self.err.close()
+        self.comm.free()
 
     # ---- the call path -----------------------------------------------------------------------
     def _check_open(self) -> None:
@@ -271,9 +313,12 @@ class CommOp(Closeable):
         try:
             self.comm.check_close(self.timeout_s)
             self._free()
-            if self.buf is not None:
-                with self.world.device_context():
+            with self.world.device_context():
+                if self.buf is not None:
                     self.buf.close()
+                if self.board_buf is not None:  # every kernel of the op is done (buf.close)
+                    self.err.detach_board()
+                    self.board_buf.close()
         except CufluxError as e:  # a peer is dead or late, or the op's communicator failed
             warnings.warn(f"{self.op}: close() could not meet every rank ({e}); closed this "
                           f"rank's side locally (abort)", RuntimeWarning, stacklevel=3)
@@ -298,8 +343,11 @@ class CommOp(Closeable):
         finally:
             if self.buf is not None:
                 self.buf.close(abort=True, streams=self._streams())
+            if self.board_buf is not None:
+                # Kept mapped (leaked, a page): a kernel still queued reads it through the error
+                # record, which stays allocated for the same reason.
+                self.board_buf.close(abort=True, streams=None)
             self.comm.free()
-            # The error record stays allocated: a kernel still queued may write it.
 
     def _streams(self):
         """Streams this op's work may still be queued on: abort closes the peers' mappings only

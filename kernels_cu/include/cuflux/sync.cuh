@@ -71,11 +71,18 @@ __device__ __forceinline__ bool epoch_reached(u64 observed, u64 expected) {
 // One per op and rank, in pinned host memory, mirrored by cuflux/errors.py (ErrorRecord).
 // Words: [0] status (0 ok, 1 timeout, 2 aborted by host), [1] op code, [2] rank, [3] peer,
 // [4] observed, [5] expected, [6] flag index, [7] abort request (host writes 1 to release
-// every waiter, e.g. when it tears an op down after a failure).
+// every waiter, e.g. when it tears an op down after a failure), [8..9] device pointer of this
+// rank's failure-board word, [10..11] device pointer of the W board words' device pointers,
+// [12] W (0: no board). The board (cuflux/errors.py FailureBoard) is host memory shared by the
+// op's ranks: the first waiter to fail writes 1 + its rank into every rank's word, so queued and
+// running work of the op on every rank gives up at its next check instead of waiting out its
+// own timeout, and every rank's host raises (#19 item 1).
 // The claim word (device memory, one per record) makes sure only the first waiter writes.
-enum : u32 { kStatusOk = 0, kStatusTimeout = 1, kStatusAborted = 2 };
+// 3 is All2AllHeads' kStatusMismatch; kStatusPeerFailed: this rank's wait gave up because another
+// rank failed the op and told it (the record's peer: whom it was waiting for).
+enum : u32 { kStatusOk = 0, kStatusTimeout = 1, kStatusAborted = 2, kStatusPeerFailed = 4 };
 enum : int { kErrStatus = 0, kErrOp, kErrRank, kErrPeer, kErrObserved, kErrExpected, kErrIndex,
-             kErrAbort, kErrWords };
+             kErrAbort, kErrBoardLo, kErrBoardHi, kErrPeersLo, kErrPeersHi, kErrWorld, kErrWords };
 
 struct WaitSite {
   u32* err;         // error record (pinned host memory, kErrWords words)
@@ -94,13 +101,25 @@ __device__ __forceinline__ void record_error(const WaitSite& s, u32 status, u32 
     __threadfence_system();
     e[kErrStatus] = status;
     __threadfence_system();
+    // Tell every rank (this one included); a word already written keeps the first teller.
+    const u32 world = e[kErrWorld];
+    const u64* table = reinterpret_cast<const u64*>(
+        (static_cast<u64>(e[kErrPeersHi]) << 32) | e[kErrPeersLo]);
+    for (u32 p = 0; p < world && table != nullptr; ++p) {
+      volatile u32* word = reinterpret_cast<volatile u32*>(table[p]);
+      if (*word == 0u) *word = s.rank + 1u;
+    }
+    __threadfence_system();
   }
 }
 
-// True once the host asked to abort or another waiter of this op already failed.
+// True once the host asked to abort, another waiter of this op already failed, or another rank
+// failed the op and told this one (its board word). Host-mapped reads: called off the fast path.
 __device__ __forceinline__ bool op_failed(const WaitSite& s) {
   volatile const u32* e = s.err;
-  return e[kErrAbort] != 0u || e[kErrStatus] != 0u;
+  if (e[kErrAbort] != 0u || e[kErrStatus] != 0u) return true;
+  const u64 board = (static_cast<u64>(e[kErrBoardHi]) << 32) | e[kErrBoardLo];
+  return board != 0u && *reinterpret_cast<volatile const u32*>(board) != 0u;
 }
 
 // Spin (one thread) until *flag has reached `expected`, with acquire semantics at system scope.
@@ -116,7 +135,14 @@ __device__ __forceinline__ bool wait_epoch_acquire(const E* flag, E expected, co
     v = ld_acquire_sys(flag);
     if (epoch_reached(v, expected)) return true;
     if ((iter & 255u) == 0u) {
-      if (op_failed(s)) return false;  // someone already reported; leave quickly
+      if (op_failed(s)) {  // someone already reported, here or on a rank that told us: leave
+        // Record whom this wait was for, unless the host aborted (or ours already recorded:
+        // the record keeps its first writer).
+        if (s.err[kErrAbort] == 0u)
+          record_error(s, kStatusPeerFailed, peer, static_cast<u32>(v), static_cast<u32>(expected),
+                       index);
+        return false;
+      }
       if (globaltimer_ns() - start > s.timeout_ns) {
         record_error(s, kStatusTimeout, peer, static_cast<u32>(v), static_cast<u32>(expected),
                      index);
