@@ -15,6 +15,7 @@
 #   rs / rs2  GemmReduceScatter: most telling first / the rest           | gemm_rs W=1
 #   ag / ag2  AllGatherGemm: most telling first / the rest               | ag_gemm W=1
 #   graphs    CUDA-graph capture of every op, and the op base (CommOp)
+#   fail      a late rank told through the failure board; device epochs past 2^31 (W = 2, 4)
 #   torch     cuflux.torch layers, torch in / torch out, init over gloo; every example at W = 2
 #   examples  every scripts/examples/ script at W = 2 (mpirun)
 #   probe     the host-path probes (scripts/probe_host.py, scripts/probe_launch.py)
@@ -27,7 +28,7 @@
 # carried in .cubins/; cubins compiled here come back in $OUT/logs.tgz under cubins/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] || { sed -n 2,27p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,28p "$0"; exit 2; }
 OUT="${OUT:-$(pwd)/out}"; L="$OUT/logs"; mkdir -p "$L"; B="$L/bench.log"
 export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
@@ -60,6 +61,9 @@ tests_rs() {  # most telling first: bit-exact routing names the first wrong elem
 tests_rs2() { tests rs "$WS" 300 tests/test_gemm_rs.py -k "float_sweep or back_to_back or exact_routing"; }
 tests_ag() { tests ag 2 120 -x tests/test_ag_gemm.py -k "late_peer or (matches and sm90) or timeout"; }
 tests_ag2() { tests ag "$WS" 300 tests/test_ag_gemm.py -k "not late_peer"; }
+tests_fail() {  # #19: a late rank is told (failure board); device epochs past 2^31 and 2^32
+  tests fail 2,4 150 tests/test_reliability.py tests/test_allreduce.py tests/test_all2all.py \
+    -k "told or epochs_past"; }
 tests_graphs() { tests graphs "$WS" 300 tests/test_graphs.py tests/test_base.py; }
 tests_torch() { tests torch 1,2,4 180 tests/test_torch.py tests/test_all2all.py tests/test_allgather.py -k torch
   examples 2; }
