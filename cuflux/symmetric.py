@@ -136,6 +136,9 @@ class DeviceIpcMemory:
         """Every peer has opened the handle (nothing to do for device memory)."""
 
 
+_HOST_MAPS: dict[int, tuple] = {}  # SharedHostMemory's mappings, by device pointer
+
+
 class SharedHostMemory:
     """Pinned host memory shared by the ranks of one machine.
 
@@ -152,7 +155,11 @@ class SharedHostMemory:
 
     def __init__(self, device: int | None):
         self.device = device
-        self._maps: dict[int, tuple] = {}  # device pointer -> (mmap, anchor, host ptr, path)
+        # device pointer -> (mmap, anchor, host ptr, path), one dict for the process: a mapping
+        # lives until close() unregisters and unmaps it, never until its owner is collected
+        # (an unmap left registered makes the next mapping at that address fail to register,
+        # cudaErrorHostMemoryAlreadyRegistered, and a queued kernel could touch freed pages).
+        self._maps = _HOST_MAPS
 
     def _map(self, fd: int, num_bytes: int, path: str | None) -> int:
         from cuflux import driver
@@ -329,7 +336,7 @@ def establish(group, mem, num_bytes: int, what: str = "SymmetricBuffer", finish=
     return base, ptrs, opened
 
 
-def _stream_idle(s) -> bool:
+def stream_idle(s) -> bool:
     """cudaStreamQuery: has every piece of work queued on `s` finished? (never blocks)"""
     if hasattr(s, "done"):
         return bool(s.done)
@@ -465,7 +472,7 @@ class SymmetricBuffer(Closeable):
         self.close(abort=isinstance(exc, CommTimeoutError))
 
     def _abort(self, streams) -> None:
-        local_idle = streams is not None and all(_stream_idle(s) for s in streams)
+        local_idle = streams is not None and all(stream_idle(s) for s in streams)
         if local_idle:
             for p in self._opened:
                 try:

@@ -16,6 +16,8 @@
 #   ag / ag2  AllGatherGemm: most telling first / the rest               | ag_gemm W=1
 #   graphs    CUDA-graph capture of every op, and the op base (CommOp)
 #   fail      a late rank told through the failure board; device epochs past 2^31 (W = 2, 4)
+#   campaign  scripts/campaign.py: 10,000 checked calls per op at W = 2 and 4; kill -9 at W = 2
+#   sanitize  compute-sanitizer memcheck / racecheck / synccheck, every op, W = 1 and 2
 #   torch     cuflux.torch layers, torch in / torch out, init over gloo; every example at W = 2
 #   examples  every scripts/examples/ script at W = 2 (mpirun)
 #   probe     the host-path probes (scripts/probe_host.py, scripts/probe_launch.py)
@@ -28,7 +30,7 @@
 # carried in .cubins/; cubins compiled here come back in $OUT/logs.tgz under cubins/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] || { sed -n 2,28p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n 2,30p "$0"; exit 2; }
 OUT="${OUT:-$(pwd)/out}"; L="$OUT/logs"; mkdir -p "$L"; B="$L/bench.log"
 export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
@@ -64,6 +66,14 @@ tests_ag2() { tests ag "$WS" 300 tests/test_ag_gemm.py -k "not late_peer"; }
 tests_fail() {  # #19: a late rank is told (failure board); device epochs past 2^31 and 2^32
   tests fail 2,4 150 tests/test_reliability.py tests/test_allreduce.py tests/test_all2all.py \
     -k "told or epochs_past"; }
+tests_campaign() {  # #19's campaigns (figures for the README): soak W = 2 and 4, kill -9 W = 2
+  step "$L/campaign.log" 150 "${MPI[@]}" -np 2 python scripts/campaign.py soak --outdir "$L"
+  step "$L/campaign.log" 150 python scripts/campaign.py kill --world 2 --outdir "$L"
+  step "$L/campaign.log" 200 "${MPI[@]}" -np 4 python scripts/campaign.py soak --outdir "$L"; }
+tests_sanitize() {  # compute-sanitizer on one small call of every op, W = 1 and 2
+  for tool in memcheck racecheck synccheck; do for W in 1 2; do
+    step "$L/sanitize.log" 120 "${MPI[@]}" -np $W compute-sanitizer --tool $tool \
+      --error-exitcode 9 python scripts/campaign.py small; done; done; }
 tests_graphs() { tests graphs "$WS" 300 tests/test_graphs.py tests/test_base.py; }
 tests_torch() { tests torch 1,2,4 180 tests/test_torch.py tests/test_all2all.py tests/test_allgather.py -k torch
   examples 2; }
@@ -90,9 +100,10 @@ finish() {
   mkdir -p "$L/cubins"; for f in "$CUFLUX_CACHE_DIR"/*; do
     [ -e ".cubins/$(basename "$f")" ] || cp "$f" "$L/cubins/" 2>/dev/null; done
   tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$L/cubins"
-  for f in "$L"/tests-*.log "$L"/failures.log "$L"/probe.log "$L"/quick.log "$L"/examples.log; do
+  for f in "$L"/tests-*.log "$L"/failures.log "$L"/probe.log "$L"/quick.log "$L"/examples.log \
+           "$L"/campaign.log "$L"/sanitize.log; do
     [ -e "$f" ] || continue; echo "##### $f"
-    grep -E "^=== |passed|failed|FAILED|Error| us$" "$f" | tail -30; done
+    grep -E "^=== |passed|failed|FAILED|Error| us$|^soak |^small |\"ok\"|ERROR SUMMARY" "$f" | tail -30; done
   [ -e "$B" ] && { echo "##### bench"; grep -vE "^\s*$" "$B" | cut -c1-220 | tail -70; }
 }
 

@@ -432,7 +432,7 @@ def epochs_past_32_bits(world, H=1000):
 
     W, me = world.size, world.rank
     done = 0
-    with AllReduce(world, 64 * H, "float32", timeout_s=60) as ar:
+    with AllReduce(world, 128 * H, "float32", timeout_s=60) as ar:
         for seed_epoch in ((1 << 31) + 5, (1 << 32) - 2):
             ar.synchronize()
             world.barrier()  # nothing of the op in flight anywhere before the epoch moves

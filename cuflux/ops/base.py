@@ -32,6 +32,7 @@ from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError
                            FailureBoard, NoDeviceError)
 from cuflux.launch import current_device
 from cuflux.resource import Closeable
+from cuflux.symmetric import stream_idle
 from cuflux.world import check_timeout  # one check for every timeout_s (ops and World)
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
@@ -344,9 +345,15 @@ class CommOp(Closeable):
             if self.buf is not None:
                 self.buf.close(abort=True, streams=self._streams())
             if self.board_buf is not None:
-                # Kept mapped (leaked, a page): a kernel still queued reads it through the error
-                # record, which stays allocated for the same reason.
-                self.board_buf.close(abort=True, streams=None)
+                # Unmapped only once no work of the op can read it (its streams are idle; the
+                # error record then lets go of it first), else kept mapped (a page, leaked): a
+                # kernel still queued reads it through the error record, which stays allocated
+                # for the same reason. Peers keep their own mappings of these pages.
+                streams = self._streams()
+                idle = streams is not None and all(stream_idle(s) for s in streams)
+                if idle:
+                    self.err.detach_board()
+                self.board_buf.close(abort=True, streams=streams if idle else None)
             self.comm.free()
 
     def _streams(self):
