@@ -26,7 +26,7 @@ _os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 # cuflux's own settings (CUFLUX_*): all declared in cuflux/knobs.py, listed in docs/knobs.md.
 
 from cuflux.errors import (CaptureError, CommTimeoutError, CudaError, CufluxError,  # noqa: E402
-                           NoDeviceError)
+                           NoDeviceError, PeerFailedError)
 from cuflux import reference  # noqa: E402,F401  (cuflux.reference: every op's NumPy model)
 from cuflux.world import World, init, device_count  # noqa: E402
 from cuflux.symmetric import Layout, SymmetricBuffer  # noqa: E402
@@ -45,5 +45,6 @@ __all__ = ["init", "World", "device_count", "Layout", "SymmetricBuffer", "AllGat
            "All2AllHeads", "reference_scatter_heads", "reference_gather_heads",
            "AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "reference_allreduce",
            "reference_allreduce_rmsnorm",
-           "CommTimeoutError", "CudaError", "CufluxError", "CaptureError", "NoDeviceError",
+           "CommTimeoutError", "PeerFailedError", "CudaError", "CufluxError", "CaptureError",
+           "NoDeviceError",
            "reference", "__version__"]

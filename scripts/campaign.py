@@ -13,8 +13,8 @@
   small  (under mpirun, W = 1 or 2): one small call of each op, then synchronise: the
          workload compute-sanitizer runs (memcheck, racecheck, synccheck).
 
-  mpirun -np 4 python scripts/campaign.py soak --calls 10000 --outdir scripts/results
-  python scripts/campaign.py kill --world 2 --outdir scripts/results
+  mpirun -np 4 python scripts/campaign.py soak --calls 10000 --outdir scripts/results/campaigns
+  python scripts/campaign.py kill --world 2 --outdir scripts/results/campaigns
   mpirun -np 2 compute-sanitizer --tool memcheck python scripts/campaign.py small
 """
 from __future__ import annotations
@@ -172,19 +172,30 @@ def soak(args) -> int:
 
     world = cuflux.init(timeout_s=60)
     rows = []
+    regime = "user loop (ranks share one GPU: correctness, not speed)"
     with world.device_context():
         for kind in args.ops.split(","):
             case = Case(world, kind, timeout_s=60)
             world.barrier()
             t0 = time.perf_counter()
-            checked = 0
-            for i in range(args.calls):
-                kept, got = case.issue(i)
-                if i % args.check_every == 0 or i == args.calls - 1:
-                    case.op.synchronize()
-                    case.check(i, kept, got)
-                    checked += 1
-            case.op.synchronize()
+            checked = i = 0
+            try:
+                for i in range(args.calls):
+                    kept, got = case.issue(i)
+                    if i % args.check_every == 0 or i == args.calls - 1:
+                        case.op.synchronize()
+                        case.check(i, kept, got)
+                        checked += 1
+                case.op.synchronize()
+            except Exception as e:  # every rank that fails says how, in a file of its own
+                row = {"op": kind, "failed_at_call": i, "checked": checked,
+                       "error": f"{type(e).__name__}: {str(e)[:400]}"}
+                print(f"soak W={world.size} rank {world.rank} {kind}: {row['error']}", flush=True)
+                if args.outdir:
+                    _write(args.outdir, f"soak-rank{world.rank}", world.size,
+                           {"regime": regime, "rows": rows + [row]})
+                case.op.abort()
+                raise
             wall_s = time.perf_counter() - t0
             case.close()
             rows.append({"op": kind, "calls": args.calls, "checked": checked, "wall_s": wall_s,
@@ -194,8 +205,7 @@ def soak(args) -> int:
                       f"against the reference, {wall_s:.1f} s", flush=True)
                 if args.outdir:  # after every op: a run cut short keeps what it finished
                     path = _write(args.outdir, "soak", world.size,
-                                  {"regime": "user loop (ranks share one GPU: correctness, "
-                                             "not speed)", "rows": rows})
+                                  {"regime": regime, "rows": rows})
     if world.rank == 0 and args.outdir:
         print(path)
     world.close()
