@@ -104,7 +104,8 @@ class FailureBoard:
         self._words = [ctypes.c_uint32.from_address(a) for a in host_addrs]
 
     def told(self) -> int:
-        """-1 while nobody failed the op, else the rank that failed it first (as told here)."""
+        """-1 while nobody failed the op, else the rank that told this one (the first to fail
+        it; two ranks failing at the same moment may each reach some words first)."""
         return self._words[self.rank].value - 1
 
     def tell(self, failed_rank: int | None = None) -> None:
@@ -114,9 +115,6 @@ class FailureBoard:
         for w in self._words:
             if w.value == 0:
                 w.value = v
-
-    def clear(self) -> None:
-        self._words[self.rank].value = 0
 
     def detach(self) -> None:
         """Forget the mapped words (before the pages are unmapped)."""
@@ -212,13 +210,6 @@ class ErrorRecord:
         detail = self.host_detail or (f"flag {w[INDEX]}: observed epoch {w[OBSERVED]}, "
                                       f"expected {w[EXPECTED]}")
         raise CommTimeoutError(name, w[RANK], w[PEER], self.timeout_s, detail)
-
-    def reset(self) -> None:
-        """Clear a reported failure (after the caller handled it) so the op can run again."""
-        self.words[:BOARD_LO] = 0
-        if self.board is not None:
-            self.board.clear()
-        self.claim.fill(0)
 
     def abort(self) -> None:
         """Release every waiter of this op (they return at their next timer check) and tell

@@ -336,7 +336,7 @@ def establish(group, mem, num_bytes: int, what: str = "SymmetricBuffer", finish=
     return base, ptrs, opened
 
 
-def stream_idle(s) -> bool:
+def _stream_idle(s) -> bool:
     """cudaStreamQuery: has every piece of work queued on `s` finished? (never blocks)"""
     if hasattr(s, "done"):
         return bool(s.done)
@@ -472,7 +472,7 @@ class SymmetricBuffer(Closeable):
         self.close(abort=isinstance(exc, CommTimeoutError))
 
     def _abort(self, streams) -> None:
-        local_idle = streams is not None and all(stream_idle(s) for s in streams)
+        local_idle = streams is not None and all(_stream_idle(s) for s in streams)
         if local_idle:
             for p in self._opened:
                 try:

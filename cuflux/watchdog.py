@@ -66,6 +66,15 @@ def warn_if_one_connection(env=None) -> bool:
     return True
 
 
+def expiry_status(aborted: bool, waited_s: float, timeout_s: float) -> int:
+    """Why a stream wait is released: the host aborted the op, the wait ran out of time (a
+    timeout, told to every rank), or the op failed meanwhile here or on a rank that told this
+    one (recorded as such, naming the peer the wait was for)."""
+    if aborted:
+        return E.STATUS_ABORTED
+    return E.STATUS_TIMEOUT if waited_s > timeout_s else E.STATUS_PEER_FAILED
+
+
 class StreamWaiter:
     """The stream waits of one op and the thread that bounds them.
 
@@ -170,9 +179,8 @@ class StreamWaiter:
                         item[2] = started = now
                     if not item[7] and (aborted or (started is not None and (
                             failed or now - started > self.err.timeout_s))):
-                        self._expire(item, E.STATUS_ABORTED if aborted else
-                                     E.STATUS_TIMEOUT if now - started > self.err.timeout_s else
-                                     E.STATUS_PEER_FAILED)
+                        self._expire(item, expiry_status(aborted, now - started,
+                                                         self.err.timeout_s))
                         item[7] = True  # released: it passes shortly and is popped then
                     break
 
@@ -183,7 +191,8 @@ class StreamWaiter:
             w[E.OP], w[E.RANK], w[E.PEER] = self.op_code, self.err.rank, peer
             w[E.OBSERVED], w[E.EXPECTED], w[E.INDEX] = observed, expected, index
             w[E.STATUS] = status
-            self.err.tell()  # every peer's queued work of the op gives up too (#19 item 1)
+            if status == E.STATUS_TIMEOUT:  # every peer's queued work gives up too (#19 item 1)
+                self.err.tell()  # (told waits tell nobody: the teller wrote every word)
 
     def _expire(self, item, status: int) -> None:
         host = item[8] if len(item) > 8 else None

@@ -273,21 +273,31 @@ class HostGroup:
         if W == 1:
             return [obj]
         self._sends = [r for r in self._sends if not r.Test()]
+        sending = {}  # peer -> this call's isend to it, until it completes
         for p in range(W):
             if p != me:
-                self._sends.append(self.comm.isend((self.group_id, seq, what, obj), dest=p,
-                                                   tag=_TAG))
+                sending[p] = self.comm.isend((self.group_id, seq, what, obj), dest=p, tag=_TAG)
+        self._sends.extend(sending.values())
         got: dict[int, Any] = {me: obj}
         pending = [(me + i) % W for i in range(1, W)]  # the next rank first: "first missing"
+        receiving: dict[int, Any] = {}  # peer -> nonblocking receive of its matched message
         deadline = time.monotonic() + timeout_s
         polls = 0
         while True:
             for p in list(pending):
                 while True:
-                    msg = self.comm.improbe(source=p, tag=_TAG)
-                    if msg is None:
+                    if p not in receiving:
+                        msg = self.comm.improbe(source=p, tag=_TAG)
+                        if msg is None:
+                            break
+                        # Nonblocking: a large message moves only while its sender makes MPI
+                        # calls; a blocking receive could wait, unbounded, on a sender that left.
+                        receiving[p] = msg.irecv()
+                    done, data = receiving[p].test()
+                    if not done:
                         break
-                    gid, their_seq, their_what, their_obj = msg.recv()
+                    del receiving[p]
+                    gid, their_seq, their_what, their_obj = data
                     if gid != self.group_id:
                         continue  # left over from a freed group: not ours
                     if (their_seq, their_what) != (seq, what):
@@ -299,12 +309,22 @@ class HostGroup:
                     got[p] = their_obj
                     pending.remove(p)
                     break
-            if not pending:
+            # Return only once our own messages are delivered too: a rank that left with a
+            # large send in flight (it moves only while this rank makes MPI calls) and then
+            # blocked in CUDA would leave a peer waiting inside this collective for its data.
+            for p in [p for p, r in sending.items() if r.Test()]:
+                del sending[p]
+            if not pending and not sending:
                 return [got[r] for r in range(W)]
             if time.monotonic() > deadline:
-                self._failure = CommTimeoutError(
-                    f"{self.label} {what}", me, pending[0], timeout_s,
-                    f"ranks {sorted(pending)} did not arrive")
+                self._sends.extend(receiving.values())  # in flight: their buffers must live
+                if pending:
+                    detail = f"ranks {sorted(pending)} did not arrive"
+                else:
+                    detail = f"ranks {sorted(sending)} did not take this rank's message"
+                self._failure = CommTimeoutError(f"{self.label} {what}", me,
+                                                 (pending or sorted(sending))[0], timeout_s,
+                                                 detail)
                 raise self._failure
             polls += 1
             # Spin briefly (a barrier of ranks that are all there takes microseconds), then

@@ -32,7 +32,6 @@ from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError
                            FailureBoard, NoDeviceError)
 from cuflux.launch import current_device
 from cuflux.resource import Closeable
-from cuflux.symmetric import stream_idle
 from cuflux.world import check_timeout  # one check for every timeout_s (ops and World)
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
@@ -166,6 +165,9 @@ def failure_board(world, comm):
 
     layout = Layout()
     layout.add("failed", (1,), np.uint32)
+    # At offset 0, so the buffer's table of base pointers (ptrs_dev) is the table of every
+    # rank's word that kernels tell through.
+    assert layout.regions["failed"].offset == 0
     buf = world.alloc_layout(layout, group=comm, memory="host")
     try:
         board = FailureBoard(world.rank, [buf.host_ptr(r, "failed") for r in range(world.size)],
@@ -345,15 +347,10 @@ class CommOp(Closeable):
             if self.buf is not None:
                 self.buf.close(abort=True, streams=self._streams())
             if self.board_buf is not None:
-                # Unmapped only once no work of the op can read it (its streams are idle; the
-                # error record then lets go of it first), else kept mapped (a page, leaked): a
-                # kernel still queued reads it through the error record, which stays allocated
-                # for the same reason. Peers keep their own mappings of these pages.
-                streams = self._streams()
-                idle = streams is not None and all(stream_idle(s) for s in streams)
-                if idle:
-                    self.err.detach_board()
-                self.board_buf.close(abort=True, streams=streams if idle else None)
+                # Kept mapped (a page, leaked till exit): a kernel still queued, or a stream-wait
+                # watchdog thread still running, reads it through the error record, which stays
+                # allocated for the same reason.
+                self.board_buf.close(abort=True, streams=None)
             self.comm.free()
 
     def _streams(self):

@@ -96,13 +96,15 @@ __device__ __forceinline__ void record_error(const WaitSite& s, u32 status, u32 
                                              u32 expected, u32 index) {
   if (atomicCAS(s.err_claim, 0u, 1u) == 0u) {
     volatile u32* e = s.err;
+    if (e[kErrStatus] != 0u) return;  // the host (a host exchange, the watchdog) recorded first
     e[kErrOp] = s.op; e[kErrRank] = s.rank; e[kErrPeer] = peer;
     e[kErrObserved] = observed; e[kErrExpected] = expected; e[kErrIndex] = index;
     __threadfence_system();
     e[kErrStatus] = status;
     __threadfence_system();
-    // Tell every rank (this one included); a word already written keeps the first teller.
-    const u32 world = e[kErrWorld];
+    // Tell every rank (this one included); a word already written keeps the first teller. A
+    // wait that gave up because it was told tells nobody: the teller wrote every word.
+    const u32 world = status == kStatusPeerFailed ? 0u : e[kErrWorld];
     const u64* table = reinterpret_cast<const u64*>(
         (static_cast<u64>(e[kErrPeersHi]) << 32) | e[kErrPeersLo]);
     for (u32 p = 0; p < world && table != nullptr; ++p) {
