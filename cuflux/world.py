@@ -391,7 +391,13 @@ class HostGroup:
         if comm is not None:
             try:
                 while (msg := comm.improbe(tag=_TAG)) is not None:
-                    msg.recv()
+                    req = msg.irecv()  # bounded: a large message of a rank gone never completes
+                    give_up = time.monotonic() + 1.0
+                    while not req.Test() and time.monotonic() < give_up:
+                        time.sleep(0.001)
+                    if time.monotonic() >= give_up:
+                        self._sends.append(req)  # its buffer must live
+                        break
             except Exception:
                 pass
             _free_comm(comm)
