@@ -20,9 +20,10 @@ import math
 import os
 from typing import Any, Callable, Mapping
 
-__all__ = ["Knob", "KNOBS", "CACHE_DIR", "HOST_TIMEOUT_S", "NUMA_SIZE", "GEMM_TUNE",
+__all__ = ["Knob", "KNOBS", "CACHE_DIR", "HOST_TIMEOUT_S", "NUMA_SIZE", "NODE_SIZE", "GEMM_TUNE",
            "GEMM_TUNE_BUDGET_S", "GEMM_BENCH_CONFIGS", "cache_dir", "host_timeout_s",
-           "numa_size", "gemm_tune", "gemm_tune_budget_s", "gemm_bench_configs", "describe"]
+           "numa_size", "node_size", "gemm_tune", "gemm_tune_budget_s", "gemm_bench_configs",
+           "describe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,13 @@ def _count(text: str) -> int:
     return v
 
 
+def _positive(text: str) -> int:
+    v = int(text.strip())
+    if v < 1:
+        raise ValueError(text)
+    return v
+
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
@@ -121,6 +129,12 @@ NUMA_SIZE = Knob(
     "Ranks per NUMA domain (0: one domain); below the world size a PCIe world takes the "
     "2-D ring transfer order.",
     "World.topology (topology.Topology.numa_size)", _count)
+NODE_SIZE = Knob(
+    "CUFLUX_NODE_SIZE", "an integer >= 1", None, "unset: every host's P2P group is one node",
+    "Ranks per node: splits each group of ranks that reach each other by P2P into nodes of "
+    "that many consecutive ranks, so one host emulates several nodes (issue 20); "
+    "World(node_size=...) says otherwise.",
+    "World.nodes (nodes.node_layout)", _positive)
 GEMM_TUNE = Knob(
     "CUFLUX_GEMM_TUNE", "one of 1/0, true/false, yes/no, on/off", True, "1",
     "Tune the Hopper GEMM's configuration per shape class on first use (0: the fixed "
@@ -137,8 +151,9 @@ GEMM_BENCH_CONFIGS = Knob(
     "(e.g. 128x256s4c1,256x128s4c1); names from cuflux.ops.gemm.SM90_CONFIGS.",
     "bench/gemm.py", _names)
 
-KNOBS: dict[str, Knob] = {k.name: k for k in (CACHE_DIR, HOST_TIMEOUT_S, NUMA_SIZE, GEMM_TUNE,
-                                              GEMM_TUNE_BUDGET_S, GEMM_BENCH_CONFIGS)}
+KNOBS: dict[str, Knob] = {k.name: k for k in (CACHE_DIR, HOST_TIMEOUT_S, NUMA_SIZE, NODE_SIZE,
+                                              GEMM_TUNE, GEMM_TUNE_BUDGET_S,
+                                              GEMM_BENCH_CONFIGS)}
 
 
 # ---- read at call time ------------------------------------------------------------------------
@@ -155,6 +170,11 @@ def host_timeout_s(environ: Mapping[str, str] | None = None) -> float:
 def numa_size(environ: Mapping[str, str] | None = None) -> int:
     """Ranks per NUMA domain (0: one domain)."""
     return NUMA_SIZE.get(environ)
+
+
+def node_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """Ranks per node, or None: every group of ranks that reach each other by P2P is a node."""
+    return NODE_SIZE.get(environ)
 
 
 def gemm_tune(environ: Mapping[str, str] | None = None) -> bool:

@@ -366,6 +366,9 @@ class SymmetricBuffer(Closeable):
             raise NoDeviceError("SymmetricBuffer: needs a CUDA device; this rank has none")
         if memory not in ("device", "host"):
             raise ValueError(f"SymmetricBuffer: memory must be 'device' or 'host', got {memory!r}")
+        from cuflux.ops.base import require_one_node
+
+        require_one_node(world, "SymmetricBuffer")
         import cupy
 
         self.world, self.layout, self.memory = world, layout, memory

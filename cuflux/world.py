@@ -708,19 +708,30 @@ def _torch_world_size() -> int | None:
 class World:
     """The ranks of one communicator and the GPU each uses.
 
-    World(comm=None, device=None, timeout_s=None): comm is any mpi4py intracommunicator
-    (COMM_WORLD by default); device the GPU to use (default: choose_device, the node-local rank
-    modulo the device count, so several ranks may share one GPU: how every multi-rank path is
-    tested on a one-GPU machine); timeout_s bounds every host collective (default
-    DEFAULT_TIMEOUT_S, or CUFLUX_HOST_TIMEOUT_S). On a machine without a GPU `device` is None:
-    the world still bootstraps (topology checks, argument checks), but ops raise NoDeviceError.
-    The caller's current CUDA device is the same after __init__ as before.
+    World(comm=None, device=None, timeout_s=None, node_size=None): comm is any mpi4py
+    intracommunicator (COMM_WORLD by default); device the GPU to use (default: choose_device,
+    the node-local rank modulo the device count, so several ranks may share one GPU: how every
+    multi-rank path is tested on a one-GPU machine); timeout_s bounds every host collective
+    (default DEFAULT_TIMEOUT_S, or CUFLUX_HOST_TIMEOUT_S); node_size (default
+    CUFLUX_NODE_SIZE, else unset) splits each group of ranks that reach each other by P2P into
+    nodes of that many consecutive ranks, so one host emulates several nodes. `nodes` (a
+    cuflux.nodes.NodeLayout) says which ranks share a node: ranks of one node map each other's
+    memory; every node must hold as many ranks as the others. Ops run within one node until
+    their cross-node paths land (issue 20): on a World of several nodes they raise before
+    allocating anything. On a machine without a GPU `device` is None: the world still
+    bootstraps (topology checks, argument checks), but ops raise NoDeviceError. The caller's
+    current CUDA device is the same after __init__ as before.
     """
 
-    def __init__(self, comm=None, device: int | None = None, timeout_s: float | None = None):
+    def __init__(self, comm=None, device: int | None = None, timeout_s: float | None = None,
+                 node_size: int | None = None):
         global _NODE_LOCAL_RANK
         self.timeout_s = (default_timeout_s() if timeout_s is None
                           else check_timeout("World", timeout_s))
+        if node_size is None:
+            node_size = knobs.node_size()
+        elif type(node_size) is not int or node_size < 1:
+            raise ValueError(f"cuflux.init: node_size must be an int >= 1, got {node_size!r}")
         self.hostname = socket.gethostname()
         self._host: HostGroup | None = None
         self._num_ops = 0
@@ -765,18 +776,22 @@ class World:
         previous = _current_device() if self.device is not None else None
         try:
             self.topology = self._discover()
-            bad = self.allgather(self.topology.unreachable() if self.device is not None else [],
-                                 what="reachability")
+            # Each rank's P2P row (without a GPU: the ranks of its host), then the nodes.
+            mine = [l.p2p if self.device is not None else l.same_host
+                    for l in self.topology.links]
+            rows = self.allgather((self.hostname, mine, node_size), what="reachability")
         finally:
             if previous is not None and _current_device() != previous:
                 from cupy.cuda import runtime
 
                 runtime.setDevice(previous)
-        pairs = sorted({tuple(sorted((r, p))) for r, peers in enumerate(bad) for p in peers})
-        if pairs:
-            raise CufluxError(
-                "cuflux.init: these rank pairs cannot reach each other's GPU memory (no P2P "
-                f"access; multi-node transport is not implemented yet): {pairs}")
+        sizes = sorted({str(ns) for _, _, ns in rows})
+        if len(sizes) > 1:
+            raise CufluxError(f"cuflux.init: the ranks were given different node sizes {sizes} "
+                              "(World(node_size=...) or CUFLUX_NODE_SIZE)")
+        from cuflux.nodes import node_layout
+
+        self.nodes = node_layout([h for h, _, _ in rows], [p for _, p, _ in rows], node_size)
 
     # ---- collectives on the host (bounded: CommTimeoutError after timeout_s) ----------------
     def barrier(self, timeout_s: float | None = None, what: str = "World.barrier") -> None:
@@ -948,7 +963,8 @@ def _check_comm(comm):
                     f"({kind.__name__}){hint}")
 
 
-def init(comm=None, device: int | None = None, timeout_s: float | None = None) -> World:
+def init(comm=None, device: int | None = None, timeout_s: float | None = None,
+         node_size: int | None = None) -> World:
     """Bootstrap cuflux: a World (collective over the ranks of comm).
 
     comm: an mpi4py intracommunicator (MPI.COMM_WORLD, or one made from it with Split /
@@ -959,7 +975,7 @@ def init(comm=None, device: int | None = None, timeout_s: float | None = None) -
       group; mpirun (OMPI_COMM_WORLD_*, PMI_*) or no launcher -> MPI.COMM_WORLD. Launchers that
       disagree on the number of processes (WORLD_SIZE=2 in a one-rank MPI world) raise
       CufluxError. Anything else raises TypeError saying what is accepted; MPI.COMM_NULL
-      raises ValueError. device, timeout_s: see World.
+      raises ValueError. device, timeout_s, node_size: see World.
     """
     if comm is None:
         route = choose_route(os.environ, _torch_world_size())
@@ -981,4 +997,4 @@ def init(comm=None, device: int | None = None, timeout_s: float | None = None) -
                     "does not start MPI: every process is a one-rank MPI world). Under "
                     "torchrun, pass a torch.distributed group or unset the MPI variables; under "
                     "mpirun, unset WORLD_SIZE")
-    return World(_check_comm(comm), device=device, timeout_s=timeout_s)
+    return World(_check_comm(comm), device=device, timeout_s=timeout_s, node_size=node_size)

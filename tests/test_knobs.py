@@ -35,6 +35,7 @@ def test_defaults(clean):
     assert knobs.cache_dir() == "/xdg/cuflux"
     assert knobs.host_timeout_s() == 120.0
     assert knobs.numa_size() == 0
+    assert knobs.node_size() is None
     assert knobs.gemm_tune() is True
     assert knobs.gemm_tune_budget_s() == 2.0
     assert knobs.gemm_bench_configs() is None
@@ -56,6 +57,7 @@ def test_empty_means_the_default():
 def test_values_are_parsed():
     assert knobs.host_timeout_s({"CUFLUX_HOST_TIMEOUT_S": "7.5"}) == 7.5
     assert knobs.numa_size({"CUFLUX_NUMA_SIZE": "4"}) == 4
+    assert knobs.node_size({"CUFLUX_NODE_SIZE": "2"}) == 2
     for text, on in [("0", False), ("1", True), ("off", False), ("TRUE", True), (" no ", False)]:
         assert knobs.gemm_tune({"CUFLUX_GEMM_TUNE": text}) is on, text
     assert knobs.gemm_tune_budget_s({"CUFLUX_GEMM_TUNE_BUDGET_S": "0"}) == 0.0
@@ -68,7 +70,8 @@ BAD = [("CUFLUX_GEMM_TUNE_BUDGET_S", "-1"), ("CUFLUX_GEMM_TUNE_BUDGET_S", "abc")
        ("CUFLUX_GEMM_TUNE_BUDGET_S", "inf"), ("CUFLUX_GEMM_TUNE_BUDGET_S", "nan"),
        ("CUFLUX_HOST_TIMEOUT_S", "0"), ("CUFLUX_HOST_TIMEOUT_S", "nan"),
        ("CUFLUX_HOST_TIMEOUT_S", "-3"), ("CUFLUX_NUMA_SIZE", "-1"), ("CUFLUX_NUMA_SIZE", "2.5"),
-       ("CUFLUX_NUMA_SIZE", "two"), ("CUFLUX_GEMM_TUNE", "maybe"), ("CUFLUX_GEMM_TUNE", "2"),
+       ("CUFLUX_NUMA_SIZE", "two"), ("CUFLUX_NODE_SIZE", "0"), ("CUFLUX_NODE_SIZE", "1.5"),
+       ("CUFLUX_GEMM_TUNE", "maybe"), ("CUFLUX_GEMM_TUNE", "2"),
        ("CUFLUX_GEMM_BENCH_CONFIGS", "a,,b"), ("CUFLUX_GEMM_BENCH_CONFIGS", ",")]
 
 
@@ -104,7 +107,7 @@ def test_describe_lists_every_knob_json_able():
     d = knobs.describe(env)
     assert list(d) == list(knobs.KNOBS)
     assert d == {"CUFLUX_CACHE_DIR": "/h/.cache/cuflux", "CUFLUX_HOST_TIMEOUT_S": 120.0,
-                 "CUFLUX_NUMA_SIZE": 0, "CUFLUX_GEMM_TUNE": False,
+                 "CUFLUX_NUMA_SIZE": 0, "CUFLUX_NODE_SIZE": None, "CUFLUX_GEMM_TUNE": False,
                  "CUFLUX_GEMM_TUNE_BUDGET_S": 2.0, "CUFLUX_GEMM_BENCH_CONFIGS": ["x", "y"]}
     assert json.loads(json.dumps(d)) == d
 

@@ -1,12 +1,19 @@
-"""CPU tests of cuflux.nodes: nodes found from hosts and P2P rows, and every cross-node plan
-played on NumPy arrays over fake layouts (2 x 1, 2 x 2, 2 x 4, 4 x 2, ranks interleaved over
-hosts), checked against the op's definition. A plan that sends a row twice, misses one, uses
-NCCL inside a node or IPC across nodes fails here."""
+"""Tests of cuflux.nodes and World.nodes. CPU: nodes found from hosts and P2P rows, and every
+cross-node plan played on NumPy arrays over fake layouts (2 x 1, 2 x 2, 2 x 4, 4 x 2, ranks
+interleaved over hosts), checked against the op's definition (a plan that sends a row twice,
+misses one, uses NCCL inside a node or IPC across nodes fails here); a World on real ranks
+learns its nodes (node_size, CUFLUX_NODE_SIZE) and ops refuse a World of several nodes before
+allocating. GPU (marked gpu): the same refusal by every op on ranks sharing the GPU."""
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+import cuflux
 from cuflux.errors import CufluxError
+from cuflux.ops.base import require_one_node
+from tests.mpi import on_ranks
 from cuflux.nodes import (NodeLayout, all2all_plan, allgather_plan, allreduce_plan, gemm_rs_plan,
                           node_layout, row_shards)
 
@@ -27,6 +34,95 @@ LAYOUTS = [(2, 1, False), (2, 2, False), (2, 4, False), (4, 2, False), (2, 2, Tr
 
 def _ids(v):
     return "x".join(str(x) for x in v[:2]) + ("-interleaved" if v[2] else "")
+
+
+# ---- World.nodes on real ranks (no GPU needed: ranks of one host are one node) ----------------
+@on_ranks
+def world_nodes(world):
+    """Node layouts of Worlds on the same ranks: the default, node_size 1, a node size that
+    does not divide, different node sizes on different ranks."""
+    from mpi4py import MPI
+
+    def outcome(**kw):
+        try:
+            w = cuflux.World(MPI.COMM_WORLD, timeout_s=20, **kw)
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        nodes = [list(n) for n in w.nodes.nodes]
+        w.close()
+        return nodes
+
+    me = world.rank
+    return {"default": outcome(), "one": outcome(node_size=1), "three": outcome(node_size=3),
+            "mixed": outcome(node_size=1 if me == 0 else 2)}
+
+
+def test_world_learns_its_nodes_and_the_node_size_splits_them():
+    res = world_nodes.run(2, timeout_s=120)
+    for r in res:
+        assert r["default"] == [[0, 1]], r  # one host, no GPU: one node
+        assert r["one"] == [[0], [1]], r  # node_size=1: two GPUs emulate two nodes
+        assert r["three"].startswith("CufluxError") and "does not divide" in r["three"], r
+        assert r["mixed"].startswith("CufluxError") and "different node sizes" in r["mixed"], r
+
+
+def test_world_rejects_a_bad_node_size_before_any_collective():
+    with pytest.raises(ValueError, match="node_size must be an int >= 1"):
+        cuflux.World(node_size=0)
+
+
+def test_ops_and_symmetric_memory_refuse_a_world_of_several_nodes():
+    two = SimpleNamespace(nodes=NodeLayout(((0,), (1,))))
+    with pytest.raises(CufluxError, match=r"AllReduce: this World spans 2 nodes of 1 ranks "
+                                          r"\(\[\[0\], \[1\]\]\).*not built yet"):
+        require_one_node(two, "AllReduce")
+    require_one_node(SimpleNamespace(nodes=NodeLayout(((0, 1),))), "AllReduce")  # one node
+    require_one_node(SimpleNamespace(), "AllReduce")  # a stand-in World without nodes
+
+
+@on_ranks
+def ops_on_two_nodes(world):
+    """Every op (and symmetric memory) on a World of two emulated nodes raises CufluxError
+    before allocating anything; the same ranks' one-node World still works."""
+    import cupy
+    from mpi4py import MPI
+
+    w = cuflux.World(MPI.COMM_WORLD, timeout_s=20, node_size=1)
+    W = w.size
+    makers = {
+        "AllReduce": lambda: cuflux.AllReduce(w, 1024, "float32"),
+        "AllReduceRMSNorm": lambda: cuflux.AllReduceRMSNorm(w, 8, 256, "float32"),
+        "All2AllHeads": lambda: cuflux.All2AllHeads(w, 8, 2 * W, 64, "float16"),
+        "AllGather": lambda: cuflux.AllGather(w, 8, 64, "float32"),
+        "AllGatherGemm": lambda: cuflux.AllGatherGemm(w, 8 * W, 64, 64, "float16"),
+        "GemmReduceScatter": lambda: cuflux.GemmReduceScatter(w, 64 * W, 64, 64, "float16"),
+        "SymmetricBuffer": lambda: w.alloc_symmetric((16,), np.float32),
+    }
+    free_before = cupy.cuda.runtime.memGetInfo()[0]
+    out = {}
+    for name, make in makers.items():
+        try:
+            make()
+            out[name] = "built"
+        except CufluxError as e:
+            out[name] = str(e)
+    out["allocated"] = free_before - cupy.cuda.runtime.memGetInfo()[0]
+    w.close()
+    with cuflux.AllReduce(world, 1024, "float32") as ar:  # one node: as before
+        x = cupy.ones(1024, cupy.float32)
+        out["one_node_sum"] = float(ar(x)[0].get())
+    return out
+
+
+@pytest.mark.gpu
+def test_every_op_refuses_a_world_of_two_nodes_before_allocating():
+    res = ops_on_two_nodes.run(2, timeout_s=180)
+    for r in res:
+        for name in ("AllReduce", "AllReduceRMSNorm", "All2AllHeads", "AllGather",
+                     "AllGatherGemm", "GemmReduceScatter", "SymmetricBuffer"):
+            assert "spans 2 nodes" in r[name] and name in r[name], (name, r[name])
+        assert r["allocated"] < 64 << 20, r  # no symmetric buffer (a context may grow a little)
+        assert r["one_node_sum"] == 2.0
 
 
 # ---- node discovery ----------------------------------------------------------------------------

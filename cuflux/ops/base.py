@@ -36,7 +36,7 @@ from cuflux.world import check_timeout  # one check for every timeout_s (ops and
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
-           "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route"]
+           "require_one_node", "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
 # peer that is compiling kernels on first use (up to ~40 s a file, once per machine) to be
@@ -145,6 +145,19 @@ def require_world_device(world, op: str) -> int:
     return world.device
 
 
+def require_one_node(world, what: str) -> None:
+    """CufluxError where the World spans several nodes: the ops (and symmetric memory) reach
+    peers through CUDA IPC, within one node, until their cross-node paths land (issue 20).
+    Every rank sees the same layout, so every rank raises, before anything is allocated."""
+    nodes = getattr(world, "nodes", None)  # test doubles of a World may have none
+    if nodes is not None and nodes.num_nodes > 1:
+        raise CufluxError(
+            f"{what}: this World spans {nodes.num_nodes} nodes of {nodes.node_size} ranks "
+            f"({[list(n) for n in nodes.nodes]}); {what} reaches its peers through CUDA IPC "
+            f"within one node, and its cross-node path (NCCL between nodes, issue 20) is not "
+            f"built yet: build the World on one node's ranks (a sub-communicator)")
+
+
 def check_no_alias(op: str, out, **inputs) -> None:
     """Refuse an output whose memory overlaps an input's (GemmReduceScatter's out over a,
     All2AllHeads' out over y, AllReduceRMSNorm's out over residual, ...): the kernels read an
@@ -191,6 +204,7 @@ class CommOp(Closeable):
         self.op = op
         timeout_s = check_timeout(op, timeout_s)
         require_world_device(world, op)
+        require_one_node(world, op)
         self.world = world
         self.timeout_s = timeout_s
         self.buf = None
