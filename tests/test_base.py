@@ -266,3 +266,71 @@ def test_a_silent_peer_at_the_rearm_fails_the_op_naming_it():
         op._next_epoch(_Stream([]))
     assert op.err.failures and op.err.failures[0][0] == 3
     assert flags["flags"].all()  # nothing zeroed while a peer may still write
+
+
+# ---- a constructor that fails after CommOp.__init__ frees what it made -------------------------
+def _fake_init_env(monkeypatch, log, fail_at=None):
+    """A World, error record and failure board that log what is made and freed (no GPU)."""
+    import contextlib
+    from types import SimpleNamespace
+
+    class Record:
+        def __init__(self, op, rank, timeout_s):
+            log.append("err")
+            self.ptr, self.claim, self.timeout_ns = 1 << 40, None, 10**9
+
+        def attach_board(self, board):
+            log.append("attach")
+
+        def close(self):
+            log.append("err.close")
+
+    def closer(name):
+        return SimpleNamespace(close=lambda abort=False, streams=None: log.append(
+            (f"{name}.close", abort, streams)))
+
+    def sm_count(device):
+        if fail_at == "sm_count":
+            raise RuntimeError("sm_count")
+        return 132
+
+    monkeypatch.setattr(base, "ErrorRecord", Record)
+    monkeypatch.setattr(base, "failure_board", lambda world, comm: (closer("board"), object()))
+    monkeypatch.setattr(base, "sm_count", sm_count)
+    monkeypatch.setattr(base, "ranks_on_my_gpu", lambda world: 1)
+    comm = SimpleNamespace(free=lambda: log.append("comm.free"))
+    return SimpleNamespace(rank=0, size=2, device=0, sub_comm=lambda op, t: comm,
+                           device_context=contextlib.nullcontext,
+                           alloc_layout=lambda layout, group=None: closer("buf"))
+
+
+class _FailingOp(base.CommOp):
+    def __init__(self, world, where):
+        super().__init__(world, "AllReduce", 5.0)
+        if where == "after_alloc":
+            self._alloc(None)
+        raise ValueError(where)
+
+
+class _FailingChild(_FailingOp):  # a guarded constructor inside a guarded one: undone once
+    def __init__(self, world, where):
+        super().__init__(world, where)
+
+
+@pytest.mark.parametrize("cls", [_FailingOp, _FailingChild])
+@pytest.mark.parametrize("where", ["after_init", "after_alloc"])
+def test_a_constructor_failing_after_commop_init_frees_everything_once(monkeypatch, cls, where):
+    log = []
+    world = _fake_init_env(monkeypatch, log)
+    with pytest.raises(ValueError, match=where):
+        cls(world, where)
+    made = ["err", "attach"] + ([("buf.close", True, None)] if where == "after_alloc" else [])
+    assert log == made + [("board.close", True, None), "err.close", "comm.free"], log
+
+
+def test_a_failure_inside_commop_init_frees_what_it_made(monkeypatch):
+    log = []
+    world = _fake_init_env(monkeypatch, log, fail_at="sm_count")
+    with pytest.raises(RuntimeError, match="sm_count"):
+        _FailingOp(world, "never")
+    assert log == ["err", "attach", ("board.close", True, None), "err.close", "comm.free"], log

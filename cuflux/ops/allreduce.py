@@ -191,7 +191,6 @@ class _P2PReduce(CommOp):
         if hidden is not None:  # a row of h in fp32, the peers' bases, static shared memory
             need = -(-hidden * 4 // 16) * 16 + 8 * W + 1024
             if need > self.smem_optin:
-                self._undo_init()
                 raise ValueError(f"{op}: hidden={hidden} needs {need} bytes of shared memory "
                                  f"per block, the device allows {self.smem_optin}")
         # Ranks sharing this GPU all spin at once (under MPS side by side): split the SMs.

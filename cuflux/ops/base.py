@@ -210,44 +210,67 @@ class CommOp(Closeable):
         self.buf = None
         self.comm = world.sub_comm(op, timeout_s)  # the op's own communicator, agreed id
         self.err = None
+        self._ready = True  # from here on a failure undoes what was made (_undo_init)
         try:
             with world.device_context():
                 self.err = ErrorRecord(op, world.rank, timeout_s)
                 self.board_buf, board = failure_board(world, self.comm)
             if board is not None:
                 self.err.attach_board(board)
+            self.num_sms = sm_count(world.device)
+            self.sharers = ranks_on_my_gpu(world)
         except BaseException:
-            if self.err is not None:
-                self.err.close()
-            self.comm.free()
+            self._undo_init()
             raise
         self.err_args = (np.uint64(self.err.ptr), self.err.claim, np.uint64(self.err.timeout_ns),
                          np.uint32(OP_CODES[op]))
-        self.num_sms = sm_count(world.device)
-        self.sharers = ranks_on_my_gpu(world)
         self._agreed: set = set()
         self._last_stream = None  # where this rank's latest call was queued (abort, close)
         self.epoch = 0  # host-counted ops: the latest call's epoch (see EPOCH_REARM_AT)
         self._epoch_regions: tuple[str, ...] = ()  # their flag regions in self.buf
 
+    def __init_subclass__(cls, **kwargs):
+        """Every op's constructor is guarded: an exception after CommOp.__init__ (a check, a
+        collective, a kernel load, an allocation of the subclass) frees the communicator, the
+        error record, the failure board and the symmetric buffer before it goes up."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def guarded(self, *args, **kw):
+            try:
+                init(self, *args, **kw)
+            except BaseException:
+                self._undo_init()
+                raise
+
+        cls.__init__ = guarded
+
     def _alloc(self, layout):
-        """The op's symmetric buffer, agreed over its own communicator (bounded); on failure
-        the error record is freed and the communicator released before the error goes up."""
-        try:
-            with self.world.device_context():
-                self.buf = self.world.alloc_layout(layout, group=self.comm)
-        except BaseException:
-            self._undo_init()
-            raise
+        """The op's symmetric buffer, agreed over its own communicator (bounded); a failure
+        goes up through the guarded constructor, which undoes the rest (_undo_init)."""
+        with self.world.device_context():
+            self.buf = self.world.alloc_layout(layout, group=self.comm)
         return self.buf
 
+    _ready = False  # between CommOp.__init__ taking the communicator and an undo
+
     def _undo_init(self) -> None:
-        """A constructor failing after CommOp.__init__ (every rank fails it: set-up is agreed):
-        free the board, the error record and the communicator. Nothing was launched."""
+        """A constructor failing after CommOp.__init__ took the op's communicator: close the
+        symmetric buffer and the failure board locally (kept mapped, leaked: work the subclass
+        queued, or a watchdog thread it started, may still touch them), then free the error
+        record and the communicator. Idempotent; a no-op before CommOp.__init__ got that far."""
+        if not self._ready:
+            return
+        self._ready = False
+        if self.buf is not None:
+            self.buf.close(abort=True, streams=None)
         if self.board_buf is not None:
-            self.err.detach_board()
-            self.board_buf.close(abort=True, streams=())
-        self.err.close()
+            self.board_buf.close(abort=True, streams=None)
+        if self.err is not None:
+            self.err.close()
         self.comm.free()
 
     # ---- the call path -----------------------------------------------------------------------
