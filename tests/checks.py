@@ -1,5 +1,8 @@
-"""Accuracy checks shared by the GEMM-family GPU tests (plain GEMM, AllGatherGemm,
-GemmReduceScatter): one tolerance table and one float64 comparison."""
+"""Checks shared by the GPU tests: the GEMM family's (plain GEMM, AllGatherGemm,
+GemmReduceScatter) tolerance table and float64 comparison, and the device-epoch ops' seeded
+epochs with a late rank."""
+import time
+
 import numpy as np
 
 # Relative Frobenius error allowed against the float64 reference, by output dtype; the worst
@@ -26,3 +29,26 @@ def check_close(got, ref, out_dtype, what) -> float:
     assert rel < tol, f"{what}: relative error {rel:.3g} >= {tol}"
     assert worst < 10 * tol, f"{what}: worst element off by {worst:.3g} x rms"
     return float(rel)
+
+
+# Device epochs seeded past 2^31 (where an unwritten 32-bit flag, 0, compares as reached) and
+# just below 2^32 (the next calls cross it).
+EPOCH_SEEDS = ((1 << 31) + 5, (1 << 32) - 2)
+
+
+def seeded_epoch_calls(world, op, calls: int, late_s: float = 0.2):
+    """For each seed of EPOCH_SEEDS: drain the op on every rank, set its device epoch (and the
+    host's count) to the seed, then yield (seed, i) for `calls` calls, the last rank sleeping
+    `late_s` before each so that a rank passing a flag it should wait for reads stale data.
+    After a seed's calls, checks the device epoch advanced by exactly `calls`."""
+    for seed in EPOCH_SEEDS:
+        op.synchronize()
+        world.barrier()  # nothing of the op in flight anywhere before the epoch moves
+        op.state[0] = seed
+        op.epoch = seed  # All2AllHeads' host count picks the parity of views
+        for i in range(calls):
+            if world.rank == world.size - 1:
+                time.sleep(late_s)
+            yield seed, i
+        op.synchronize()
+        assert int(op.state[0]) == seed + calls, (int(op.state[0]), seed + calls)

@@ -22,6 +22,7 @@ from cuflux.ops import all2all as a2a
 from cuflux.ops.all2all import (All2AllHeads, Spec, build_layout, call_hash, check_call,
                                 check_op_args, check_tokens, io_shapes, reference_gather_heads,
                                 reference_scatter_heads, scale_shapes, vec_bytes)
+from tests.checks import seeded_epoch_calls
 from tests.fakes import FakeArray
 from tests.mpi import fresh_seed, on_ranks, world_sizes
 
@@ -357,31 +358,22 @@ def test_back_to_back_1000_calls(W):
 def epochs_past_32_bits(world, seed):
     """The device epoch (and the host's parity count) seeded past 2^31 and just below 2^32
     (#19 item 6), the flags fresh (0): with 32-bit flags a slot still 0 compares as reached past
-    2^31, so a rank would copy its slot out before a late peer pushed. The last rank sleeps before
-    every call to open that window; every result is checked bit for bit."""
+    2^31, so a rank would copy its slot out before a late peer pushed. The last rank comes late
+    to every call (tests/checks.py seeded_epoch_calls); every result is checked bit for bit."""
     import cupy
 
     W, me = world.size, world.rank
     H, D, max_tokens = 2 * W, 64, 16
     done = 0
     with All2AllHeads(world, max_tokens, H, D, "bfloat16", num_sms=4, timeout_s=60) as op:
-        for seed_epoch in ((1 << 31) + 5, (1 << 32) - 2):
+        for epoch0, i in seeded_epoch_calls(world, op, 4):
+            tokens = [(i * 5 + r * 3) % max_tokens + 1 for r in range(W)]
+            xs = [_data((1, tokens[r], H, D), "bfloat16", seed, epoch0, i, r) for r in range(W)]
+            y = op.scatter_heads(cupy.asarray(xs[me]), tokens, view=bool(i % 2))
             op.synchronize()
-            world.barrier()  # nothing of the op in flight anywhere before the epoch moves
-            op.state[0] = seed_epoch
-            op.epoch = seed_epoch  # the host's count picks the parity of views
-            for i in range(4):
-                tokens = [(i * 5 + r * 3) % max_tokens + 1 for r in range(W)]
-                xs = [_data((1, tokens[r], H, D), "bfloat16", seed, seed_epoch, i, r)
-                      for r in range(W)]
-                if me == W - 1:
-                    time.sleep(0.2)
-                y = op.scatter_heads(cupy.asarray(xs[me]), tokens, view=bool(i % 2))
-                op.synchronize()
-                _same_bits(y, reference_scatter_heads(xs, tokens, W)[me],
-                           f"rank {me} epoch {seed_epoch + i + 1} tokens {tokens}")
-                done += 1
-            assert int(op.state[0]) == seed_epoch + 4
+            _same_bits(y, reference_scatter_heads(xs, tokens, W)[me],
+                       f"rank {me} epoch {epoch0 + i + 1} tokens {tokens}")
+            done += 1
     return done
 
 

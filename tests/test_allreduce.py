@@ -27,6 +27,7 @@ from cuflux.errors import CommTimeoutError, CufluxError
 from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, choose_algo, plan_launch,
                                   reference_allreduce, reference_allreduce_rmsnorm,
                                   rmsnorm_residual, token_slice)
+from tests.checks import seeded_epoch_calls
 from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 from tests.mpi import on_ranks, world_sizes
@@ -427,27 +428,19 @@ def epochs_past_32_bits(world, H=1000):
     """The device epoch seeded past 2^31 and just below 2^32 (#19 item 6), the flags fresh (0):
     with 32-bit flags a slot still 0 compares as reached once the epoch is past 2^31, so an early
     rank would pass its barrier before a late peer staged its rows and sum stale ones. The last
-    rank sleeps before every call to open that window; every result is checked."""
+    rank comes late to every call (tests/checks.py seeded_epoch_calls); every result is checked."""
     import cupy as cp
 
     W, me = world.size, world.rank
     done = 0
     with AllReduce(world, 128 * H, "float32", timeout_s=60) as ar:
-        for seed_epoch in ((1 << 31) + 5, (1 << 32) - 2):
-            ar.synchronize()
-            world.barrier()  # nothing of the op in flight anywhere before the epoch moves
-            ar.state[0] = seed_epoch
-            for i in range(4):  # one- and two-shot, across 2^32 for the second seed
-                T = 7 + 29 * i
-                base = np.random.default_rng([seed_epoch, i]).standard_normal((T, H),
-                                                                             dtype=np.float32)
-                if me == W - 1:
-                    time.sleep(0.2)
-                out = ar(cp.asarray(_rank_x(base, me)), algo=("one_shot", "two_shot")[i % 2])
-                _close(cp.asnumpy(out), reference_allreduce([_rank_x(base, r) for r in range(W)]),
-                       "float32", f"rank {me} epoch {seed_epoch + i + 1}")
-                done += 1
-            assert int(ar.state[0]) == seed_epoch + 4
+        for seed, i in seeded_epoch_calls(world, ar, 4):  # one- and two-shot
+            T = 7 + 29 * i
+            base = np.random.default_rng([seed, i]).standard_normal((T, H), dtype=np.float32)
+            out = ar(cp.asarray(_rank_x(base, me)), algo=("one_shot", "two_shot")[i % 2])
+            _close(cp.asnumpy(out), reference_allreduce([_rank_x(base, r) for r in range(W)]),
+                   "float32", f"rank {me} epoch {seed + i + 1}")
+            done += 1
     return done
 
 

@@ -27,30 +27,28 @@ using u16 = unsigned short;
 using u8 = unsigned char;
 
 // ---- ordered loads and stores, order and scope in the name ---------------------------------
-__device__ __forceinline__ u32 ld_acquire_sys(const u32* p) {
-  u32 v;
-  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ u32 ld_relaxed_sys(const u32* p) {
-  u32 v;
-  asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(u32* p, u32 v) {
-  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
-__device__ __forceinline__ u64 ld_acquire_sys(const u64* p) {
-  u64 v;
-  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void st_release_sys(u64* p, u64 v) {
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-}
-__device__ __forceinline__ void st_relaxed_sys(u32* p, u32 v) {
-  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
-}
+// One set per flag width: u32 (host-counted epochs), u64 (device-counted epochs). REG is the
+// asm operand constraint of the width ("r" 32-bit, "l" 64-bit register).
+#define CUFLUX_SYS_ACCESS(T, PTX, REG)                                                           \
+  __device__ __forceinline__ T ld_acquire_sys(const T* p) {                                      \
+    T v;                                                                                           \
+    asm volatile("ld.acquire.sys.global." PTX " %0, [%1];" : "=" REG(v) : "l"(p) : "memory");    \
+    return v;                                                                                      \
+  }                                                                                                \
+  __device__ __forceinline__ T ld_relaxed_sys(const T* p) {                                      \
+    T v;                                                                                           \
+    asm volatile("ld.relaxed.sys.global." PTX " %0, [%1];" : "=" REG(v) : "l"(p) : "memory");    \
+    return v;                                                                                      \
+  }                                                                                                \
+  __device__ __forceinline__ void st_release_sys(T* p, T v) {                                    \
+    asm volatile("st.release.sys.global." PTX " [%0], %1;" ::"l"(p), REG(v) : "memory");         \
+  }                                                                                                \
+  __device__ __forceinline__ void st_relaxed_sys(T* p, T v) {                                    \
+    asm volatile("st.relaxed.sys.global." PTX " [%0], %1;" ::"l"(p), REG(v) : "memory");         \
+  }
+CUFLUX_SYS_ACCESS(u32, "u32", "r")
+CUFLUX_SYS_ACCESS(u64, "u64", "l")
+#undef CUFLUX_SYS_ACCESS
 __device__ __forceinline__ void fence_acq_rel_sys() {
   asm volatile("fence.acq_rel.sys;" ::: "memory");
 }
