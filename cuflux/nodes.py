@@ -31,8 +31,8 @@ from typing import Sequence
 
 from cuflux.errors import CufluxError
 
-__all__ = ["NodeLayout", "Step", "node_layout", "row_shards", "allreduce_plan", "gemm_rs_plan",
-           "allgather_plan", "all2all_plan"]
+__all__ = ["NodeLayout", "Step", "node_layout", "require_one_node", "row_shards",
+           "allreduce_plan", "gemm_rs_plan", "allgather_plan", "all2all_plan"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,6 +119,19 @@ def node_layout(hosts: Sequence[str], p2p, node_size: int | None = None) -> Node
                               f"{list(n)} ({len(n)} ranks that reach each other by P2P)")
         nodes += [n[i:i + node_size] for i in range(0, len(n), node_size)]
     return NodeLayout(tuple(sorted(nodes)))
+
+
+def require_one_node(world, what: str) -> None:
+    """CufluxError where the World spans several nodes: the ops (and symmetric memory) reach
+    peers through CUDA IPC, within one node, until their cross-node paths land (issue 20).
+    Every rank sees the same layout, so every rank raises, before anything is allocated."""
+    nodes = getattr(world, "nodes", None)  # test doubles of a World may have none
+    if nodes is not None and nodes.num_nodes > 1:
+        raise CufluxError(
+            f"{what}: this World spans {nodes.num_nodes} nodes of {nodes.node_size} ranks "
+            f"({[list(n) for n in nodes.nodes]}); {what} reaches its peers through CUDA IPC "
+            f"within one node, and its cross-node path (NCCL between nodes, issue 20) is not "
+            f"built yet: build the World on one node's ranks (a sub-communicator)")
 
 
 # ---- plans ---------------------------------------------------------------------------------------

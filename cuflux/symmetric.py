@@ -37,6 +37,7 @@ from typing import Sequence
 import numpy as np
 
 from cuflux.errors import CommTimeoutError, CufluxError
+from cuflux.nodes import require_one_node
 from cuflux.resource import Closeable
 
 __all__ = ["Layout", "SymmetricBuffer", "ALIGN_BYTES", "establish", "DeviceIpcMemory",
@@ -366,8 +367,6 @@ class SymmetricBuffer(Closeable):
             raise NoDeviceError("SymmetricBuffer: needs a CUDA device; this rank has none")
         if memory not in ("device", "host"):
             raise ValueError(f"SymmetricBuffer: memory must be 'device' or 'host', got {memory!r}")
-        from cuflux.ops.base import require_one_node
-
         require_one_node(world, "SymmetricBuffer")
         import cupy
 

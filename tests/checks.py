@@ -1,6 +1,6 @@
 """Checks shared by the GPU tests: the GEMM family's (plain GEMM, AllGatherGemm,
-GemmReduceScatter) tolerance table and float64 comparison, and the device-epoch ops' seeded
-epochs with a late rank."""
+GemmReduceScatter) tolerance table and float64 comparison, bad calls that must each raise, and
+the device-epoch ops' seeded epochs with a late rank."""
 import time
 
 import numpy as np
@@ -52,3 +52,15 @@ def seeded_epoch_calls(world, op, calls: int, late_s: float = 0.2):
             yield seed, i
         op.synchronize()
         assert int(op.state[0]) == seed + calls, (int(op.state[0]), seed + calls)
+
+
+def raises_each(cases, op: str) -> None:
+    """Each (fn, exc, text) of `cases`: fn() raises exc, whose message holds text and the op's
+    name."""
+    for fn, exc, text in cases:
+        try:
+            fn()
+        except exc as e:
+            assert text in str(e) and op in str(e), str(e)
+        else:
+            raise AssertionError(f"no {exc.__name__} for {text!r}")

@@ -12,10 +12,9 @@ import pytest
 
 import cuflux
 from cuflux.errors import CufluxError
-from cuflux.ops.base import require_one_node
 from tests.mpi import on_ranks
 from cuflux.nodes import (NodeLayout, all2all_plan, allgather_plan, allreduce_plan, gemm_rs_plan,
-                          node_layout, row_shards)
+                          node_layout, require_one_node, row_shards)
 
 
 def _p2p_by_host(hosts):

@@ -31,12 +31,13 @@ import numpy as np
 from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError, ErrorRecord,
                            FailureBoard, NoDeviceError)
 from cuflux.launch import current_device
+from cuflux.nodes import require_one_node
 from cuflux.resource import Closeable
 from cuflux.world import check_timeout  # one check for every timeout_s (ops and World)
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
-           "require_one_node", "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route"]
+           "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
 # peer that is compiling kernels on first use (up to ~40 s a file, once per machine) to be
@@ -143,19 +144,6 @@ def require_world_device(world, op: str) -> int:
         raise NoDeviceError(f"{op}: needs a CUDA device; rank {world.rank}'s World has none "
                             f"(it was built when CUDA saw no device)")
     return world.device
-
-
-def require_one_node(world, what: str) -> None:
-    """CufluxError where the World spans several nodes: the ops (and symmetric memory) reach
-    peers through CUDA IPC, within one node, until their cross-node paths land (issue 20).
-    Every rank sees the same layout, so every rank raises, before anything is allocated."""
-    nodes = getattr(world, "nodes", None)  # test doubles of a World may have none
-    if nodes is not None and nodes.num_nodes > 1:
-        raise CufluxError(
-            f"{what}: this World spans {nodes.num_nodes} nodes of {nodes.node_size} ranks "
-            f"({[list(n) for n in nodes.nodes]}); {what} reaches its peers through CUDA IPC "
-            f"within one node, and its cross-node path (NCCL between nodes, issue 20) is not "
-            f"built yet: build the World on one node's ranks (a sub-communicator)")
 
 
 def check_no_alias(op: str, out, **inputs) -> None:
