@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 
-__all__ = ["DType", "dtype_info", "as_cupy", "check_array", "stream_of", "framework_of",
-           "is_torch", "to_caller"]
+__all__ = ["DType", "dtype_info", "as_cupy", "check_array", "check_rows", "stream_of",
+           "framework_of", "is_torch", "to_caller"]
 
 
 class DType:
@@ -137,6 +137,19 @@ def check_array(x, *, name: str, op: str, shape=None, dtype: DType | None = None
         raise ValueError(f"{op}: {name} must be C-contiguous (strides {x.strides})")
     if device is not None and x.device.id != device:
         raise ValueError(f"{op}: {name} is on device {x.device.id}, this rank uses device {device}")
+    return x
+
+
+def check_rows(x, *, name: str, op: str, cols: int, max_rows: int, limit: str,
+               dtype: DType, device: int, rows: str = "rows", cols_name: str = "cols"):
+    """x (any array as_cupy takes) as a C-contiguous 2-D CuPy array [rows, cols] of `dtype` on
+    `device` with at most max_rows rows (`limit`: that bound's name, for the message)."""
+    x = check_array(as_cupy(x, name, op), name=name, op=op, ndim=2, dtype=dtype, device=device)
+    if x.shape[1] != cols:
+        raise ValueError(f"{op}: {name} must be [{rows}, {cols_name}={cols}], got shape "
+                         f"{tuple(x.shape)}")
+    if x.shape[0] > max_rows:
+        raise ValueError(f"{op}: {name} has {x.shape[0]} {rows}, more than {limit}={max_rows}")
     return x
 
 

@@ -62,20 +62,21 @@ def _wait_flag(cmp: str):
             "nor": drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_NOR}[cmp]
 
 
-def stream_write_value32(stream, address: int, value: int) -> None:
+def _stream_write_value(stream, address: int, value: int, bits: int) -> None:
     drv = _drv()
-    _check(drv.cuStreamWriteValue32(drv.CUstream(stream_handle(stream)), drv.CUdeviceptr(address),
-                                    value & 0xFFFFFFFF,
-                                    drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
-           f"cuStreamWriteValue32(0x{address:x}, {value})")
+    write = drv.cuStreamWriteValue64 if bits == 64 else drv.cuStreamWriteValue32
+    _check(write(drv.CUstream(stream_handle(stream)), drv.CUdeviceptr(address),
+                 value & ((1 << bits) - 1),
+                 drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
+           f"cuStreamWriteValue{bits}(0x{address:x}, {value})")
+
+
+def stream_write_value32(stream, address: int, value: int) -> None:
+    _stream_write_value(stream, address, value, 32)
 
 
 def stream_write_value64(stream, address: int, value: int) -> None:
-    drv = _drv()
-    _check(drv.cuStreamWriteValue64(drv.CUstream(stream_handle(stream)), drv.CUdeviceptr(address),
-                                    value & 0xFFFFFFFFFFFFFFFF,
-                                    drv.CUstreamWriteValue_flags.CU_STREAM_WRITE_VALUE_DEFAULT),
-           f"cuStreamWriteValue64(0x{address:x}, {value})")
+    _stream_write_value(stream, address, value, 64)
 
 
 def stream_wait_value32(stream, address: int, value: int, cmp: str = "geq") -> None:

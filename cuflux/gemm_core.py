@@ -26,15 +26,23 @@ from cuflux.launch import current_device
 from cuflux.arrays import as_cupy, check_array
 
 __all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "SM80_CONFIG",
-           "IN_DTYPES", "OUT_KIND", "CUDA_TYPE", "FAMILY", "sm80_kernel", "check_aligned",
+           "IN_DTYPES", "B_LAYOUTS", "check_b_layout", "OUT_KIND", "CUDA_TYPE", "FAMILY",
+           "sm80_kernel", "check_aligned",
            "check_bias", "device_props", "tensor_map", "prepare", "max_ctas",
            "cluster_resident_ctas", "launch_sm90", "launch_sm80", "launch_cublas", "cupy_module",
            "grouped_tile", "WORKSPACE_BYTES"]
 
 _OP = "cuflux.gemm"
 IN_DTYPES = ("bfloat16", "float16")
+B_LAYOUTS = ("kn", "nk")  # b is [K, N] (row-major weights as stored) or [N, K] (nn.Linear's)
 OUT_KIND = {"bfloat16": 0, "float16": 1, "float32": 2}  # gemm_hooks.cuh out_kind
 CUDA_TYPE = {"bfloat16": "__nv_bfloat16", "float16": "__half"}
+
+
+def check_b_layout(b_layout, op: str) -> None:
+    if b_layout not in B_LAYOUTS:
+        raise ValueError(f"{op}: b_layout must be 'kn' (b is [K, N]) or 'nk' (b is [N, K]), "
+                         f"got {b_layout!r}")
 
 
 # ---- tile configurations ---------------------------------------------------------------------------

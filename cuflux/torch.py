@@ -144,10 +144,34 @@ class _ParallelLinear(_Layer):
         self.bias = (nn.Parameter(torch.zeros(local_out, dtype=dtype, device=dev)) if bias
                      else None)
         nn.init.kaiming_uniform_(self.weight, a=5 ** 0.5)
-        self._build(dtype_name(dtype), local_in, local_out, timeout_s)
+        self._dtype, self._timeout_s = dtype_name(dtype), timeout_s
+        self._build(local_in, local_out)
 
-    def _build(self, dtype: str, local_in: int, local_out: int, timeout_s: float) -> None:
+    def _build(self, local_in: int, local_out: int) -> None:
         raise NotImplementedError
+
+    def _op(self, cls, **sizes):
+        """One of this layer's cuflux ops (closed with it), in the layer's dtype and timeout."""
+        return self._own(cls(self.world, dtype=self._dtype, timeout_s=self._timeout_s, **sizes))
+
+    @torch.no_grad()
+    def load_full(self, weight, bias=None) -> None:
+        """Take this rank's shard of the full layer's weight [out, in] and bias [out]: its rows
+        (and the bias's) for a column-parallel layer, its columns (and the whole bias, added
+        once after the sum) for a row-parallel one."""
+        by_rows = self.SPLIT == "out"
+        part = shard_rows(self.out_features if by_rows else self.in_features, self.world.size,
+                          self.world.rank)
+        self.weight.copy_(weight[part] if by_rows else weight[:, part])
+        if self.bias is not None and bias is not None:
+            self.bias.copy_(bias[part] if by_rows else bias)
+
+
+def _save(ctx, layer, bias, x, weight) -> None:
+    """What a linear layer's backward needs: its ops, whether it has a bias, the input the GEMM
+    saw and the weight."""
+    ctx.layer, ctx.has_bias = layer, bias is not None
+    ctx.save_for_backward(x, weight)
 
 
 def _weight_and_bias_grads(ctx, grad_y, x):
@@ -164,10 +188,7 @@ class _ColumnFn(torch.autograd.Function):
     def forward(ctx, x_shard, weight, bias, layer):
         out, gathered = layer.ag_gemm(_plain(x_shard), _plain(weight), bias=_plain(bias),
                                       return_gathered=True)
-        ctx.layer = layer
-        ctx.has_bias = bias is not None
-        gathered = _torch(gathered)
-        ctx.save_for_backward(gathered, weight)
+        _save(ctx, layer, bias, _torch(gathered), weight)
         return _torch(out)
 
     @staticmethod
@@ -192,24 +213,13 @@ class ColumnParallelLinear(_ParallelLinear):
 
     SPLIT = "out"
 
-    def _build(self, dtype, local_in, local_out, timeout_s):
-        world, max_tokens = self.world, self.max_tokens
+    def _build(self, local_in, local_out):
         self.out_per_rank = local_out
-        self.ag_gemm = self._own(cuflux.AllGatherGemm(
-            world, max_m=max_tokens, n=local_out, k=local_in, dtype=dtype, b_layout="nk",
-            timeout_s=timeout_s))
+        self.ag_gemm = self._op(cuflux.AllGatherGemm, max_m=self.max_tokens, n=local_out,
+                                k=local_in, b_layout="nk")
         # backward: grad_x_shard [T/W, in] = reduce-scatter(grad_y [T, out/W] @ W_r [out/W, in])
-        self.gemm_rs = self._own(cuflux.GemmReduceScatter(
-            world, max_m=max_tokens, n=local_in, k=local_out, dtype=dtype, b_layout="kn",
-            timeout_s=timeout_s))
-
-    @torch.no_grad()
-    def load_full(self, weight, bias=None) -> None:
-        """Take this rank's shard of the full layer's weight [out, in] (and bias [out])."""
-        rows = shard_rows(self.out_features, self.world.size, self.world.rank)
-        self.weight.copy_(weight[rows])
-        if self.bias is not None and bias is not None:
-            self.bias.copy_(bias[rows])
+        self.gemm_rs = self._op(cuflux.GemmReduceScatter, max_m=self.max_tokens, n=local_in,
+                                k=local_out, b_layout="kn")
 
     def forward(self, x_shard):
         _check_tokens("ColumnParallelLinear", x_shard.shape[0] * self.world.size, self.world,
@@ -222,9 +232,7 @@ class _RowFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, layer):
         out = layer.gemm_rs(_plain(x), _plain(weight), bias=_plain(bias))
-        ctx.layer = layer
-        ctx.has_bias = bias is not None
-        ctx.save_for_backward(x, weight)
+        _save(ctx, layer, bias, x, weight)
         return _torch(out)
 
     @staticmethod
@@ -247,23 +255,13 @@ class RowParallelLinear(_ParallelLinear):
 
     SPLIT = "in"
 
-    def _build(self, dtype, local_in, local_out, timeout_s):
-        world, max_tokens = self.world, self.max_tokens
+    def _build(self, local_in, local_out):
         self.in_per_rank = local_in
-        self.gemm_rs = self._own(cuflux.GemmReduceScatter(
-            world, max_m=max_tokens, n=local_out, k=local_in, dtype=dtype, b_layout="nk",
-            timeout_s=timeout_s))
-        self.all_gather = self._own(cuflux.AllGather(
-            world, max_rows=max_tokens // world.size, cols=local_out, dtype=dtype,
-            timeout_s=timeout_s))
-
-    @torch.no_grad()
-    def load_full(self, weight, bias=None) -> None:
-        """Take this rank's shard of the full layer's weight [out, in] (and its bias [out])."""
-        cols = shard_rows(self.in_features, self.world.size, self.world.rank)
-        self.weight.copy_(weight[:, cols])
-        if self.bias is not None and bias is not None:
-            self.bias.copy_(bias)
+        self.gemm_rs = self._op(cuflux.GemmReduceScatter, max_m=self.max_tokens, n=local_out,
+                                k=local_in, b_layout="nk")
+        # backward: grad_y [T, out] = all-gather(grad_y_shard [T/W, out])
+        self.all_gather = self._op(cuflux.AllGather, max_rows=self.max_tokens // self.world.size,
+                                   cols=local_out)
 
     def forward(self, x):
         _check_tokens("RowParallelLinear", x.shape[0], self.world, self.max_tokens)

@@ -76,6 +76,17 @@ __device__ __forceinline__ void add_to(float (&acc)[kBytes / sizeof(T)], const R
   for (int j = 0; j < int(kBytes / sizeof(T)); ++j) acc[j] += to_float<T>(e[j]);
 }
 
+// h = 0 + a + b in fp32, in that order (the W = 1 norm's residual sum, bit-identical each time
+// it is recomputed).
+template <typename T, int kBytes>
+__device__ __forceinline__ void sum_of(float (&h)[kBytes / sizeof(T)], const RawVec<kBytes>& a,
+                                       const RawVec<kBytes>& b) {
+#pragma unroll
+  for (int j = 0; j < int(kBytes / sizeof(T)); ++j) h[j] = 0.0f;
+  add_to<T, kBytes>(h, a);
+  add_to<T, kBytes>(h, b);
+}
+
 template <typename T, int kBytes>
 __device__ __forceinline__ RawVec<kBytes> pack_from(const float (&v)[kBytes / sizeof(T)]) {
   RawVec<kBytes> r;
@@ -324,8 +335,7 @@ __global__ void __launch_bounds__(256) rmsnorm_local_reg(const T* __restrict__ x
     RawVec<kVecBytes> xv[kVecs], rv[kVecs], wv[kVecs];
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if (v < nvec) {
+      if (const int v = threadIdx.x + i * blockDim.x; v < nvec) {
         const long long off = static_cast<long long>(v) * kElems;
         xv[i] = ld_nc<kVecBytes>(x + row + off);
         rv[i] = ld_plain<kVecBytes>(residual + row + off);
@@ -337,13 +347,9 @@ __global__ void __launch_bounds__(256) rmsnorm_local_reg(const T* __restrict__ x
     float ss = 0.0f;
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if (v < nvec) {
+      if (const int v = threadIdx.x + i * blockDim.x; v < nvec) {
         float h[kElems];
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) h[j] = 0.0f;
-        add_to<T, kVecBytes>(h, xv[i]);
-        add_to<T, kVecBytes>(h, rv[i]);
+        sum_of<T, kVecBytes>(h, xv[i], rv[i]);
         st_na<kVecBytes>(residual + row + static_cast<long long>(v) * kElems,
                          pack_from<T, kVecBytes>(h));
 #pragma unroll
@@ -353,13 +359,9 @@ __global__ void __launch_bounds__(256) rmsnorm_local_reg(const T* __restrict__ x
     const float rstd = rsqrtf(block_reduce_sum(ss, s_scratch) / static_cast<float>(cols) + eps);
 #pragma unroll
     for (int i = 0; i < kVecs; ++i) {
-      const int v = threadIdx.x + i * blockDim.x;
-      if (v < nvec) {
+      if (const int v = threadIdx.x + i * blockDim.x; v < nvec) {
         float h[kElems];
-#pragma unroll
-        for (int j = 0; j < kElems; ++j) h[j] = 0.0f;
-        add_to<T, kVecBytes>(h, xv[i]);
-        add_to<T, kVecBytes>(h, rv[i]);
+        sum_of<T, kVecBytes>(h, xv[i], rv[i]);
         const T* we = reinterpret_cast<const T*>(&wv[i]);
 #pragma unroll
         for (int j = 0; j < kElems; ++j) h[j] = h[j] * rstd * to_float<T>(we[j]);

@@ -3,6 +3,8 @@
 import os
 import signal
 
+import pytest
+
 
 def _kill_pools_then_die(signum, frame):
     """A pytest ended by `timeout` (SIGTERM) or a closed terminal (SIGHUP) takes its rank pools
@@ -13,6 +15,18 @@ def _kill_pools_then_die(signum, frame):
     kill_pools()
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
+
+
+@pytest.fixture(params=["sm90", "sm80"])
+def impl(request):
+    """The GEMM core a GPU test runs: the portable one everywhere and Hopper's where the device
+    has sm_90a (skipped, with the reason, elsewhere). A test that parametrizes `impl` itself
+    (the CPU checks of both cores' kernel arguments) overrides this."""
+    from tests.mpi import core_impls
+
+    if request.param not in core_impls():
+        pytest.skip("the Hopper core needs an sm_90a device")
+    return request.param
 
 
 def pytest_configure(config):

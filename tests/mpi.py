@@ -197,13 +197,33 @@ def on_ranks(fn):
     """Decorator of a rank body fn(world, **kwargs) that sits in a test module beside the test
     asserting on it: `fn.run(W, timeout_s=180, **kwargs)` runs it on W ranks (each rank imports
     the module by name, tests/rank_main.py) and returns every rank's result, or fails with every
-    rank's traceback. The body itself stays a plain function (fn(world) on one rank works)."""
+    rank's traceback; `test_x = fn.test(expect=..., sizes=...)` is the whole test where all it
+    asserts is what every rank returned. The body itself stays a plain function (fn(world) on
+    one rank works)."""
     target = f"{fn.__module__}:{fn.__name__}"
 
     def run(world_size: int, timeout_s: float = 180, **kwargs) -> list:
         return run_ranks(world_size, target, timeout_s, **kwargs)
 
-    fn.run, fn.target = run, target
+    _unset = object()
+
+    def test(expect=_unset, sizes=None, timeout_s: float = 180, **kwargs):
+        """The GPU test of this body, bound to a test_* name of the module (pytest collects it
+        by that name): for each W of `sizes` (default: every tested W) the body runs on W ranks
+        and, where `expect` is given, every rank must have returned it."""
+        import pytest
+
+        @pytest.mark.gpu
+        @pytest.mark.parametrize("W", world_sizes() if sizes is None else list(sizes))
+        def check(W):
+            got = run(W, timeout_s, **kwargs)
+            assert expect is _unset or got == [expect] * W, \
+                f"{target} on W={W}: the ranks returned {got}, each should return {expect!r}"
+
+        check.__doc__ = fn.__doc__
+        return check
+
+    fn.run, fn.test, fn.target = run, test, target
     return fn
 
 

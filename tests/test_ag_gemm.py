@@ -27,6 +27,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import cuflux.arrays as arrays
 import cuflux.ops.ag_gemm as AGG
 import cuflux.ops.allgather as AGM
 from cuflux import errors as E
@@ -41,7 +42,7 @@ from cuflux.ops.allgather import arrival_order, arrival_stages
 from cuflux.topology import PeerLink, Topology
 from tests.checks import check_close
 from tests.fakes import FakeArray, FakeErrorRecord
-from tests.mpi import core_impls, fresh_seed, gpu_available, on_ranks, world_sizes
+from tests.mpi import fresh_seed, gpu_available, on_ranks, world_sizes
 
 WS = world_sizes()
 
@@ -203,10 +204,7 @@ def sweep(world, mode, impl, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
 @pytest.mark.parametrize("mode", ["pull", "push"])
-@pytest.mark.parametrize("impl", ["sm90", "sm80"])
 def test_matches_float64_and_the_plain_gemm(W, mode, impl):
-    if impl not in core_impls():
-        pytest.skip("the Hopper core needs an sm_90a device")
     _skip_push_at_one(W, mode)
     sweep.run(W, timeout_s=300, mode=mode, impl=impl, seed=fresh_seed())
 
@@ -390,10 +388,7 @@ def late_peer(world, mode, impl, delay_s=1.0):
 @pytest.mark.gpu
 @pytest.mark.parametrize("W", [w for w in WS if w > 1][:1])
 @pytest.mark.parametrize("mode", ["pull", "push"])
-@pytest.mark.parametrize("impl", ["sm90", "sm80"])
 def test_late_peer_is_waited_for(W, mode, impl):
-    if impl not in core_impls():
-        pytest.skip("the Hopper core needs an sm_90a device")
     waited = late_peer.run(W, timeout_s=180, mode=mode, impl=impl)
     assert waited[-1] is None and all(w > 0.5 for w in waited[:-1])
 
@@ -499,7 +494,7 @@ def bad_input(world):
         (lambda: op(cupy.zeros((64, 64), cupy.float16), b), TypeError,
          "a_shard must be bfloat16"),
         (lambda: op(a[:, :32].copy(), b), ValueError, r"a_shard must be \[rows, k=64\]"),
-        (lambda: op(cupy.zeros((65, 64), bf), b), ValueError, "more than max_m // W = 64"),
+        (lambda: op(cupy.zeros((65, 64), bf), b), ValueError, "more than max_m // W=64"),
         (lambda: op(a, b[:32].copy()), ValueError, r"b \(layout 'kn'\) must be \[k=64, n=64\]"),
         (lambda: op(a, cupy.zeros((64, 64), cupy.float16)), TypeError, "b must be bfloat16"),
         (lambda: op(a, b, bias=cupy.zeros(32, bf)), ValueError, "bias must have shape"),
@@ -522,10 +517,8 @@ def bad_input(world):
     return rel
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", [w for w in WS if w > 1][:1] or [1])
-def test_bad_input_raises_before_anything_is_queued(W):
-    bad_input.run(W, timeout_s=300)
+test_bad_input_raises_before_anything_is_queued = bad_input.test(
+    sizes=[w for w in WS if w > 1][:1] or [1], timeout_s=300)
 
 
 # ==== CPU tests ===================================================================================
@@ -891,8 +884,9 @@ def _fake_env(monkeypatch, sim):
     monkeypatch.setattr(op_base, "current_device", lambda: 0)  # the op's device (world.device)
     monkeypatch.setattr(kernels, "load", lambda *a, **k: None)
     monkeypatch.setattr(kernels, "device_arch", lambda device=None: "sm_90a")
-    for name in ("as_cupy", "check_array"):
-        monkeypatch.setattr(AGM, name, lambda x, *a, **k: x)
+    for mod in (AGM, arrays):
+        for name in ("as_cupy", "check_array"):
+            monkeypatch.setattr(mod, name, lambda x, *a, **k: x)
     monkeypatch.setattr(AGM, "stream_of", lambda s, like=None: s)
     from cuflux import launch
 
@@ -1361,9 +1355,10 @@ def _sim_calls(monkeypatch, sim):
 
     import cuflux.gemm_core as G
 
-    for mod in (AGG, G):
+    for mod in (AGG, G, arrays):
         monkeypatch.setattr(mod, "as_cupy", lambda x, *a, **k: x)
-    monkeypatch.setattr(AGG, "check_array", lambda x, *a, **k: x)
+    for mod in (AGG, arrays):
+        monkeypatch.setattr(mod, "check_array", lambda x, *a, **k: x)
     monkeypatch.setattr(AGG, "stream_of", lambda s, like=None: s)
     monkeypatch.setattr(cupy, "empty", lambda shape, dtype=None: _Array(sim, shape[0],
                                                                         2 * shape[1]))
@@ -1481,7 +1476,7 @@ _A = FakeArray
      "out is on device 1"),
     (_A((16, 128), "float16"), _A((128, 256)), None, None, TypeError, "a_shard must be bfloat16"),
     (_A((16, 64)), _A((128, 256)), None, None, ValueError, r"a_shard must be \[rows, k=128\]"),
-    (_A((33, 128)), _A((128, 256)), None, None, ValueError, "more than max_m // W = 32"),
+    (_A((33, 128)), _A((128, 256)), None, None, ValueError, "more than max_m // W=32"),
     (_A((16, 128)), _A((256, 128)), None, None, ValueError, r"must be \[k=128, n=256\]"),
     (_A((16, 128)), _A((128, 256)), None, _A((16, 256)), ValueError,
      r"out must have shape \(64, 256\)"),
@@ -1491,8 +1486,8 @@ _A = FakeArray
 def test_call_checks_name_the_argument(monkeypatch, a, b, bias, out, exc, text):
     import cuflux.gemm_core as G
 
-    monkeypatch.setattr(AGG, "as_cupy", lambda x, name, op: x)
-    monkeypatch.setattr(G, "as_cupy", lambda x, name, op: x)
+    for mod in (AGG, G, arrays):
+        monkeypatch.setattr(mod, "as_cupy", lambda x, name, op: x)
     with pytest.raises(exc, match=text) as e:
         _checking_op()._check_call(a, b, bias, out)
     assert "AllGatherGemm" in str(e.value)
@@ -1501,8 +1496,8 @@ def test_call_checks_name_the_argument(monkeypatch, a, b, bias, out, exc, text):
 def test_call_checks_accept_good_arguments(monkeypatch):
     import cuflux.gemm_core as G
 
-    monkeypatch.setattr(AGG, "as_cupy", lambda x, name, op: x)
-    monkeypatch.setattr(G, "as_cupy", lambda x, name, op: x)
+    for mod in (AGG, G, arrays):
+        monkeypatch.setattr(mod, "as_cupy", lambda x, name, op: x)
     got = _checking_op()._check_call(_A((16, 128)), _A((128, 256)), _A((256,)), _A((64, 256)))
     assert got[-1] == 16
 

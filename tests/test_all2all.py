@@ -348,10 +348,7 @@ def back_to_back(world, seed, calls=1000):
     return calls
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", WS)
-def test_back_to_back_1000_calls(W):
-    assert back_to_back.run(W, timeout_s=600, seed=fresh_seed()) == [1000] * W
+test_back_to_back_1000_calls = back_to_back.test(expect=1000, timeout_s=600, seed=fresh_seed())
 
 
 @on_ranks
@@ -377,10 +374,8 @@ def epochs_past_32_bits(world, seed):
     return done
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", [w for w in WS if w > 1])
-def test_epochs_past_32_bits_never_pass_an_unwritten_flag(W):
-    assert epochs_past_32_bits.run(W, timeout_s=300, seed=fresh_seed()) == [8] * W
+test_epochs_past_32_bits_never_pass_an_unwritten_flag = epochs_past_32_bits.test(
+    expect=8, sizes=[w for w in WS if w > 1], timeout_s=300, seed=fresh_seed())
 
 
 @on_ranks

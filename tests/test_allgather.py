@@ -93,10 +93,7 @@ def allgather_torch(world):
     return True
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", WS)
-def test_allgather_torch_arrays(W):
-    allgather_torch.run(W)
+test_allgather_torch_arrays = allgather_torch.test(expect=True)
 
 
 # ---- back to back -------------------------------------------------------------------------------

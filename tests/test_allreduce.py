@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
+import cuflux.arrays as arrays
 import cuflux.ops.allreduce as ar
 from cuflux import kernels
 from cuflux.arrays import dtype_info
@@ -187,10 +188,8 @@ def bad_input(world):
     return True
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", [w for w in WS if w > 1][:1] or [1])
-def test_bad_input_raises_before_launch(W):
-    bad_input.run(W)
+test_bad_input_raises_before_launch = bad_input.test(
+    expect=True, sizes=[w for w in WS if w > 1][:1] or [1])
 
 
 # ---- GPU: AllReduce sizes and algorithms ---------------------------------------------------------
@@ -225,10 +224,7 @@ def plain_sweep(world, dtypes=("bfloat16", "float16", "float32")):
     return True
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", WS)
-def test_allreduce_sizes_algorithms_bit_identical(W):
-    plain_sweep.run(W, timeout_s=300)
+test_allreduce_sizes_algorithms_bit_identical = plain_sweep.test(expect=True, timeout_s=300)
 
 
 # ---- GPU: CUDA graph capture and replay ----------------------------------------------------------
@@ -279,10 +275,7 @@ def graph_replay(world, replays=3, H=1000):
     return replays
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", WS)
-def test_cuda_graph_replay(W):
-    assert graph_replay.run(W, timeout_s=300) == [3] * W
+test_cuda_graph_replay = graph_replay.test(expect=3, timeout_s=300)
 
 
 # ---- GPU: timeouts -------------------------------------------------------------------------------
@@ -438,10 +431,8 @@ def epochs_past_32_bits(world, H=1000):
     return done
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", [w for w in WS if w > 1])
-def test_epochs_past_32_bits_never_pass_an_unwritten_flag(W):
-    assert epochs_past_32_bits.run(W, timeout_s=300) == [8] * W
+test_epochs_past_32_bits_never_pass_an_unwritten_flag = epochs_past_32_bits.test(
+    expect=8, sizes=[w for w in WS if w > 1], timeout_s=300)
 
 
 # ==== CPU tests (no GPU needed) ===================================================================
@@ -646,7 +637,7 @@ A = FakeArray
     ("replicated", A((8, 64, 1)), A((8, 64)), A((64,)), None, None, ValueError,
      "x must have 2 dimensions"),
     ("replicated", A((8, 32)), A((8, 32)), A((64,)), None, None, ValueError,
-     r"x must be \[T, 64\]"),
+     r"x must be \[tokens, hidden=64\]"),
     ("replicated", A((17, 64)), A((17, 64)), A((64,)), None, None, ValueError,
      "17 tokens, more than max_tokens=16"),
     ("replicated", A((8, 64)), A((7, 64)), A((64,)), None, None, ValueError,
@@ -674,14 +665,16 @@ A = FakeArray
      "algo must be one of"),
 ])
 def test_norm_call_checks(monkeypatch, output, x, res, w, out, algo, exc, text):
-    monkeypatch.setattr(ar, "as_cupy", lambda a, name, op: a)
+    for mod in (ar, arrays):
+        monkeypatch.setattr(mod, "as_cupy", lambda a, name, op: a)
     with pytest.raises(exc, match=text) as e:
         ar.check_norm_call(_fake_norm(output), x, res, w, out, algo)
     assert "AllReduceRMSNorm" in str(e.value)
 
 
 def test_norm_call_accepts_good_shapes(monkeypatch):
-    monkeypatch.setattr(ar, "as_cupy", lambda a, name, op: a)
+    for mod in (ar, arrays):
+        monkeypatch.setattr(mod, "as_cupy", lambda a, name, op: a)
     ar.check_norm_call(_fake_norm("sequence_parallel"), A((10, 64)), A((2, 64)), A((64,)),
                        A((2, 64)), "two_shot")
     ar.check_norm_call(_fake_norm("sequence_parallel", rank=3, W=8), A((3, 64)), A((0, 64)),

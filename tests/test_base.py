@@ -60,10 +60,7 @@ def aliasing(world):
     return refused
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", WS[:2])
-def test_outputs_overlapping_inputs_are_refused(W):
-    assert aliasing.run(W, timeout_s=300) == [3] * W
+test_outputs_overlapping_inputs_are_refused = aliasing.test(expect=3, sizes=WS[:2], timeout_s=300)
 
 
 @on_ranks
@@ -90,10 +87,8 @@ def mismatched_m(world):
     return raised
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", [w for w in WS if w > 1][:2])
-def test_mismatched_m_raises_on_every_rank(W):
-    assert mismatched_m.run(W, timeout_s=300) == [True] * W
+test_mismatched_m_raises_on_every_rank = mismatched_m.test(
+    expect=True, sizes=[w for w in WS if w > 1][:2], timeout_s=300)
 
 
 @on_ranks

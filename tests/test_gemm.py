@@ -22,7 +22,7 @@ from cuflux import gemm_core, gemm_tuner, kernels
 from cuflux.ops import gemm as G
 from tests.checks import check_close, f64
 from tests.kernels_cu import GEMM_HOOKS, GEMM_HOOKS_FAMILY
-from tests.mpi import core_impls, fresh_seed, gpu_available, hopper, on_ranks, world_sizes
+from tests.mpi import fresh_seed, gpu_available, hopper, on_ranks, world_sizes
 
 WS = world_sizes()
 
@@ -82,15 +82,12 @@ def _mapping(got, src, axis):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["sm90", "sm80"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("which", ["a", "b"])
 def test_identity_operand_is_exact(impl, layout, which):
     """A @ I == A and I @ B == B bit for bit (products with 1, sums with 0 are exact); on a
     failure the message says where each output column (or row) came from, which points at a
     swizzle or descriptor error."""
-    if impl not in core_impls():
-        pytest.skip("the Hopper core needs an sm_90a device")
     import cupy
 
     import cuflux.ops.gemm as G
@@ -117,23 +114,17 @@ def test_identity_operand_is_exact(impl, layout, which):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["sm90", "sm80"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_matches_float64(impl, layout, shape):
-    if impl not in core_impls():
-        pytest.skip("the Hopper core needs an sm_90a device")
     _run(impl, *shape, layout=layout)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["sm90", "sm80"])
 @pytest.mark.parametrize("layout", ["kn", "nk"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
 def test_bias_and_out_dtypes(impl, layout, dtype, out_dtype):
-    if impl not in core_impls():
-        pytest.skip("the Hopper core needs an sm_90a device")
     _run(impl, 777, 1536, 2048, layout=layout, dtype=dtype, out_dtype=out_dtype, bias=True)
 
 
@@ -226,11 +217,8 @@ def test_graph_capture_and_replay_with_new_inputs(monkeypatch, M):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["sm90", "sm80"])
 @pytest.mark.parametrize("group_m", [1, 3, 64])
 def test_tile_orders(impl, group_m):
-    if impl not in core_impls():
-        pytest.skip("the Hopper core needs an sm_90a device")
     _run(impl, 3000, 2056, 256, group_m=group_m)
 
 
@@ -406,10 +394,7 @@ def hooks_reduce_scatter(world, impl, seed, rows_per_rank=200, N=520, K=264):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
-@pytest.mark.parametrize("impl", ["sm90", "sm80"])
 def test_hooks_reduce_scatter(W, impl):
-    if impl not in core_impls():
-        pytest.skip("the Hopper core needs an sm_90a device")
     hooks_reduce_scatter.run(W, timeout_s=240, impl=impl, seed=fresh_seed())
 
 
@@ -451,10 +436,7 @@ def hooks_timeout(world, impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["sm90", "sm80"])
 def test_hooks_wait_is_bounded(impl):
-    if impl not in core_impls():
-        pytest.skip("the Hopper core needs an sm_90a device")
     took, = hooks_timeout.run(1, timeout_s=120, impl=impl)
     assert took < 10
 

@@ -79,10 +79,7 @@ def rmsnorm_modes(world, replays=100, T=37, H=1024):
     return replays
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", WS)
-def test_rmsnorm_every_mode_captured_and_replayed(W):
-    assert rmsnorm_modes.run(W, timeout_s=600) == [100] * W
+test_rmsnorm_every_mode_captured_and_replayed = rmsnorm_modes.test(expect=100, timeout_s=600)
 
 
 @on_ranks
@@ -134,10 +131,7 @@ def all2all(world, replays=100, T=64, H=8, D=128):
     return replays
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", WS)
-def test_all2all_capture(W):
-    assert all2all.run(W, timeout_s=300) == [100] * W
+test_all2all_capture = all2all.test(expect=100, timeout_s=300)
 
 
 @on_ranks
@@ -192,10 +186,7 @@ def gemm_rs(world, replays=100, M=512, n=264, k=136):
     return replays
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", WS)
-def test_gemm_rs_capture(W):
-    assert gemm_rs.run(W, timeout_s=300) == [100] * W
+test_gemm_rs_capture = gemm_rs.test(expect=100, timeout_s=300)
 
 
 @on_ranks

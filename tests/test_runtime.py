@@ -61,10 +61,7 @@ def symmetric_visible(world):
     return True
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", WS)
-def test_symmetric_buffers_visible_from_every_peer(W):
-    symmetric_visible.run(W)
+test_symmetric_buffers_visible_from_every_peer = symmetric_visible.test(expect=True)
 
 
 # ---- flags by epoch and stream values -----------------------------------------------------------

@@ -40,7 +40,7 @@ import numpy as np
 from cuflux import gemm_core as core
 from cuflux import gemm_tuner as tuner
 from cuflux import kernels
-from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
+from cuflux.arrays import as_cupy, check_array, check_rows, dtype_info, stream_of, to_caller
 from cuflux.ops import gemm as gemm_op
 from cuflux.ops.allgather import _MEMCPY_DEFAULT, CopyGather, arrival_order
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_route, check_timeout, on_op_device,
@@ -52,8 +52,6 @@ __all__ = ["AllGatherGemm", "reference_ag_gemm", "visit_order", "chunks_for_rows
 
 _OP = "AllGatherGemm"
 _SRC = "ag_gemm.cu"
-_IN = ("bfloat16", "float16")
-_LAYOUTS = ("kn", "nk")
 # Hopper configurations instantiated here: every single-CTA cooperative one of the plain GEMM
 # (ag_gemm_sm90 has neither cluster multicast nor the ping-pong schedule); a tuner choice outside
 # these falls back to the heuristic (_sm90_config).
@@ -87,7 +85,7 @@ def _sm80_kernel(cuda_type: str, transposed: bool) -> str:
 
 def _names() -> list[str]:
     names = []
-    for dt in _IN:
+    for dt in core.IN_DTYPES:
         t = dtype_info(dt).cuda_type
         for tr in (False, True):
             names += [_sm90_kernel(c, t, tr) for c in AG_SM90_CONFIGS.values()]
@@ -164,11 +162,9 @@ def check_build_args(world_size: int, max_m, n, k, dtype, out_dtype, b_layout, m
 
     The row bound comes as exactly one of max_m (the largest gathered M, the GEMM's M: rows
     per rank = max_m // world_size) or max_rows_per_rank (AllGather's max_rows)."""
-    dt = dtype_info(dtype, _IN, _OP)
+    dt = dtype_info(dtype, core.IN_DTYPES, _OP)
     odt = dtype_info(out_dtype if out_dtype is not None else dt.name, core.OUT_KIND, _OP)
-    if b_layout not in _LAYOUTS:
-        raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [k, n]) or 'nk' (b is [n, k]), "
-                         f"got {b_layout!r}")
+    core.check_b_layout(b_layout, _OP)
     if mode not in ("pull", "push"):
         raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
     check_route(_OP, route)
@@ -209,8 +205,7 @@ def reference_ag_gemm(a_shards, bs, biases=None, b_layout: str = "kn") -> list[n
     a_shards: W arrays [rows, k] (rank order); bs: W weights, [k, n] ("kn") or [n, k] ("nk");
     biases: W arrays [n] or None. The gathered A is np.concatenate(a_shards) on every rank.
     """
-    if b_layout not in _LAYOUTS:
-        raise ValueError(f"reference_ag_gemm: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    core.check_b_layout(b_layout, "reference_ag_gemm")
     if len(bs) != len(a_shards) or (biases is not None and len(biases) != len(a_shards)):
         raise ValueError(f"reference_ag_gemm: {len(a_shards)} shards but {len(bs)} weights"
                          + ("" if biases is None else f" and {len(biases)} biases"))
@@ -407,14 +402,9 @@ class AllGatherGemm(CopyGather):
     def _check_call(self, a_shard, b, bias, out):
         """Every argument check, before anything is queued (nothing touches a peer)."""
         dev, dt = self.world.device, self.dtype
-        a = as_cupy(a_shard, "a_shard", _OP)
-        check_array(a, name="a_shard", op=_OP, ndim=2, dtype=dt, device=dev)
+        a = check_rows(a_shard, name="a_shard", op=_OP, cols=self.k, cols_name="k",
+                       max_rows=self.max_rows, limit="max_m // W", dtype=dt, device=dev)
         rows = a.shape[0]
-        if a.shape[1] != self.k:
-            raise ValueError(f"{_OP}: a_shard must be [rows, k={self.k}], got {tuple(a.shape)}")
-        if rows > self.max_rows:
-            raise ValueError(f"{_OP}: a_shard has {rows} rows, more than max_m // W = "
-                             f"{self.max_rows} (max_rows_per_rank)")
         b = as_cupy(b, "b", _OP)
         check_array(b, name="b", op=_OP, ndim=2, dtype=dt, device=dev)
         want = (self.k, self.n) if self.b_layout == "kn" else (self.n, self.k)

@@ -41,7 +41,8 @@ from __future__ import annotations
 import numpy as np
 
 from cuflux import driver, kernels
-from cuflux.arrays import as_cupy, check_array, dtype_info, is_torch, stream_of, to_caller
+from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torch, stream_of,
+                           to_caller)
 from cuflux.errors import ABORT, OP_CODES
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_timeout, on_op_device,
                              on_world_device, require_world_device)
@@ -428,14 +429,6 @@ class AllGather(CopyGather):
 
     def _check_call(self, x, stream):
         """Validate x (before anything is queued); returns (x, rows, stream)."""
-        x_in, x = x, as_cupy(x, "x", self.op)
-        check_array(x, name="x", op=self.op, ndim=2, dtype=self.dtype,
-                    device=self.world.device)
-        rows = x.shape[0]
-        if x.shape[1] != self.cols:
-            raise ValueError(f"{self.op}: x must have {self.cols} columns, got shape "
-                             f"{tuple(x.shape)}")
-        if rows > self.max_rows:
-            raise ValueError(f"{self.op}: x has {rows} rows, more than "
-                             f"max_rows={self.max_rows}")
-        return x, rows, stream_of(stream, x_in)
+        x_in, x = x, check_rows(x, name="x", op=self.op, cols=self.cols, max_rows=self.max_rows,
+                                limit="max_rows", dtype=self.dtype, device=self.world.device)
+        return x, x.shape[0], stream_of(stream, x_in)

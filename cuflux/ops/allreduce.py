@@ -20,7 +20,8 @@ import math
 import numpy as np
 
 from cuflux import kernels
-from cuflux.arrays import as_cupy, check_array, dtype_info, is_torch, stream_of, to_caller
+from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torch, stream_of,
+                           to_caller)
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
                              on_op_device, sm_count)
 from cuflux.sizes import count, optional_count
@@ -402,13 +403,9 @@ class AllReduceRMSNorm(_P2PReduce):
 def check_norm_call(op, x, residual, weight, out, algo):
     """Argument checks of AllReduceRMSNorm.__call__ (before anything is launched)."""
     name, dev, d = op.op, op.world.device, op.dtype
-    x = as_cupy(x, "x", name)
-    check_array(x, name="x", op=name, ndim=2, dtype=d, device=dev)
+    x = check_rows(x, name="x", op=name, cols=op.hidden, cols_name="hidden",
+                   max_rows=op.max_tokens, limit="max_tokens", rows="tokens", dtype=d, device=dev)
     T = x.shape[0]
-    if x.shape[1] != op.hidden:
-        raise ValueError(f"{name}: x must be [T, {op.hidden}], got shape {tuple(x.shape)}")
-    if T > op.max_tokens:
-        raise ValueError(f"{name}: x has {T} tokens, more than max_tokens={op.max_tokens}")
     rows = op.out_rows(T)
     residual = as_cupy(residual, "residual", name)
     check_array(residual, name="residual", op=name, shape=(rows, op.hidden), dtype=d, device=dev)

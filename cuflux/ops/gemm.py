@@ -27,8 +27,9 @@ from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import CaptureError
 from cuflux.gemm_core import (CUDA_TYPE, FAMILY, IN_DTYPES, OUT_KIND, SM80, SM80_CONFIG,
                               SM90_CONFIGS, SM90_DEFAULT, WORKSPACE_BYTES, Sm80Config,
-                              Sm90Config, check_aligned, check_bias, cupy_module, device_props,
-                              grouped_tile, launch_cublas, launch_sm80, launch_sm90, tensor_map)
+                              Sm90Config, check_aligned, check_b_layout, check_bias, cupy_module,
+                              device_props, grouped_tile, launch_cublas, launch_sm80, launch_sm90,
+                              tensor_map)
 from cuflux.gemm_tuner import (CUBLAS, CUBLAS_BELOW_M, TUNER_CANDIDATES, choice, core_heuristic,
                                heuristic, load_tuner, plan, shape_class, tune_key, tuned_config,
                                tuner_path)
@@ -42,16 +43,13 @@ __all__ = ["gemm", "plan", "IMPLS", "tensor_map", "Sm90Config", "SM90_CONFIGS", 
            "tune_key", "tuned_config", "tuner_path"]
 
 _OP = "cuflux.gemm"
-_LAYOUTS = ("kn", "nk")
 IMPLS = ("auto", "sm90", "sm80", CUBLAS)
 
 
 # ---- argument checks ------------------------------------------------------------------------------
 def _check_args(a, b, bias, out, out_dtype, b_layout, impl, alloc_stream=None):
     cupy = cupy_module()
-    if b_layout not in _LAYOUTS:
-        raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [K, N]) or 'nk' (b is [N, K]), "
-                         f"got {b_layout!r}")
+    check_b_layout(b_layout, _OP)
     if impl not in IMPLS:
         raise ValueError(f"{_OP}: impl must be one of {IMPLS}, got {impl!r}")
     a = as_cupy(a, "a", _OP)

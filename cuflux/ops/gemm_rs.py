@@ -44,8 +44,6 @@ __all__ = ["GemmReduceScatter", "reference_gemm_rs", "tile_order", "own_tile_row
 
 _OP = "GemmReduceScatter"
 _SRC = "gemm_rs.cu"
-_IN = ("bfloat16", "float16")
-_LAYOUTS = ("kn", "nk")
 REDUCE_MODES = ("deterministic", "atomic")
 W1_MODES = ("gemm", "fused")  # what a call runs at W = 1 (constructor argument w1)
 # Hopper tile configurations compiled into gemm_rs.cu (names of cuflux.gemm_core.SM90_CONFIGS:
@@ -143,8 +141,7 @@ def reference_gemm_rs(a_list, b_list, bias=None, b_layout: str = "kn", rank: int
     if W == 0 or len(b_list) != W:
         raise ValueError(f"reference_gemm_rs: need one a and one b per rank, got {len(a_list)} "
                          f"and {len(b_list)}")
-    if b_layout not in _LAYOUTS:
-        raise ValueError(f"reference_gemm_rs: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    core.check_b_layout(b_layout, "reference_gemm_rs")
     M = a_list[0].shape[0]
     if M % W:
         raise ValueError(f"reference_gemm_rs: M={M} is not divisible by W={W}")
@@ -204,13 +201,11 @@ class GemmReduceScatter(CommOp):
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  impl: str = "auto", config: str | None = None, w1: str = "gemm",
                  route: str = "auto"):
-        dt = dtype_info(dtype, _IN, _OP)
+        dt = dtype_info(dtype, core.IN_DTYPES, _OP)
         odt = dtype_info(out_dtype if out_dtype is not None else dt.name,
                          (dt.name, "float32"), _OP)
         W = world.size
-        if b_layout not in _LAYOUTS:
-            raise ValueError(f"{_OP}: b_layout must be 'kn' (b is [k, n]) or 'nk' (b is [n, k]), "
-                             f"got {b_layout!r}")
+        core.check_b_layout(b_layout, _OP)
         if reduce not in REDUCE_MODES:
             raise ValueError(f"{_OP}: reduce must be one of {REDUCE_MODES}, got {reduce!r}")
         if impl not in ("auto", "sm90", "sm80"):

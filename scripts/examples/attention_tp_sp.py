@@ -64,11 +64,7 @@ def by_rank(w_q, w_k, w_v, W: int):
 
 
 def main() -> int:
-    p = parser(__doc__, tokens=4096)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--kv-heads", type=int, default=8)
-    args = p.parse_args()
+    args = parser(__doc__, tokens=4096, hidden=2048, heads=16, kv_heads=8).parse_args()
 
     world, dev = start(args.tokens)
     W, me, bf16 = world.size, world.rank, torch.bfloat16

@@ -8,15 +8,19 @@ import cuflux
 from cuflux.world import require_device
 
 
-def parser(doc: str, tokens: int, iters: int = 20) -> argparse.ArgumentParser:
+def parser(doc: str, tokens: int, iters: int = 20, **sizes: int) -> argparse.ArgumentParser:
     """An argument parser whose --help prints the example's docstring (how to launch it), with
-    --tokens (T, every rank's tokens together) and --iters."""
+    --tokens (T, every rank's tokens together), --iters and one integer option per keyword of
+    `sizes` (hidden=4096 gives --hidden, default 4096; kv_heads gives --kv-heads)."""
     p = argparse.ArgumentParser(description=doc,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=tokens,
                    help="T, all ranks' tokens together (default %(default)s)")
     p.add_argument("--iters", type=int, default=iters,
                    help="timed iterations (default %(default)s)")
+    for name, default in sizes.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default,
+                       help="(default %(default)s)")
     return p
 
 

@@ -21,10 +21,7 @@ from cuflux.torch import ColumnParallelLinear, RowParallelLinear, shard_rows
 
 
 def main() -> int:
-    p = parser(__doc__, tokens=4096)
-    p.add_argument("--hidden", type=int, default=4096)
-    p.add_argument("--ffn", type=int, default=14336)
-    args = p.parse_args()
+    args = parser(__doc__, tokens=4096, hidden=4096, ffn=14336).parse_args()
 
     world, dev = start(args.tokens)
     W, me, bf16 = world.size, world.rank, torch.bfloat16

@@ -97,10 +97,7 @@ def loss_sum(out, target, num_elems: int):
 
 
 def main() -> int:
-    p = parser(__doc__, tokens=2048, iters=5)
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--ffn", type=int, default=4096)
-    p.add_argument("--blocks", type=int, default=2)
+    p = parser(__doc__, tokens=2048, iters=5, hidden=1024, ffn=4096, blocks=2)
     p.add_argument("--steps", type=int, default=5, help="checked training steps")
     p.add_argument("--lr", type=float, default=1e-3)
     args = p.parse_args()

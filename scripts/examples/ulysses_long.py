@@ -29,11 +29,7 @@ def sdpa(q, k, v):
 
 
 def main() -> int:
-    p = parser(__doc__, tokens=16384, iters=10)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--batch", type=int, default=1)
-    args = p.parse_args()
+    args = parser(__doc__, tokens=16384, iters=10, heads=8, head_dim=64, batch=1).parse_args()
 
     world, dev = start(args.tokens)
     W, me, bf16 = world.size, world.rank, torch.bfloat16

@@ -60,6 +60,10 @@
 #else
 #define CUFLUX_CLUSTER_DIMS(n)
 #endif
+// An instruction without operands that orders memory (a fence, a cluster barrier, a group commit
+// or wait), as an inline device function.
+#define CUFLUX_ASM_FN(name, ptx) \
+  __device__ __forceinline__ void name() { asm volatile(ptx ::: "memory"); }
 
 namespace cuflux {
 namespace sm90 {
@@ -167,16 +171,11 @@ __device__ __forceinline__ u32 num_clusters_x() {
   return r;
 }
 // Every thread of the cluster (not .aligned: the producer warp arrives diverged).
-__device__ __forceinline__ void cluster_sync_acq_rel() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-__device__ __forceinline__ void fence_mbarrier_init_release_cluster() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
+CUFLUX_ASM_FN(cluster_sync_acq_rel,
+              "barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;")
+CUFLUX_ASM_FN(fence_mbarrier_init_release_cluster, "fence.mbarrier_init.release.cluster;")
 // Generic-proxy acquires (a flag) before async-proxy reads (TMA) of the data it published.
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-}
+CUFLUX_ASM_FN(fence_proxy_async_global, "fence.proxy.async.global;")
 __device__ __forceinline__ void named_barrier_sync(u32 id, u32 threads) {
   asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
 }
@@ -211,20 +210,14 @@ __device__ __forceinline__ void tma_store_2d(const TmaDesc* map, u32 src, int c0
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%1, %2}], [%3];"
                ::"l"(reinterpret_cast<u64>(map)), "r"(c0), "r"(c1), "r"(src) : "memory");
 }
-__device__ __forceinline__ void bulk_commit_group() {
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-}
+CUFLUX_ASM_FN(bulk_commit_group, "cp.async.bulk.commit_group;")
 // Until at most kPending of this thread's bulk groups still read their shared memory.
 template <int kPending> __device__ __forceinline__ void bulk_wait_group_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(kPending) : "memory");
 }
-__device__ __forceinline__ void bulk_wait_group_all() {
-  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
+CUFLUX_ASM_FN(bulk_wait_group_all, "cp.async.bulk.wait_group 0;")
 // Generic-proxy shared-memory writes before async-proxy (TMA) reads of them.
-__device__ __forceinline__ void fence_proxy_async_shared_cta() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
+CUFLUX_ASM_FN(fence_proxy_async_shared_cta, "fence.proxy.async.shared::cta;")
 __device__ __forceinline__ void st_shared_u32(u32 addr, u32 v) {
   asm volatile("st.shared.u32 [%0], %1;" ::"r"(addr), "r"(v) : "memory");
 }
@@ -237,12 +230,8 @@ __device__ __forceinline__ u32 pack2(float v0, float v1, bool f16) {
   return *reinterpret_cast<const u32*>(&b);
 }
 
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-}
+CUFLUX_ASM_FN(wgmma_fence, "wgmma.fence.sync.aligned;")
+CUFLUX_ASM_FN(wgmma_commit, "wgmma.commit_group.sync.aligned;")
 template <int kPending> __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory");
 }
