@@ -18,7 +18,7 @@
 #   fail      a late rank told through the failure board; device epochs past 2^31 (W = 2, 4)
 #   campaign  scripts/campaign.py: 10,000 checked calls per op at W = 2 and 4; kill -9 at W = 2
 #   sanitize  compute-sanitizer memcheck / racecheck / synccheck, every op, W = 1 and 2
-#   torch     cuflux.torch layers, torch in / torch out, init over gloo; every example at W = 2
+#   torch     cuflux.torch layers, torch in / torch out, init over gloo (examples: a group of its own)
 #   examples  every scripts/examples/ script at W = 2 (mpirun)
 #   probe     the host-path probes (scripts/probe_host.py, scripts/probe_launch.py)
 #   quick     the README quick start at W = 2 (scripts/quickstart.py)
@@ -81,8 +81,8 @@ tests_sanitize() {  # compute-sanitizer on one small call of every op, W = 1 and
     step "$L/sanitize.log" 120 "${MPI[@]}" -np $W compute-sanitizer --tool $tool \
       --error-exitcode 9 python scripts/campaign.py small; done; done; }
 tests_graphs() { tests graphs "$WS" 300 tests/test_graphs.py tests/test_base.py; }
-tests_torch() { tests torch 1,2,4 180 tests/test_torch.py tests/test_all2all.py tests/test_allgather.py -k torch
-  examples 2; }
+tests_torch() { tests torch 1,2,4 180 tests/test_torch.py tests/test_all2all.py \
+                 tests/test_allgather.py -k torch; }
 examples() {  # every example at W = $1 (ranks may share the GPU: correctness, not speed)
   step "$L/examples.log" 60 "${MPI[@]}" -np "$1" python scripts/examples/mlp_tp_sp.py \
     --tokens 1024 --hidden 1024 --ffn 4096 --iters 5
