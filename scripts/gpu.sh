@@ -76,10 +76,12 @@ tests_campaign() {  # #19's campaigns (README figures): kill -9 W = 2, soak W = 
   step "$L/campaign.log" 240 "${MPI[@]}" -np 2 python scripts/campaign.py soak --outdir "$L"
   step "$L/campaign.log" 240 "${MPI[@]}" -np 4 python scripts/campaign.py soak --calls 3000 \
     --outdir "$L"; }
-tests_sanitize() {  # compute-sanitizer on one small call of every op, W = 1 and 2
-  for tool in memcheck racecheck synccheck; do for W in 1 2; do
-    step "$L/sanitize.log" 120 "${MPI[@]}" -np $W compute-sanitizer --tool $tool \
-      --error-exitcode 9 python scripts/campaign.py small; done; done; }
+tests_sanitize() {  # compute-sanitizer on small calls of every op (CUFLUX_SANITIZE_TOOLS, _WS,
+  # _CAP_S: which tools, world sizes, seconds a run; default all three, W = 1 and 2, 120 s)
+  for tool in ${CUFLUX_SANITIZE_TOOLS:-memcheck racecheck synccheck}; do
+    for W in ${CUFLUX_SANITIZE_WS:-1 2}; do
+      step "$L/sanitize.log" "${CUFLUX_SANITIZE_CAP_S:-120}" "${MPI[@]}" -np $W compute-sanitizer \
+        --tool $tool --error-exitcode 9 python scripts/campaign.py small; done; done; }
 tests_graphs() { tests graphs "$WS" 300 tests/test_graphs.py tests/test_base.py; }
 tests_torch() { tests torch 1,2,4 180 tests/test_torch.py tests/test_all2all.py \
                  tests/test_allgather.py -k torch; }

@@ -1,6 +1,6 @@
-"""Checks shared by the GPU tests: the GEMM family's (plain GEMM, AllGatherGemm,
-GemmReduceScatter) tolerance table and float64 comparison, bad calls that must each raise, and
-the device-epoch ops' seeded epochs with a late rank."""
+"""Checks shared by the GPU tests: poisoned outputs, the GEMM family's (plain GEMM,
+AllGatherGemm, GemmReduceScatter) tolerance table and float64 comparison, bad calls that must
+each raise, and the device-epoch ops' seeded epochs with a late rank."""
 import time
 
 import numpy as np
@@ -8,6 +8,27 @@ import numpy as np
 # Relative Frobenius error allowed against the float64 reference, by output dtype; the worst
 # single element may be off by 10x that, in units of the reference's rms.
 GEMM_TOL = {"bfloat16": 8e-3, "float16": 2e-3, "float32": 1e-4}
+
+
+def poison(*arrays) -> None:
+    """Every byte of each array 0xFF: NaN in every float dtype cuflux has (fp8 e4m3 included),
+    so an element an op fails to write shows, and -1 in integer ones."""
+    for a in arrays:
+        a.view(np.uint8)[...] = 0xFF
+
+
+def poisoned(shape, dtype, xp=None):
+    """A new poisoned array (CuPy unless xp says otherwise); dtype is a cuflux dtype name
+    ("bfloat16", "float8_e4m3fn", ...) or a storage dtype."""
+    if xp is None:
+        import cupy as xp
+    if isinstance(dtype, str):
+        from cuflux.arrays import dtype_info
+
+        dtype = dtype_info(dtype).storage
+    a = xp.empty(shape, dtype=dtype)
+    poison(a)
+    return a
 
 
 def f64(x) -> np.ndarray:

@@ -40,7 +40,7 @@ from cuflux.ops.ag_gemm import (AllGatherGemm, block_tiles_for, check_build_args
                                 visit_order)
 from cuflux.ops.allgather import arrival_order, arrival_stages
 from cuflux.topology import PeerLink, Topology
-from tests.checks import check_close
+from tests.checks import check_close, poisoned
 from tests.fakes import FakeArray, FakeErrorRecord
 from tests.mpi import fresh_seed, gpu_available, on_ranks, world_sizes
 
@@ -76,12 +76,6 @@ def _host(key, shape, dtype, scale=1.0):
         dtype_info(dtype).storage)
 
 
-def _poisoned(shape, dtype):
-    import cupy
-
-    return cupy.full(shape, np.nan, dtype=np.float32).astype(dtype_info(dtype).storage)
-
-
 def _same_bits(x, y) -> bool:
     import cupy
 
@@ -97,7 +91,7 @@ def _checked_call(op, shards, b, bias, ref, return_gathered, what):
 
     W, rows = op.world.size, shards[0].shape[0]
     a = cupy.asarray(shards[op.world.rank])
-    out = _poisoned((W * rows, op.n), op.out_dtype.name)
+    out = poisoned((W * rows, op.n), op.out_dtype.name)
     res = op(a, b, bias=bias, return_gathered=return_gathered, out=out)
     got, gathered = res if return_gathered else (res, None)
     assert got is out, f"{what}: the output is not the array passed as out="
@@ -363,7 +357,7 @@ def late_peer(world, mode, impl, delay_s=1.0):
              chunk_rows=32, impl=impl) as op:
         for call in range(2):  # call 0 leaves its rows behind; call 1 has a late rank
             x = cupy.asarray(_small_int([me, 100 + call], (rows, k)))
-            out = _poisoned((W * rows, n), "float32")
+            out = poisoned((W * rows, n), "float32")
             cupy.cuda.Device().synchronize()
             world.barrier()
             if call == 1 and me == late:

@@ -22,7 +22,7 @@ from cuflux.ops import all2all as a2a
 from cuflux.ops.all2all import (All2AllHeads, Spec, build_layout, call_hash, check_call,
                                 check_op_args, check_tokens, io_shapes, reference_gather_heads,
                                 reference_scatter_heads, scale_shapes, vec_bytes)
-from tests.checks import seeded_epoch_calls
+from tests.checks import poisoned, seeded_epoch_calls
 from tests.fakes import FakeArray
 from tests.mpi import fresh_seed, on_ranks, world_sizes
 
@@ -40,14 +40,6 @@ def _data(shape, dtype_name, *key):
 
 def _scales(shape, *key):
     return np.random.default_rng(list(key) + [7]).standard_normal(shape).astype(np.float32)
-
-
-def _poisoned(shape, storage):
-    import cupy
-
-    a = cupy.empty(shape, dtype=storage)
-    a.view(cupy.uint8)[...] = 0xFF
-    return a
 
 
 def _same_bits(got, want, what):
@@ -89,9 +81,9 @@ def _exchange(world, op, dtype, B, tokens, key, scale_mode=0, via="out"):
     sc = None if scales is None else cupy.asarray(scales[me])
     kw = {}
     if via == "out":
-        kw["out"] = _poisoned((B, S, hpr, D), storage)
+        kw["out"] = poisoned((B, S, hpr, D), storage)
         if scale_mode:
-            kw["out_scale"] = _poisoned(want_ys[me].shape, np.float32)
+            kw["out_scale"] = poisoned(want_ys[me].shape, np.float32)
     res = op.scatter_heads(x, tokens, sc, view=(via == "view"), **kw)
     y, y_scale = (res, None) if sc is None else res
     if via == "out":
@@ -119,9 +111,9 @@ def _exchange(world, op, dtype, B, tokens, key, scale_mode=0, via="out"):
     want_x, want_xs = (want, None) if yscales is None else want
     kw = {}
     if via == "out":
-        kw["out"] = _poisoned((B, tokens[me], H, D), storage)
+        kw["out"] = poisoned((B, tokens[me], H, D), storage)
         if scale_mode:
-            kw["out_scale"] = _poisoned(want_xs[me].shape, np.float32)
+            kw["out_scale"] = poisoned(want_xs[me].shape, np.float32)
     res = op.gather_heads(cupy.asarray(ys[me]), tokens,
                           None if yscales is None else cupy.asarray(yscales[me]),
                           view=(via == "view"), **kw)

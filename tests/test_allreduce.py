@@ -28,7 +28,7 @@ from cuflux.errors import CommTimeoutError, CufluxError
 from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, choose_algo, plan_launch,
                                   reference_allreduce, reference_allreduce_rmsnorm,
                                   rmsnorm_residual, token_slice)
-from tests.checks import raises_each, seeded_epoch_calls
+from tests.checks import poisoned, raises_each, seeded_epoch_calls
 from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 from tests.mpi import on_ranks, world_sizes
@@ -70,12 +70,6 @@ def _close(got, want, dtype, what):
                              f"got {g[i]!r}, want {want[i]!r}")
 
 
-def _poisoned(cp, shape, dtype):
-    a = cp.empty(shape, dtype=dtype_info(dtype).storage)
-    a.view(cp.uint8)[...] = 0xFF
-    return a
-
-
 def _hash(cp, a) -> str:
     return hashlib.sha1(cp.asnumpy(a).tobytes()).hexdigest()
 
@@ -101,7 +95,7 @@ def _norm_case(cp, world, ops, dtype, T, H, seed):
     outs = {}
     for algo in ("one_shot", "two_shot"):
         residual = cp.asarray(res_q)
-        out = _poisoned(cp, (T, H), dtype)
+        out = poisoned((T, H), dtype)
         got = ops["replicated"](x, residual, weight, out=out, algo=algo)
         assert got is out
         ops["replicated"].synchronize()
@@ -115,7 +109,7 @@ def _norm_case(cp, world, ops, dtype, T, H, seed):
     residual_np = np.full(T * H * st.itemsize, 0xFF, np.uint8).view(st).reshape(T, H)
     residual_np[a:b] = res_q[a:b]
     residual = cp.asarray(residual_np)
-    out = ops["sharded_residual"](x, residual, weight, out=_poisoned(cp, (T, H), dtype))
+    out = ops["sharded_residual"](x, residual, weight, out=poisoned((T, H), dtype))
     ops["sharded_residual"].synchronize()
     _close(cp.asnumpy(out[a:b]), want[0], dtype, f"{label} sharded out")
     got_res = cp.asnumpy(residual)
@@ -129,7 +123,7 @@ def _norm_case(cp, world, ops, dtype, T, H, seed):
 
     # Megatron SP: out and residual hold this rank's slice only.
     residual = cp.asarray(res_q[a:b])
-    out = ops["sequence_parallel"](x, residual, weight, out=_poisoned(cp, (b - a, H), dtype))
+    out = ops["sequence_parallel"](x, residual, weight, out=poisoned((b - a, H), dtype))
     ops["sequence_parallel"].synchronize()
     _close(cp.asnumpy(out), want[0], dtype, f"{label} sequence_parallel out")
     _close(cp.asnumpy(residual), want[1], dtype, f"{label} sequence_parallel residual")
@@ -148,7 +142,7 @@ def local_norm(world):
             x, r, wq = _q(base, dtype), _q(res, dtype), _q(w, dtype)
             residual = cp.asarray(r)
             out = rmsnorm_residual(cp.asarray(x), residual, cp.asarray(wq), eps=1e-5,
-                                   out=_poisoned(cp, (T, H), dtype))
+                                   out=poisoned((T, H), dtype))
             want = reference_allreduce_rmsnorm([x], r, wq, 1e-5, "replicated", 1)[0]
             _close(cp.asnumpy(out), want[0], dtype, f"local {dtype} {T}x{H} out")
             _close(cp.asnumpy(residual), want[1], dtype, f"local {dtype} {T}x{H} residual")
@@ -211,7 +205,7 @@ def plain_sweep(world, dtypes=("bfloat16", "float16", "float32")):
                 x = cp.asarray(xs[me])
                 hashes = {}
                 for algo in ("one_shot", "two_shot"):
-                    out = _poisoned(cp, shape, dtype)
+                    out = poisoned(shape, dtype)
                     assert ar(x, out=out, algo=algo) is out
                     ar.synchronize()
                     _close(cp.asnumpy(out), want, dtype, f"W={W} {dtype} {shape} {algo}")

@@ -31,7 +31,7 @@ from cuflux.ops.gemm_rs import (REDUCE_MODES, W1_MODES, GemmReduceScatter, make_
                                 own_tile_rows, reference_gemm_rs, tile_order)
 from cuflux.topology import PeerLink, Topology
 from cuflux.world import World
-from tests.checks import GEMM_TOL, raises_each
+from tests.checks import GEMM_TOL, poisoned, raises_each
 from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 from tests.kernel_args import names as kernel_names
@@ -116,14 +116,6 @@ def _inputs(seed, rank, M, n, k, dtype, layout, ints=None):
     a = _operand((M, k), dtype, _seed(seed, rank, 1), ints=ints)
     b = _operand((k, n) if layout == "kn" else (n, k), dtype, _seed(seed, rank, 2), ints=ints)
     return a, b
-
-
-def _poisoned(shape, dtype):
-    import cupy as cp
-
-    x = cp.empty(shape, dtype=dtype_info(dtype).storage)
-    x.view(cp.uint8)[...] = 0xFF
-    return x
 
 
 def _reference(world, seed, M, n, k, dtype, layout, bias32, ints=None):
@@ -213,7 +205,7 @@ def _run_exact(world, op, case, seed):
     cp.cuda.Device().synchronize()
     world.barrier()
     for call in range(2):  # the second call uses the other parity of the buffers
-        out = _poisoned((rows, n), out_dtype)
+        out = poisoned((rows, n), out_dtype)
         assert op(a, b, bias=bias, out=out) is out
         op.synchronize()
         got = _to_f32(out, out_dtype).astype(cp.float64)
@@ -303,14 +295,14 @@ def float_sweep(world, seed, impl):
                          f"{dtype}->{out_dtype} bias={bias is not None} seed={s}")
                 with _op(world, 4096, n, k, dtype, out_dtype=out_dtype, b_layout=layout,
                          reduce=reduce, impl=impl) as op:
-                    out = op(a, b, bias=bias, out=_poisoned((M // W, n), out_dtype))
+                    out = op(a, b, bias=bias, out=poisoned((M // W, n), out_dtype))
                     op.synchronize()
                     bad, rel, worst = _errors(_to_f32(out, out_dtype), ref)
                     assert bad == 0, f"{label}: {bad} elements not written"
                     assert rel < TOL[out_dtype], f"{label}: relative error {rel:.3g}"
                     assert worst < 10 * TOL[out_dtype], f"{label}: worst element {worst:.3g} x rms"
                     if reduce == "deterministic":
-                        again = op(a, b, bias=bias, out=_poisoned((M // W, n), out_dtype))
+                        again = op(a, b, bias=bias, out=poisoned((M // W, n), out_dtype))
                         op.synchronize()
                         assert bool(cp.array_equal(again.view(cp.uint8), out.view(cp.uint8))), \
                             f"{label}: a second call differs in bits"
@@ -351,7 +343,7 @@ def reduce_scatter_exact(world, seed):
                              for p in range(W)]
                     bias, bias32 = _operand((n,), dtype, _seed(seed + rows, 99, 6), scale=4.0)
                     out = op.reduce_scatter(parts[me][0], bias=bias,
-                                            out=_poisoned((rows, n), out_dtype))
+                                            out=poisoned((rows, n), out_dtype))
                     op.synchronize()
                     want = cp.zeros((rows, n), cp.float32)
                     for p in range(W):

@@ -8,6 +8,7 @@ import pytest
 
 from cuflux.arrays import dtype_info
 from cuflux.errors import CaptureError
+from tests.checks import poison
 from tests.mpi import on_ranks, world_sizes
 
 WS = world_sizes()
@@ -16,13 +17,6 @@ WS = world_sizes()
 def _rand(key, shape, storage):
     rng = np.random.default_rng(list(key))
     return rng.standard_normal(shape).astype(np.float32).astype(storage)
-
-
-def _poison(*arrays):
-    import cupy
-
-    for a in arrays:
-        a.view(cupy.uint8)[...] = 0xFF
 
 
 @on_ranks
@@ -59,7 +53,7 @@ def rmsnorm_modes(world, replays=100, T=37, H=1024):
                 for m in modes:
                     xs[m][...] = cp.asarray(xh[me])
                     res[m][...] = cp.asarray(rh[a:b] if m == "sequence_parallel" else rh)
-                _poison(*outs.values())
+                poison(*outs.values())
                 graph.launch(stream=s)
                 for op in ops:
                     op.synchronize(stream=s)
@@ -113,7 +107,7 @@ def all2all(world, replays=100, T=64, H=8, D=128):
             xh = [_rand((rep, p, 1), (1, tokens[p], H, D), st) for p in range(W)]
             yh = [_rand((rep, p, 2), (1, S, H // W, D), st) for p in range(W)]
             x[...], yin[...] = cp.asarray(xh[me]), cp.asarray(yh[me])
-            _poison(y, xo)
+            poison(y, xo)
             world.barrier()  # every rank's inputs are in place before any replay starts
             graph.launch(stream=s)
             op.synchronize(stream=s)

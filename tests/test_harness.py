@@ -4,6 +4,7 @@ import glob
 import importlib
 import os
 
+import numpy as np
 import pytest
 
 from tests.mpi import on_ranks
@@ -44,3 +45,35 @@ def test_gpu_marker_skips_with_the_reason_without_a_gpu(request):
 
     assert gpu_available()  # conftest skipped this test otherwise ("no CUDA device")
     assert request.node.get_closest_marker("cpu") is None
+
+
+@on_ranks
+def _same(world, value):
+    return value
+
+
+def test_a_body_test_is_a_gpu_test_over_the_sizes_that_checks_every_rank():
+    """body.test(expect=, sizes=) builds the whole test: marked gpu, one case per W, and it
+    fails when a rank returns anything but `expect`."""
+    test = _same.test(expect=5, sizes=[2], timeout_s=120, value=5)
+    marks = {m.name: m for m in test.pytestmark}
+    assert "gpu" in marks and marks["parametrize"].args == ("W", [2])
+    test(2)  # run here on two CPU ranks (the mark only matters to collection)
+    with pytest.raises(AssertionError, match=r"the ranks returned \[5, 5\], each should return 6"):
+        _same.test(expect=6, sizes=[2], timeout_s=120, value=5)(2)
+    _same.test(sizes=[1], timeout_s=120, value=None)(1)  # no expect: the run alone
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16", "float8_e4m3fn",
+                                   np.float32, np.uint8])
+def test_poisoned_outputs_are_nan_in_every_float_dtype(dtype):
+    from tests.checks import poisoned
+
+    a = poisoned((3, 5), dtype, xp=np)
+    assert a.shape == (3, 5) and (a.view(np.uint8) == 0xFF).all()
+    if isinstance(dtype, str):
+        from cuflux.arrays import dtype_info
+
+        assert a.dtype == dtype_info(dtype).storage
+        if dtype in ("float32", "float16"):
+            assert np.isnan(a).all()
