@@ -8,8 +8,10 @@ of one node with rank i of every other: its *rail*).
 `node_layout(hosts, p2p, node_size)` finds the nodes from what every rank sees (its host and
 its P2P row); `node_size` (World(node_size=...) or CUFLUX_NODE_SIZE) splits each one into
 smaller nodes of consecutive ranks, so one host emulates several nodes (two GPUs as two nodes of
-one). The plans below are pure functions of a NodeLayout: which rows or chunks each rank
-exchanges with whom, in which step, over IPC or NCCL. They hold no memory and launch nothing;
+one). `World.split_nodes()` gives each rank its node (a World of one node, where the IPC paths
+run) and its rail (a host group, the ranks a NCCL communicator will span). The plans below
+are pure functions of a NodeLayout: which rows or chunks each rank exchanges with whom, in
+which step, over IPC or NCCL. They hold no memory and launch nothing;
 tests/test_nodes.py plays each one on NumPy arrays over fake layouts (2 x 1, 2 x 2, 2 x 4,
 4 x 2) and checks the result against the op's definition.
 

@@ -825,6 +825,52 @@ class World:
         kind = TorchOpComm if isinstance(self._host, TorchGroup) else OpComm
         return kind(comm, self.timeout_s if timeout_s is None else timeout_s, op_id, self._host)
 
+    def split_nodes(self, timeout_s: float | None = None) -> tuple["World", HostGroup]:
+        """(node, rail) of this rank, for the cross-node paths (issue 20). Collective.
+
+        node: a World of the ranks of this rank's node (same GPU, timeout and node size: a World
+        of one node, where the ops' IPC paths run); rail: a host group of the ranks with this
+        rank's node-local index, one per node in node order (the group a NCCL communicator of
+        the rail spans; its rank r is node r's). Bounded: the ranks first agree on the layout
+        (an allgather), so the splits that follow find every rank there. The caller owns both
+        (node.close(), rail.free())."""
+        layout = self.nodes
+        self.check_same(layout.nodes, "split_nodes: the node layout", timeout_s)
+        node_ranks, rail_ranks = layout.node_peers(self.rank), layout.rail(self.rank)
+        gid = self._host.group_id
+        if isinstance(self._host, TorchGroup):
+            # gloo groups made by their members only (use_local_synchronization).
+            glob = self._host.ranks  # this World's rank -> global rank
+            t = self.timeout_s if timeout_s is None else timeout_s
+            node_comm = (self.comm if len(node_ranks) == self.size else
+                         _new_gloo_group([glob[r] for r in node_ranks], t, "World",
+                                         "split_nodes (node)", self.rank))
+            rail = TorchGroup.create(
+                _new_gloo_group([glob[r] for r in rail_ranks], t, "World", "split_nodes (rail)",
+                                self.rank), t, "rail", f"{gid}/rail{layout.local_index(self.rank)}")
+        else:
+            both = self._host.dup("split_nodes", timeout_s)  # bounded; every rank is here
+            try:
+                node_comm = both.Split(layout.node_of(self.rank), self.rank)
+                rail = HostGroup(both.Split(layout.local_index(self.rank), self.rank),
+                                 self.timeout_s, "rail",
+                                 f"{gid}/rail{layout.local_index(self.rank)}")
+            finally:
+                _free_comm(both)
+        made = node_comm is not self.comm  # a communicator of ours: the node World frees it
+        kind = TorchGroup if isinstance(self._host, TorchGroup) else HostGroup
+        try:
+            node = World(node_comm, device=self.device, timeout_s=self.timeout_s,
+                         node_size=layout.node_size)
+        except BaseException:
+            rail.free()
+            if made:
+                kind(node_comm, self.timeout_s, "node").free()
+            raise
+        if made:
+            node._own_group = kind(node_comm, self.timeout_s, "node")
+        return node, rail
+
     # ---- the device ----------------------------------------------------------------------------
     def device_context(self):
         """`with world.device_context():` makes this rank's GPU current inside the block and
@@ -850,10 +896,15 @@ class World:
         return SymmetricBuffer(self, layout, group=group, memory=memory)
 
     # ---- lifetime ------------------------------------------------------------------------------
+    _own_group = None  # split_nodes: the node's communicator, made for this World
+
     def close(self) -> None:
         """Free the World's communicator (local; idempotent)."""
         if self._host is not None:
             self._host.free()
+        own, self._own_group = self._own_group, None
+        if own is not None:
+            own.free()
 
     def __del__(self):
         if isinstance(getattr(self, "_host", None), TorchGroup):

@@ -65,6 +65,38 @@ def test_world_learns_its_nodes_and_the_node_size_splits_them():
         assert r["mixed"].startswith("CufluxError") and "different node sizes" in r["mixed"], r
 
 
+@on_ranks
+def split_worlds(world):
+    """World.split_nodes on node sizes 4 (one node), 2 and 1: what each rank's node World and
+    rail group hold (the World ranks each allgather returns), after a rail barrier."""
+    from mpi4py import MPI
+
+    out = {}
+    for node_size in (4, 2, 1):
+        w = cuflux.World(MPI.COMM_WORLD, timeout_s=20, node_size=node_size)
+        node, rail = w.split_nodes()
+        rail.barrier(what="rail barrier")
+        out[f"size{node_size}"] = {"node": node.allgather(w.rank), "node_nodes": node.nodes.nodes,
+                          "node_device": node.device == w.device,
+                          "rail": rail.allgather(w.rank, what="rail ranks")}
+        rail.free()
+        node.close()
+        w.close()
+    return out
+
+
+def test_split_nodes_gives_each_rank_its_node_world_and_its_rail():
+    res = split_worlds.run(4, timeout_s=120)
+    for me, r in enumerate(res):
+        one, two, four = r["size4"], r["size2"], r["size1"]
+        assert one["node"] == [0, 1, 2, 3] and one["rail"] == [me], r
+        assert two["node"] == ([0, 1] if me < 2 else [2, 3]), r
+        assert two["rail"] == [me % 2, me % 2 + 2], r  # rank i of node 0, then of node 1
+        assert four["node"] == [me] and four["rail"] == [0, 1, 2, 3], r
+        for case in (one, two, four):
+            assert len(case["node_nodes"]) == 1 and case["node_device"], r  # a one-node World
+
+
 def test_world_rejects_a_bad_node_size_before_any_collective():
     with pytest.raises(ValueError, match="node_size must be an int >= 1"):
         cuflux.World(node_size=0)

@@ -584,6 +584,15 @@ _RANK_BODY = """
     assert oc.op_id == "AllReduce#0" and oc.allgather("x") == ["x", "x"]
     assert oc.exchange_digest(2**64 - 1 - rank, 10.0) == [2**64 - 1, 2**64 - 2]
     oc.close()
+    # split_nodes on the torch route: two emulated nodes of one rank (gloo groups of cuflux's)
+    w1 = (cuflux.init(dist.group.WORLD, timeout_s=20, node_size=1) if os.environ["HOW"] == "group"
+          else cuflux.init(timeout_s=20, node_size=1))
+    node, rail = w1.split_nodes()
+    assert node.size == 1 and node.allgather(rank) == [rank], node
+    assert rail.allgather(rank, what="rail ranks") == [0, 1]
+    rail.free()
+    node.close()
+    w1.close()
     if rank == 1:
         time.sleep(4)  # never comes to the barrier
         print("RANK1-DONE")
