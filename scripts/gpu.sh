@@ -8,7 +8,7 @@
 #   bash scripts/gpu.sh multi-tests        the other GPU tests at W = GPU count (a second call)
 #   bash scripts/gpu.sh pytest NAME WS CAP ARGS...   one capped pytest run (log tests-NAME.log)
 # Groups (tests; the benches of the groups named run after all tests):
-#   runtime   World, nodes, symmetric memory, AllGather, watchdog, reliability | bench: allgather
+#   runtime   World, nodes, rails, symmetric memory, AllGather, watchdog, reliability | allgather
 #   comm      AllReduce(+RMSNorm), All2AllHeads                          | allreduce, all2all W=1
 #   a2a       All2AllHeads alone
 #   gemm      cuflux.gemm (both cores, cuBLAS route, tuner, graphs)     | gemm W=1
@@ -56,7 +56,7 @@ bench() { step "$B" "$1" "${MPI[@]}" -np "$2" python -m cuflux.bench "$3" --quic
 WS=$CUFLUX_TEST_WORLD_SIZES
 
 tests_runtime() { tests runtime "$WS" 400 tests/test_runtime.py tests/test_allgather.py \
-                   tests/test_reliability.py tests/test_nodes.py; }
+                   tests/test_reliability.py tests/test_nodes.py tests/test_rail.py; }
 tests_a2a() { tests comm "$WS" 200 tests/test_all2all.py; }
 tests_comm() { tests comm "$WS" 220 tests/test_allreduce.py; tests_a2a; }
 tests_gemm() { tests gemm 1,2,4 300 tests/test_gemm.py; }
@@ -141,7 +141,8 @@ case $1 in
     W=$(nvidia-smi -L | wc -l)
     CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 540 python -m pytest -q -rf -m gpu \
       tests/test_runtime.py tests/test_allgather.py tests/test_reliability.py tests/test_graphs.py \
-      tests/test_base.py tests/test_gemm_rs.py tests/test_ag_gemm.py tests/test_torch.py
+      tests/test_base.py tests/test_gemm_rs.py tests/test_ag_gemm.py tests/test_torch.py \
+      tests/test_rail.py
     finish ;;
   *)
     for g in "$@"; do

@@ -1,0 +1,247 @@
+"""Collectives across a rail: rank i of every node, one rank per node (issue 20).
+
+Inside a node the ops move data over CUDA IPC; between nodes their cross-node step goes through
+a rail communicator, queued on a CUDA stream of the op's (World.split_nodes() gives the rail's
+host group). Two kinds, one interface:
+
+  NcclRail  NCCL (cupy.cuda.nccl) on the op's stream: what runs across real nodes.
+  HostRail  the rail's host group (MPI or gloo), staged through host memory and summed there
+            in rail-rank order. For ranks that share a GPU (NCCL refuses two ranks on one GPU:
+            this is how the cross-node paths are tested on a one-GPU machine) and for machines
+            without NCCL. It synchronizes the stream and the host: correct, not fast.
+
+    all_reduce(x, out, stream)      out = sum over the rail of x (out may be x)
+    all_gather(x, out, stream)      out = the rail ranks' x one after another, in rail order
+    reduce_scatter(x, out, stream)  out = rail rank r's part of sum(x): x.size / rail size
+                                    elements from r * out.size
+    wait(stream, what)              returns once the rail's queued work is done
+
+Arrays are C-contiguous CuPy arrays (HostRail also takes NumPy arrays: its CPU tests) of one
+dtype: float32, float16 or bfloat16 (stored as uint16); all_gather moves any dtype. Every wait
+is bounded: a rail call that does not complete within timeout_s raises CommTimeoutError naming
+the call and this rank, and a NcclRail is aborted then (a timed-out rail is not used again).
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from cuflux.errors import CommTimeoutError, CufluxError
+
+__all__ = ["NcclRail", "HostRail", "make_rail", "NCCL_DTYPES", "to_float", "from_float"]
+
+# NCCL's ncclDataType_t values (nccl.h) for the dtypes cuflux sums; all_gather moves bytes.
+NCCL_DTYPES = {"float16": 6, "float32": 7, "bfloat16": 9}
+_NCCL_UINT8, _NCCL_SUM = 1, 0
+_REDUCIBLE = tuple(NCCL_DTYPES)
+
+
+def _dtype_name(a) -> str:
+    """cuflux's name for an array's dtype; bfloat16 is stored as uint16 (CuPy has none)."""
+    kind = np.dtype(a.dtype)
+    return {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
+            np.dtype(np.uint16): "bfloat16"}.get(kind, str(kind))
+
+
+def to_float(host: np.ndarray, dtype: str) -> np.ndarray:
+    """Host values in float32 (bfloat16 from its uint16 bits)."""
+    if dtype == "bfloat16":
+        return (host.astype(np.uint32) << 16).view(np.float32)
+    return host.astype(np.float32)
+
+
+def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 values rounded to nearest even in `dtype` (bfloat16 as its uint16 bits)."""
+    if dtype == "bfloat16":
+        bits = values.astype(np.float32).view(np.uint32)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+        return np.where(np.isnan(values), np.uint16(0x7FC0), rounded)
+    return values.astype(np.float16 if dtype == "float16" else np.float32)
+
+
+def _check(op: str, x, out, out_size: int, reduce: bool) -> str:
+    """Refuse a bad call before anything is queued; returns the dtype's name."""
+    dt = _dtype_name(x)
+    if reduce and dt not in _REDUCIBLE:
+        raise TypeError(f"rail {op}: sums float32, float16 or bfloat16 (uint16), got {dt}")
+    if out.dtype != x.dtype:
+        raise TypeError(f"rail {op}: out is {out.dtype}, x is {x.dtype}")
+    for name, a in (("x", x), ("out", out)):
+        if not a.flags.c_contiguous:
+            raise ValueError(f"rail {op}: {name} must be C-contiguous")
+    if out.size != out_size:
+        raise ValueError(f"rail {op}: out must hold {out_size} elements, got {out.size}")
+    return dt
+
+
+class _Rail:
+    """What both kinds share: the rail's host group, its size and rank, the argument checks."""
+
+    def __init__(self, group, timeout_s: float):
+        self.group, self.timeout_s = group, timeout_s
+        self.rank, self.size = group.rank, group.size
+        self._failed: BaseException | None = None
+
+    def _usable(self, op: str) -> None:
+        if self._failed is not None:
+            raise CufluxError(f"rail {op}: this rail failed earlier ({self._failed}); build a "
+                              "new one")
+
+    def all_reduce(self, x, out, stream=None) -> None:
+        self._usable("all_reduce")
+        self._all_reduce(x, out, stream, _check("all_reduce", x, out, x.size, True))
+
+    def all_gather(self, x, out, stream=None) -> None:
+        self._usable("all_gather")
+        _check("all_gather", x, out, x.size * self.size, False)
+        self._all_gather(x, out, stream)
+
+    def reduce_scatter(self, x, out, stream=None) -> None:
+        self._usable("reduce_scatter")
+        if x.size % self.size:
+            raise ValueError(f"rail reduce_scatter: x holds {x.size} elements, not a multiple of "
+                             f"the rail's {self.size} ranks")
+        self._reduce_scatter(x, out, stream,
+                             _check("reduce_scatter", x, out, x.size // self.size, True))
+
+
+class HostRail(_Rail):
+    """The rail over its host group, staged through host memory (see the module's docstring).
+    Sums run in float32 in rail-rank order, the same on every rank."""
+
+    kind = "host"
+
+    def _to_host(self, x, stream) -> np.ndarray:
+        if isinstance(x, np.ndarray):
+            return x
+        import cupy
+
+        host = cupy.asnumpy(x, stream=stream)
+        (stream or cupy.cuda.get_current_stream()).synchronize()  # the copy has landed
+        return host
+
+    @staticmethod
+    def _store(out, host: np.ndarray, stream) -> None:
+        if isinstance(out, np.ndarray):
+            out[...] = host.reshape(out.shape)
+            return
+        out.set(np.ascontiguousarray(host.reshape(out.shape)), stream=stream)
+
+    def _gathered(self, x, stream, what: str) -> list:
+        try:
+            return self.group.allgather(self._to_host(x, stream).reshape(-1),
+                                        self.timeout_s, what)
+        except BaseException as e:
+            self._failed = e
+            raise
+
+    def _sum(self, x, stream, dt: str, what: str) -> np.ndarray:
+        total = np.zeros(x.size, np.float32)
+        for part in self._gathered(x, stream, what):  # rail-rank order on every rank
+            total += to_float(part, dt)
+        return from_float(total, dt)
+
+    def _all_reduce(self, x, out, stream, dt) -> None:
+        self._store(out, self._sum(x, stream, dt, "rail all_reduce"), stream)
+
+    def _all_gather(self, x, out, stream) -> None:
+        self._store(out, np.concatenate(self._gathered(x, stream, "rail all_gather")), stream)
+
+    def _reduce_scatter(self, x, out, stream, dt) -> None:
+        n = out.size
+        mine = self._sum(x, stream, dt, "rail reduce_scatter")[self.rank * n:(self.rank + 1) * n]
+        self._store(out, mine, stream)
+
+    def wait(self, stream=None, what: str = "rail") -> None:
+        """HostRail's calls return done (they synchronize): nothing is left to wait for."""
+        self._usable(what)
+
+    def close(self) -> None:
+        self.group = None
+
+
+class NcclRail(_Rail):
+    """The rail through NCCL, its work queued on the caller's stream (see the module's
+    docstring). Building it is collective over the rail: rank 0's unique id goes out through
+    the host group first (bounded), so every rank is present when NCCL's own set-up blocks."""
+
+    kind = "nccl"
+
+    def __init__(self, group, device: int, timeout_s: float):
+        super().__init__(group, timeout_s)
+        import cupy
+        from cupy.cuda import nccl
+
+        if not nccl.available:
+            raise CufluxError("NcclRail: CuPy was built without NCCL; install the NCCL runtime "
+                              "(the cuda12 / cuda13 extra's nvidia-nccl) or use HostRail")
+        self._nccl, self.device = nccl, device
+        uid = group.allgather(nccl.get_unique_id() if group.rank == 0 else None, timeout_s,
+                              "rail NCCL unique id")[0]
+        with cupy.cuda.Device(device):
+            self.comm = nccl.NcclCommunicator(group.size, uid, group.rank)
+
+    @staticmethod
+    def _ptr(a) -> int:
+        return a.data.ptr
+
+    @staticmethod
+    def _handle(stream) -> int:
+        import cupy
+
+        return (stream or cupy.cuda.get_current_stream()).ptr
+
+    def _all_reduce(self, x, out, stream, dt) -> None:
+        self.comm.allReduce(self._ptr(x), self._ptr(out), x.size, NCCL_DTYPES[dt], _NCCL_SUM,
+                            self._handle(stream))
+
+    def _all_gather(self, x, out, stream) -> None:
+        self.comm.allGather(self._ptr(x), self._ptr(out), x.nbytes, _NCCL_UINT8,
+                            self._handle(stream))
+
+    def _reduce_scatter(self, x, out, stream, dt) -> None:
+        self.comm.reduceScatter(self._ptr(x), self._ptr(out), out.size, NCCL_DTYPES[dt],
+                                _NCCL_SUM, self._handle(stream))
+
+    def wait(self, stream=None, what: str = "rail") -> None:
+        """Until the rail work queued on `stream` is done, at most timeout_s: then the NCCL
+        communicator is aborted (its kernels return) and CommTimeoutError is raised."""
+        import cupy
+
+        self._usable(what)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(stream or cupy.cuda.get_current_stream())
+        deadline = time.monotonic() + self.timeout_s
+        while not done.done:
+            if time.monotonic() > deadline:
+                self._failed = CommTimeoutError(what, self.group.rank, -1, self.timeout_s,
+                                                "the rail's NCCL work did not complete")
+                self.comm.abort()
+                raise self._failed
+            time.sleep(0.0002)
+        self.comm.check_async_error()
+
+    def close(self) -> None:
+        comm, self.comm = getattr(self, "comm", None), None
+        if comm is not None:
+            if self._failed is None:
+                comm.destroy()
+            else:
+                comm.abort()
+
+
+def make_rail(group, device: int | None, timeout_s: float, kind: str = "auto"):
+    """The rail communicator for a host group from World.split_nodes(): kind "nccl", "host", or
+    "auto" (NCCL when the rail's ranks use distinct GPUs, else the host kind: NCCL refuses two
+    ranks on one GPU). Collective over the rail."""
+    if kind not in ("auto", "nccl", "host"):
+        raise ValueError(f"make_rail: kind must be 'auto', 'nccl' or 'host', got {kind!r}")
+    if kind == "auto":
+        import socket
+
+        seen = group.allgather((socket.gethostname(), device), timeout_s, "rail devices")
+        kind = "nccl" if device is not None and len(set(seen)) == len(seen) else "host"
+    if kind == "nccl":
+        return NcclRail(group, device, timeout_s)
+    return HostRail(group, timeout_s)

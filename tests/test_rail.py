@@ -1,0 +1,173 @@
+"""Rail communicators (cuflux/rail.py): collectives across rank i of every node (issue 20).
+
+CPU: HostRail on real MPI ranks over NumPy arrays (the same code stages CuPy arrays through the
+host), the bfloat16 conversions exhaustively, bad calls refused before any collective. GPU
+(marked gpu): HostRail on CuPy arrays with ranks sharing the GPU, and NcclRail on a rail of one
+rank (NCCL refuses two ranks on one GPU; two GPUs run it at W = 2 in `gpu.sh multi-tests`).
+"""
+import numpy as np
+import pytest
+
+from cuflux.rail import from_float, to_float
+from tests.mpi import on_ranks, world_sizes
+
+WS = world_sizes()
+DTYPES = ("float32", "float16", "bfloat16")
+# Largest error of a rail sum, relative to the largest |sum|: a rounding or two in the dtype.
+TOL = {"float32": 1e-6, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+def _values(rng, n, dtype):
+    """Random values exactly representable in dtype (its storage), and the same in float64."""
+    x = from_float(rng.standard_normal(n).astype(np.float32), dtype)
+    return x, to_float(x, dtype).astype(np.float64)
+
+
+def _rounded(values, dtype):
+    return to_float(from_float(values.astype(np.float32), dtype), dtype).astype(np.float64)
+
+
+@on_ranks
+def rail_collectives(world, seed, node_size=1, xp="numpy", kind="host"):
+    """Every collective of a rail (make_rail's kind) over this World's rails, each dtype,
+    against float64: sums within a rounding of the exact sum, gathers exact, a reduce-scatter
+    this rank's part of the same sum."""
+    import cuflux
+    from cuflux.rail import make_rail
+    from mpi4py import MPI
+
+    if xp == "cupy":
+        import cupy as xp
+    else:
+        xp = np
+    w = cuflux.World(MPI.COMM_WORLD, timeout_s=30, node_size=node_size)
+    node, group = w.split_nodes()
+    rail = make_rail(group, None if xp is np else w.device, 30.0, kind=kind)
+    n, me = rail.size, rail.rank
+    rng = np.random.default_rng(seed + w.rank)
+    checked = 0
+    for dtype in DTYPES:
+        for count in (1, 7 * n, 4096 * n):
+            x, x64 = _values(rng, count, dtype)
+            every = group.allgather(x64, what="inputs")
+            total = np.sum(np.stack(every), axis=0, dtype=np.float64)
+            want = _rounded(total, dtype)
+            out = xp.full(count, 0xFF, dtype=x.dtype)
+            rail.all_reduce(xp.asarray(x), out)
+            rail.wait()
+            got = to_float(np.asarray(out.get() if xp is not np else out), dtype)
+            err = np.abs(got - want).max() / (np.abs(want).max() + 1e-30)
+            assert err <= TOL[dtype], \
+                (dtype, count, err)
+            gathered = xp.zeros(count * n, dtype=x.dtype)
+            rail.all_gather(xp.asarray(x), gathered)
+            rail.wait()
+            g = np.asarray(gathered.get() if xp is not np else gathered)
+            assert np.array_equal(g, np.concatenate(group.allgather(x, what="mine"))), dtype
+            part = xp.zeros(count // n, dtype=x.dtype)
+            if count % n == 0:
+                rail.reduce_scatter(xp.asarray(x), part)
+                rail.wait()
+                p = to_float(np.asarray(part.get() if xp is not np else part), dtype)
+                mine = want[me * (count // n):(me + 1) * (count // n)]
+                err = np.abs(p - mine).max() / (np.abs(want).max() + 1e-30)
+                assert err <= TOL[dtype], \
+                    (dtype, count, err)
+            checked += 1
+    rail.close()
+    group.free()
+    node.close()
+    w.close()
+    return checked
+
+
+@pytest.mark.parametrize("W,node_size", [(2, 1), (3, 1), (4, 2)])
+def test_host_rail_sums_and_gathers_across_the_rail(W, node_size):
+    import secrets
+
+    res = rail_collectives.run(W, timeout_s=180, seed=secrets.randbelow(1 << 30),
+                                    node_size=node_size)
+    assert res == [9] * W
+
+
+def test_bfloat16_round_trips_every_finite_value_and_rounds_to_nearest_even():
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    values = to_float(bits, "bfloat16")
+    finite = np.isfinite(values)
+    assert np.array_equal(from_float(values[finite], "bfloat16"), bits[finite])
+    assert np.isnan(to_float(from_float(np.array([np.nan], np.float32), "bfloat16"),
+                             "bfloat16")).all()
+    # halfway between 1.0 (0x3F80) and the next bfloat16 (0x3F81): even wins; just above: up
+    half = np.array([0x3F808000, 0x3F808001, 0x3F818000], np.uint32).view(np.float32)
+    assert from_float(half, "bfloat16").tolist() == [0x3F80, 0x3F81, 0x3F82]
+
+
+def test_bad_calls_are_refused_before_any_collective():
+    from cuflux.rail import HostRail
+
+    class NoCollective:
+        rank, size = 0, 2
+
+        def allgather(self, *a, **k):
+            raise AssertionError("a collective ran for a bad call")
+
+    rail = HostRail(NoCollective(), 5.0)
+    f32, f16 = np.zeros(8, np.float32), np.zeros(8, np.float16)
+    cases = [
+        (lambda: rail.all_reduce(f32, f16), TypeError, "out is float16, x is float32"),
+        (lambda: rail.all_reduce(f32, np.zeros(4, np.float32)), ValueError, "hold 8 elements"),
+        (lambda: rail.all_reduce(np.zeros(8, np.int32), np.zeros(8, np.int32)), TypeError,
+         "sums float32"),
+        (lambda: rail.all_gather(f32, np.zeros(8, np.float32)), ValueError, "hold 16"),
+        (lambda: rail.reduce_scatter(np.zeros(7, np.float32), np.zeros(3, np.float32)),
+         ValueError, "not a multiple"),
+        (lambda: rail.all_reduce(np.zeros((4, 4), np.float32)[:, :2],
+                                 np.zeros(8, np.float32)), ValueError, "C-contiguous"),
+    ]
+    for call, exc, text in cases:
+        with pytest.raises(exc, match=text):
+            call()
+
+
+def test_make_rail_refuses_an_unknown_kind():
+    from cuflux.rail import make_rail
+
+    with pytest.raises(ValueError, match="kind must be"):
+        make_rail(object(), None, 1.0, kind="mpi")
+
+
+# ---- GPU ----------------------------------------------------------------------------------------
+# kind "auto": HostRail where ranks share a GPU, NcclRail on distinct GPUs (gpu.sh multi-tests)
+test_rail_on_gpu_arrays = rail_collectives.test(
+    expect=9, sizes=[w for w in WS if w > 1], timeout_s=300, seed=7, xp="cupy", kind="auto")
+
+
+@on_ranks
+def nccl_rail_of_one(world):
+    """NcclRail on a rail of one rank (each rank its own node): every collective is a copy."""
+    import cupy
+
+    import cuflux
+    from cuflux.rail import NcclRail
+    from mpi4py import MPI
+
+    w = cuflux.World(MPI.COMM_SELF, timeout_s=30)
+    node, group = w.split_nodes()
+    rail = NcclRail(group, w.device, 30.0)
+    with cupy.cuda.Device(w.device):
+        s = cupy.cuda.Stream(non_blocking=True)
+        x = cupy.arange(1024, dtype=cupy.float32)
+        out = cupy.full(1024, np.nan, cupy.float32)
+        rail.all_reduce(x, out, s)
+        rail.all_gather(x, out, s)
+        rail.reduce_scatter(x, out, s)
+        rail.wait(s, "NcclRail test")
+        ok = bool((out == x).all())
+    rail.close()
+    group.free()
+    node.close()
+    w.close()
+    return ok
+
+
+test_nccl_rail_of_one_rank = nccl_rail_of_one.test(expect=True, sizes=[1], timeout_s=120)
