@@ -83,6 +83,11 @@ class _Rail:
         self.rank, self.size = group.rank, group.size
         self._failed: BaseException | None = None
 
+    def abort(self) -> None:
+        """Local: the rail is not used again (a NCCL communicator is aborted, not destroyed)."""
+        self._failed = self._failed or CufluxError("the rail was aborted")
+        self.close()
+
     def _usable(self, op: str) -> None:
         if self._failed is not None:
             raise CufluxError(f"rail {op}: this rail failed earlier ({self._failed}); build a "

@@ -210,13 +210,15 @@ def on_ranks(fn):
     def test(expect=_unset, sizes=None, timeout_s: float = 180, **kwargs):
         """The GPU test of this body, bound to a test_* name of the module (pytest collects it
         by that name): for each W of `sizes` (default: every tested W) the body runs on W ranks
-        and, where `expect` is given, every rank must have returned it."""
+        and, where `expect` is given, every rank must have returned it. Arguments that are
+        callables (seed=fresh_seed) are called for each run."""
         import pytest
 
         @pytest.mark.gpu
         @pytest.mark.parametrize("W", world_sizes() if sizes is None else list(sizes))
         def check(W):
-            got = run(W, timeout_s, **kwargs)
+            # A callable argument (seed=fresh_seed) is drawn anew for every run.
+            got = run(W, timeout_s, **{k: v() if callable(v) else v for k, v in kwargs.items()})
             assert expect is _unset or got == [expect] * W, \
                 f"{target} on W={W}: the ranks returned {got}, each should return {expect!r}"
 

@@ -340,7 +340,7 @@ def back_to_back(world, seed, calls=1000):
     return calls
 
 
-test_back_to_back_1000_calls = back_to_back.test(expect=1000, timeout_s=600, seed=fresh_seed())
+test_back_to_back_1000_calls = back_to_back.test(expect=1000, timeout_s=600, seed=fresh_seed)
 
 
 @on_ranks
@@ -367,7 +367,7 @@ def epochs_past_32_bits(world, seed):
 
 
 test_epochs_past_32_bits_never_pass_an_unwritten_flag = epochs_past_32_bits.test(
-    expect=8, sizes=[w for w in WS if w > 1], timeout_s=300, seed=fresh_seed())
+    expect=8, sizes=[w for w in WS if w > 1], timeout_s=300, seed=fresh_seed)
 
 
 @on_ranks

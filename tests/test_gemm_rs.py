@@ -361,7 +361,7 @@ def reduce_scatter_exact(world, seed):
 
 
 test_reduce_scatter_only_matches_rank_order_bits = reduce_scatter_exact.test(
-    expect=True, timeout_s=200, seed=fresh_seed())
+    expect=True, timeout_s=200, seed=fresh_seed)
 
 
 # ---- back to back -------------------------------------------------------------------------------
@@ -443,7 +443,7 @@ def epoch_wrap(world, seed):
 
 
 test_epochs_rearm_before_the_32_bit_wrap = epoch_wrap.test(
-    expect=True, sizes=[w for w in WS if w > 1], timeout_s=120, seed=fresh_seed())
+    expect=True, sizes=[w for w in WS if w > 1], timeout_s=120, seed=fresh_seed)
 
 
 # ---- failures -----------------------------------------------------------------------------------

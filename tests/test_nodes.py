@@ -12,7 +12,7 @@ import pytest
 
 import cuflux
 from cuflux.errors import CufluxError
-from tests.mpi import on_ranks
+from tests.mpi import on_ranks, world_sizes
 from cuflux.nodes import (NodeLayout, all2all_plan, allgather_plan, allreduce_plan, gemm_rs_plan,
                           node_layout, require_one_node, row_shards)
 
@@ -76,9 +76,10 @@ def split_worlds(world):
         w = cuflux.World(MPI.COMM_WORLD, timeout_s=20, node_size=node_size)
         node, rail = w.split_nodes()
         rail.barrier(what="rail barrier")
-        out[f"size{node_size}"] = {"node": node.allgather(w.rank), "node_nodes": node.nodes.nodes,
-                          "node_device": node.device == w.device,
-                          "rail": rail.allgather(w.rank, what="rail ranks")}
+        out[f"size{node_size}"] = {
+            "node": node.allgather(w.rank), "node_nodes": node.nodes.nodes,
+            "node_device": node.device == w.device,
+            "rail": rail.allgather(w.rank, what="rail ranks")}
         rail.free()
         node.close()
         w.close()
@@ -114,7 +115,8 @@ def test_ops_and_symmetric_memory_refuse_a_world_of_several_nodes():
 @on_ranks
 def ops_on_two_nodes(world):
     """Every op (and symmetric memory) on a World of two emulated nodes raises CufluxError
-    before allocating anything; the same ranks' one-node World still works."""
+    before allocating anything; the same ranks' one-node World still works. (The cross-node
+    AllReduce and AllGather are built explicitly for now: across_nodes below.)"""
     import cupy
     from mpi4py import MPI
 
@@ -138,8 +140,13 @@ def ops_on_two_nodes(world):
     for cls in (symmetric.DeviceIpcMemory, symmetric.SharedHostMemory):
         originals[cls] = cls.alloc
         cls.alloc = lambda self, n, _alloc=cls.alloc: allocated.append(n) or _alloc(self, n)
+    # The pool's blocks (held after a free): emptied first, any allocation adds one for good.
+    import gc
+
+    gc.collect()
     pool = cupy.get_default_memory_pool()
-    pool_before = pool.used_bytes()
+    pool.free_all_blocks()
+    pool_before = pool.total_bytes()
     out = {}
     try:
         for name, make in makers.items():
@@ -152,7 +159,7 @@ def ops_on_two_nodes(world):
         for cls, alloc in originals.items():
             cls.alloc = alloc
     out["symmetric_bytes"] = sum(allocated)
-    out["pool_bytes"] = pool.used_bytes() - pool_before
+    out["pool_bytes"] = pool.total_bytes() - pool_before
     w.close()
     with cuflux.AllReduce(world, 1024, "float32") as ar:  # one node: as before
         x = cupy.ones(1024, cupy.float32)
@@ -169,6 +176,70 @@ def test_every_op_refuses_a_world_of_two_nodes_before_allocating():
             assert "spans 2 nodes" in r[name] and name in r[name], (name, r[name])
         assert r["symmetric_bytes"] == 0 and r["pool_bytes"] == 0, r  # nothing allocated
         assert r["one_node_sum"] == 2.0
+
+
+@on_ranks
+def across_nodes(world, node_size, seed):
+    """AllReduce and AllGather on a World of emulated nodes (the ranks share the GPU: the rail
+    is HostRail) against float64 / exact references, outputs poisoned, sizes changing; every
+    rank holds the same sum bits."""
+    import hashlib
+
+    import cupy
+    from mpi4py import MPI
+
+    from cuflux.arrays import dtype_info
+    from cuflux.ops.across import AllGatherAcrossNodes, AllReduceAcrossNodes
+    from cuflux.rail import to_float
+    from tests.checks import poisoned
+
+    w = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
+    W, me = w.size, w.rank
+    calls = 0
+    with w.device_context():
+        for dtype, tol in (("float32", 1e-5), ("bfloat16", 1.6e-2)):
+            st = dtype_info(dtype).storage
+            with AllReduceAcrossNodes(w, 5000, dtype, timeout_s=60) as ar, \
+                    AllGatherAcrossNodes(w, 8, 24, dtype, timeout_s=60) as ag:
+                for n in (1, 7, 4999, 1000, 5000):
+                    rng = [np.random.default_rng((seed, p, n)) for p in range(W)]
+                    xs = [r.integers(0, 1 << 16, n).astype(np.uint16) if dtype == "bfloat16"
+                          else r.standard_normal(n).astype(np.float32) for r in rng]
+                    xs = [x & np.uint16(0xBFFF) if dtype == "bfloat16" else x for x in xs]  # finite
+                    out = poisoned((n,), dtype)
+                    ar(cupy.asarray(xs[me]), out=out)
+                    ar.synchronize()
+                    host = cupy.asnumpy(out)
+                    got = to_float(host, dtype).astype(np.float64)
+                    want = np.sum([to_float(x, dtype).astype(np.float64) for x in xs], axis=0)
+                    err = np.abs(got - want).max() / (np.abs(want).max() + 1e-30)
+                    assert np.isfinite(got).all() and err < tol, (dtype, n, err)
+                    digests = w.allgather(hashlib.sha1(host.tobytes()).hexdigest())
+                    assert len(set(digests)) == 1, ("ranks hold different sums", dtype, n)
+                    calls += 1
+                for rows in (3, 8, 1):
+                    shards = [np.random.default_rng((seed, p, rows, 9)).integers(
+                        0, 1 << 8, (rows, 24)).astype(st) for p in range(W)]
+                    out = poisoned((W * rows, 24), dtype)
+                    ag(cupy.asarray(shards[me]), out=out)
+                    ag.synchronize()
+                    assert np.array_equal(cupy.asnumpy(out).view(np.uint8),
+                                          np.concatenate(shards).view(np.uint8)), (dtype, rows)
+                    calls += 1
+    w.close()
+    return calls
+
+
+ACROSS = [(W, k) for W, k in ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4)) if W in world_sizes()]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W,node_size", ACROSS or [(2, 1)])
+def test_allreduce_and_allgather_run_across_emulated_nodes(W, node_size):
+    import secrets
+
+    assert across_nodes.run(W, timeout_s=600, node_size=node_size,
+                            seed=secrets.randbelow(1 << 30)) == [16] * W
 
 
 # ---- node discovery ----------------------------------------------------------------------------
