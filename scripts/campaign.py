@@ -213,7 +213,7 @@ def soak(args) -> int:
 
 
 # ---- kill -9 -----------------------------------------------------------------------------------
-_KILL_RANK = """
+_KILL_RANK = """# cuflux-campaign-rank (scripts/gpu.sh's sweep finds a stray one by this)
 import json, os, signal, sys, time
 sys.path.insert(0, os.environ["ROOT"])
 import torch.distributed as dist

@@ -42,8 +42,8 @@ MPI=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
 # Ranks left by an earlier step or call (a warm machine is reused) hold GPU memory: sweep them.
 # Only processes whose command starts with python: the device tool's own shell carries the
 # whole command line of the call, and a call that names a script here was killed with it.
-sweep() { pkill -9 -f "^([^ ]*/)?python[0-9.]* .*(tests.rank_main|cuflux.bench|scripts/(examples/)?[a-z_]+\.py)" \
-            2>/dev/null; }
+sweep() { pkill -9 -f "^([^ ]*/)?python[0-9.]* .*(tests.rank_main|cuflux.bench|cuflux-campaign-rank|\
+scripts/(examples/)?[a-z_]+\.py)" 2>/dev/null; }
 step() { local log=$1 cap=$2; shift 2; echo "=== [$cap s] $*" >>"$log"; local t0=$SECONDS
          timeout -k 10 "$cap" "$@" >>"$log" 2>&1; echo "=== rc=$? in $((SECONDS - t0)) s" >>"$log"
          sweep; }
