@@ -242,6 +242,93 @@ def test_allreduce_and_allgather_run_across_emulated_nodes(W, node_size):
                             seed=secrets.randbelow(1 << 30)) == [16] * W
 
 
+@on_ranks
+def across_composed(world, node_size, seed):
+    """AllReduceRMSNorm (every output mode), AllGatherGemm and GemmReduceScatter on a World of
+    emulated nodes (ops/across.py; HostRail: the ranks share the GPU) against the float64
+    references, outputs poisoned."""
+    import cupy
+    from mpi4py import MPI
+
+    from cuflux.ops.across import (AllGatherGemmAcrossNodes, AllReduceRMSNormAcrossNodes,
+                                   GemmReduceScatterAcrossNodes)
+    from cuflux.ops.ag_gemm import reference_ag_gemm
+    from cuflux.ops.allreduce import reference_allreduce_rmsnorm, token_slice
+    from cuflux.ops.gemm_rs import reference_gemm_rs
+    from cuflux.rail import from_float, to_float
+    from tests.checks import check_close, poisoned
+
+    w = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
+    W, me = w.size, w.rank
+
+    def bf16(key, shape, scale=1.0):  # (bits, float64 values) the same on every rank
+        v = np.random.default_rng((seed, *key)).standard_normal(shape).astype(np.float32)
+        bits = from_float(v * np.float32(scale), "bfloat16")
+        return bits, to_float(bits, "bfloat16").astype(np.float64)
+
+    checked = 0
+    with w.device_context():
+        for mode in ("replicated", "sequence_parallel", "sharded_residual"):
+            with AllReduceRMSNormAcrossNodes(w, 40, 256, "bfloat16", output=mode,
+                                             timeout_s=60) as norm:
+                for T in (1, 37, 40):
+                    xs = [bf16((1, T, p), (T, 256)) for p in range(W)]
+                    res_bits, res = bf16((2, T), (T, 256))
+                    wt_bits, wt = bf16((3, T), (256,))
+                    want_out, want_res = reference_allreduce_rmsnorm(
+                        [x for _, x in xs], res, wt, 1e-6, mode, W)[me]
+                    lo, hi = token_slice(T, W, me)
+                    mine = res_bits[lo:hi] if mode == "sequence_parallel" else res_bits
+                    residual = cupy.asarray(mine)
+                    out = poisoned(want_out.shape, "bfloat16")
+                    norm(cupy.asarray(xs[me][0]), residual, cupy.asarray(wt_bits), out=out)
+                    norm.synchronize()
+                    for got, want, what in ((out, want_out, "out"), (residual, want_res, "res")):
+                        assert got.shape == want.shape, (mode, T, what, got.shape)
+                        if not want.size:  # a rank without tokens (sequence_parallel, T < W)
+                            continue
+                        g = to_float(cupy.asnumpy(got), "bfloat16").astype(np.float64)
+                        err = np.abs(g - want).max() / (np.abs(want).max() + 1e-30)
+                        assert np.isfinite(g).all() and err < 2e-2, (mode, T, what, err)
+                    checked += 1
+        rows, n, k = 24, 64, 96
+        with AllGatherGemmAcrossNodes(w, max_rows_per_rank=rows, n=n, k=k, dtype="bfloat16",
+                                      out_dtype="float32", b_layout="nk", timeout_s=60) as agg:
+            shards = [bf16((4, p), (rows, k)) for p in range(W)]
+            b_bits, b = bf16((5,), (n, k), 0.1)
+            out = poisoned((W * rows, n), "float32")
+            agg(cupy.asarray(shards[me][0]), cupy.asarray(b_bits), out=out)
+            agg.synchronize()
+            want = reference_ag_gemm([x for _, x in shards], [b] * W, b_layout="nk")[me]
+            check_close(out, want, "float32", "AllGatherGemm across nodes")
+            checked += 1
+        M = 8 * W
+        with GemmReduceScatterAcrossNodes(w, M, n, k, "bfloat16", out_dtype="float32",
+                                          b_layout="nk", timeout_s=60) as grs:
+            a_list = [bf16((6, p), (M, k)) for p in range(W)]
+            b_list = [bf16((7, p), (n, k), 0.1) for p in range(W)]
+            bias_bits, bias = bf16((8,), (n,))
+            out = poisoned((M // W, n), "float32")
+            grs(cupy.asarray(a_list[me][0]), cupy.asarray(b_list[me][0]),
+                bias=cupy.asarray(bias_bits), out=out)
+            grs.synchronize()
+            want = reference_gemm_rs([a for _, a in a_list], [b for _, b in b_list], bias,
+                                     b_layout="nk", rank=me)
+            check_close(out, want, "float32", "GemmReduceScatter across nodes")
+            checked += 1
+    w.close()
+    return checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W,node_size", ACROSS or [(2, 1)])
+def test_the_fused_ops_composed_across_emulated_nodes(W, node_size):
+    import secrets
+
+    assert across_composed.run(W, timeout_s=600, node_size=node_size,
+                               seed=secrets.randbelow(1 << 30)) == [11] * W
+
+
 # ---- node discovery ----------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", LAYOUTS, ids=_ids)
 def test_nodes_follow_hosts(shape):

@@ -1,21 +1,24 @@
-"""AllReduce and AllGather on a World of several nodes (issue 20): the node's IPC op, then the rail.
+"""The ops on a World of several nodes (issue 20): each node's IPC op, and a rail between nodes.
 
-Built explicitly for now (`AllReduceAcrossNodes(world, ...)` takes AllReduce's arguments): until
-their GPU tests have run, `cuflux.AllReduce` / `cuflux.AllGather` on a World of several nodes
-still refuse it (require_one_node), as every other op does. Each rank gets its node (a World of one node, where the IPC op runs unchanged) and its rail (rank i of
-every node: cuflux.rail, NCCL between GPUs of their own, else staged through the host) from
-World.split_nodes().
+Built explicitly for now (`AllReduceAcrossNodes(world, ...)` takes AllReduce's arguments, and so
+on): until their GPU tests have run, `cuflux.AllReduce` and the other ops refuse a World of
+several nodes (require_one_node). Each rank gets its node (a World of one node, where the IPC
+ops run unchanged) and its rail (rank i of every node: cuflux.rail, NCCL between GPUs of their
+own, else staged through the host) from World.split_nodes().
 
   AllReduceAcrossNodes  x (n elements): the node's AllReduce gives every rank its node's sum;
                         node rank i all-reduces share i of the n elements (row_shards over the
                         node's k ranks) across its rail, so each rank sends n / k elements
                         between nodes (nodes.allreduce_plan); a second node AllReduce of every
                         rank's share, zeros elsewhere, puts the whole sum on every rank (adding
-                        zeros is exact). Each rank of a node holds the same bits. The node moves
-                        the data twice where an all-gather would move it once: later work.
+                        zeros is exact). Every rank holds the same bits. The node moves the data
+                        twice where an all-gather would move it once: later work.
   AllGatherAcrossNodes  x [rows, cols]: the rail gathers the rows of this rank's rail-mates
                         (one per node), the node's AllGather brings every node rank's gather,
                         and one copy puts the blocks in World-rank order.
+  AllReduceRMSNormAcrossNodes, AllGatherGemmAcrossNodes, GemmReduceScatterAcrossNodes: the
+                        two above composed with the W = 1 norm kernel and cuflux.gemm, correct
+                        first (nothing overlapped yet; see each class).
 
 Every wait is bounded: the node ops' own, and the rail's (`synchronize()` waits for the rail's
 queued work at most timeout_s; a NCCL rail is aborted then). Arguments are checked, and agreed
@@ -32,7 +35,8 @@ from cuflux.ops.base import DEFAULT_TIMEOUT_S, on_op_device, on_world_device, re
 from cuflux.rail import make_rail
 from cuflux.resource import Closeable
 
-__all__ = ["AllReduceAcrossNodes", "AllGatherAcrossNodes"]
+__all__ = ["AllReduceAcrossNodes", "AllGatherAcrossNodes", "AllReduceRMSNormAcrossNodes",
+           "AllGatherGemmAcrossNodes", "GemmReduceScatterAcrossNodes"]
 
 
 class _AcrossNodes(Closeable):
@@ -219,3 +223,234 @@ class AllGatherAcrossNodes(_AcrossNodes):
                 cupy.take(gathered.reshape(k * nodes, rows, self.cols), self._src, axis=0,
                           out=out.reshape(W, rows, self.cols))
         return to_caller(out, x_in, out_in)
+
+
+class AllReduceRMSNormAcrossNodes(_AcrossNodes):
+    """cuflux.AllReduceRMSNorm on a World of several nodes: AllReduceAcrossNodes gives every rank
+    the whole sum s; then rmsnorm_residual (the W = 1 kernel) normalises s + residual on the rows
+    the output mode gives this rank: every row ("replicated"), its token slice
+    ("sequence_parallel"), or its slice followed by an AllGatherAcrossNodes of every rank's
+    normalised slice ("sharded_residual": out is whole, each residual slice stays with its
+    owner). The sum is rounded to dtype once more than in the one-node kernel. Same arguments
+    as AllReduceRMSNorm, plus rail."""
+
+    op = "AllReduceRMSNorm"
+
+    @on_world_device
+    def __init__(self, world, max_tokens: int, hidden: int, dtype, eps: float = 1e-6,
+                 output: str = "replicated", algo: str = "auto",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, max_blocks: int | None = None,
+                 rail: str = "auto"):
+        import math
+
+        from cuflux.ops.allreduce import OUTPUTS
+        from cuflux.sizes import count
+
+        if output not in OUTPUTS:
+            raise ValueError(f"{self.op}: output must be one of {OUTPUTS}, got {output!r}")
+        if not (isinstance(eps, (int, float)) and math.isfinite(eps) and eps > 0):
+            raise ValueError(f"{self.op}: eps must be a finite number > 0, got {eps!r}")
+        self.max_tokens = count(self.op, "max_tokens", max_tokens, what="tokens per call")
+        self.hidden = count(self.op, "hidden", hidden, what="elements per token")
+        self.eps, self.output, self.world = float(eps), output, world
+        world.check_same((self.max_tokens, self.hidden, self.eps, output),
+                         f"{self.op} arguments (max_tokens, hidden, eps, output)", timeout_s)
+        self.sum = AllReduceAcrossNodes(world, self.max_tokens * self.hidden, dtype, algo,
+                                        timeout_s, max_blocks, rail)
+        self.dtype, self.gather = self.sum.dtype, None
+        try:
+            if output == "sharded_residual":
+                self._pad = -(-self.max_tokens // world.size)  # the largest slice
+                self.gather = AllGatherAcrossNodes(world, self._pad, self.hidden, dtype,
+                                                   timeout_s=timeout_s, rail=rail)
+            import cupy
+
+            self._s = cupy.empty((self.max_tokens, self.hidden), self.dtype.storage)
+            self._rows: dict = {}  # T -> rows of the gather that hold each slice, in order
+        except BaseException:
+            self.sum.close()
+            raise
+
+    def out_rows(self, num_tokens: int) -> int:
+        from cuflux.ops.allreduce import AllReduceRMSNorm
+
+        return AllReduceRMSNorm.out_rows(self, num_tokens)
+
+    @on_op_device
+    def __call__(self, x, residual, weight, out=None, stream=None, algo: str | None = None):
+        import cupy
+
+        from cuflux.ops.allreduce import check_norm_call, rmsnorm_residual, token_slice
+
+        self._check_open()
+        x_in, out_in = x, out
+        x, residual, weight, out = check_norm_call(self, x, residual, weight, out, algo)
+        s = stream_of(stream, x_in)
+        T, W, me = x.shape[0], self.world.size, self.world.rank
+        if out is None:
+            out = cupy.empty((self.out_rows(T), self.hidden), self.dtype.storage)
+        if T:
+            total = self._s[:T]
+            self.sum(x, out=total, stream=s, algo=algo)
+            lo, hi = token_slice(T, W, me)
+            if self.output == "replicated":
+                rmsnorm_residual(total, residual, weight, self.eps, out, s)
+            elif self.output == "sequence_parallel":
+                if hi > lo:
+                    rmsnorm_residual(total[lo:hi], residual, weight, self.eps, out, s)
+            else:
+                self._sharded(total, residual, weight, out, lo, hi, s)
+        return to_caller(out, x_in, out_in)
+
+    def _sharded(self, total, residual, weight, out, lo, hi, s) -> None:
+        import cupy
+
+        from cuflux.ops.allreduce import rmsnorm_residual, token_slice
+
+        T, W, pad = total.shape[0], self.world.size, -(-total.shape[0] // self.world.size)
+        mine = self._s[T:T + pad] if T + pad <= self.max_tokens else cupy.empty(
+            (pad, self.hidden), self.dtype.storage)
+        if hi > lo:
+            rmsnorm_residual(total[lo:hi], residual[lo:hi], weight, self.eps, mine[:hi - lo], s)
+        gathered = self.gather(mine, stream=s)  # [W * pad, hidden]: every rank's slice, padded
+        rows = self._rows.get(T)
+        if rows is None:
+            rows = np.concatenate([np.arange(r * pad, r * pad + b - a) for r in range(W)
+                                   for a, b in [token_slice(T, W, r)]])
+            rows = self._rows[T] = cupy.asarray(rows)
+        with s:
+            cupy.take(gathered, rows, axis=0, out=out)
+
+    def _release(self, abort: bool = False) -> None:
+        for op in (self.gather, self.sum):
+            if op is not None:
+                op.abort() if abort else op.close()
+
+    def synchronize(self, stream=None) -> None:
+        self.sum.synchronize(stream)
+        if self.gather is not None:
+            self.gather.synchronize(stream)
+
+
+class _GemmAcrossNodes(_AcrossNodes):
+    """What the two GEMM ops share across nodes: cuflux.gemm on this rank, the sizes and the
+    call's row count agreed across the World."""
+
+    def _gemm_args(self, n: int, k: int, dtype, out_dtype, b_layout: str, impl: str) -> None:
+        from cuflux import gemm_core as core
+        from cuflux.sizes import count
+
+        core.check_b_layout(b_layout, self.op)
+        self.n = count(self.op, "n", n, what="output columns")
+        self.k = count(self.op, "k", k, what="the inner dimension")
+        self.dtype = dtype_info(dtype, core.IN_DTYPES, self.op)
+        self.out_dtype = dtype_info(out_dtype if out_dtype is not None else self.dtype.name,
+                                    ("bfloat16", "float16", "float32"), self.op)
+        self.b_layout, self.impl = b_layout, impl
+
+    def _gemm(self, a, b, bias, out, stream):
+        from cuflux.ops.gemm import gemm
+
+        return gemm(a, b, bias=bias, out=out, out_dtype=self.out_dtype.name,
+                    b_layout=self.b_layout, impl=self.impl, stream=stream)
+
+    def _release(self, abort: bool = False) -> None:
+        self.inner.abort() if abort else self.inner.close()
+
+    def synchronize(self, stream=None) -> None:
+        self.inner.synchronize(stream)
+
+
+class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
+    """cuflux.AllGatherGemm on a World of several nodes: AllGatherAcrossNodes of the A shards,
+    then cuflux.gemm on the gathered A (not overlapped yet). Arguments as AllGatherGemm's
+    (max_m the gathered rows, or max_rows_per_rank), plus rail."""
+
+    op = "AllGatherGemm"
+
+    @on_world_device
+    def __init__(self, world, max_m: int | None = None, n: int | None = None,
+                 k: int | None = None, dtype=None, out_dtype=None, b_layout: str = "kn",
+                 timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto", *,
+                 max_rows_per_rank: int | None = None, rail: str = "auto"):
+        self.world = world
+        self._gemm_args(n, k, dtype, out_dtype, b_layout, impl)
+        if (max_m is None) == (max_rows_per_rank is None):
+            raise ValueError(f"{self.op}: give max_m (rows of the gathered A) or "
+                             f"max_rows_per_rank, one of them")
+        if max_rows_per_rank is None:
+            if max_m % world.size:
+                raise ValueError(f"{self.op}: max_m={max_m} must be a multiple of the world "
+                                 f"size {world.size}")
+            max_rows_per_rank = max_m // world.size
+        world.check_same((max_rows_per_rank, self.n, self.out_dtype.name, b_layout, impl),
+                         f"{self.op} arguments (rows per rank, n, out_dtype, b_layout, impl)",
+                         timeout_s)
+        self.inner = AllGatherAcrossNodes(world, max_rows_per_rank, self.k, self.dtype.name,
+                                          timeout_s=timeout_s, name=self.op, rail=rail)
+
+    @on_op_device
+    def __call__(self, a_shard, b, bias=None, return_gathered: bool = False, stream=None,
+                 out=None):
+        self._check_open()
+        s = stream_of(stream, a_shard)
+        gathered = self.inner(a_shard, stream=s)
+        got = self._gemm(gathered, b, bias, out, s)
+        return (got, gathered) if return_gathered else got
+
+
+class GemmReduceScatterAcrossNodes(_GemmAcrossNodes):
+    """cuflux.GemmReduceScatter on a World of several nodes: cuflux.gemm of this rank's
+    [M, n] product (the bias on World rank 0 only, so the sum holds it once), an
+    AllReduceAcrossNodes of it in out_dtype, and this rank's M / W rows copied out (not
+    overlapped, and the whole product crosses nodes: a reduce-scatter on the rail is later
+    work). Arguments as GemmReduceScatter's, plus rail."""
+
+    op = "GemmReduceScatter"
+
+    @on_world_device
+    def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
+                 b_layout: str = "kn", timeout_s: float = DEFAULT_TIMEOUT_S,
+                 impl: str = "auto", rail: str = "auto"):
+        from cuflux.sizes import count
+
+        self.world = world
+        self._gemm_args(n, k, dtype, out_dtype, b_layout, impl)
+        self.max_m = count(self.op, "max_m", max_m, what="rows of a")
+        world.check_same((self.max_m, self.n, self.k, self.dtype.name, b_layout, impl),
+                         f"{self.op} arguments (max_m, n, k, dtype, b_layout, impl)", timeout_s)
+        self.inner = AllReduceAcrossNodes(world, self.max_m * self.n, self.out_dtype.name,
+                                          timeout_s=timeout_s, rail=rail)
+        import cupy
+
+        self._partial = cupy.empty(self.max_m * self.n, self.out_dtype.storage)
+
+    @on_op_device
+    def __call__(self, a, b, bias=None, out=None, stream=None):
+        import cupy
+
+        self._check_open()
+        a_in, out_in = a, out
+        a = check_array(as_cupy(a, "a", self.op), name="a", op=self.op, ndim=2,
+                        dtype=self.dtype, device=self.world.device)
+        M, W = a.shape[0], self.world.size
+        if M % W or M > self.max_m:
+            raise ValueError(f"{self.op}: a has M={M} rows: it must be a multiple of the world "
+                             f"size {W} and <= max_m={self.max_m}")
+        if bias is not None:  # checked on every rank (only World rank 0's reaches the GEMM)
+            bias = check_array(as_cupy(bias, "bias", self.op), name="bias", op=self.op,
+                               shape=(self.n,), dtype=self.dtype, device=self.world.device)
+        s = stream_of(stream, a_in)
+        if out is None:
+            out = cupy.empty((M // W, self.n), self.out_dtype.storage)
+        else:
+            out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
+                              shape=(M // W, self.n), dtype=self.out_dtype,
+                              device=self.world.device)
+        partial = self._partial[:M * self.n].reshape(M, self.n)
+        self._gemm(a, b, bias if self.world.rank == 0 else None, partial, s)
+        self.inner(partial, out=partial, stream=s)
+        r = self.world.rank
+        with s:
+            out[...] = partial[r * (M // W):(r + 1) * (M // W)]
+        return to_caller(out, a_in, out_in)
