@@ -17,7 +17,8 @@ host group). Two kinds, one interface:
     wait(stream, what)              returns once the rail's queued work is done
 
 Arrays are C-contiguous CuPy arrays (HostRail also takes NumPy arrays: its CPU tests) of one
-dtype: float32, float16 or bfloat16 (stored as uint16); all_gather moves any dtype. Every wait
+dtype: float32, float16 or bfloat16 (cuflux's storage, ml_dtypes' bfloat16, or its uint16
+bits); all_gather moves any dtype. Every wait
 is bounded: a rail call that does not complete within timeout_s raises CommTimeoutError naming
 the call and this rank, and a NcclRail is aborted then (a timed-out rail is not used again).
 """
@@ -38,21 +39,23 @@ _REDUCIBLE = tuple(NCCL_DTYPES)
 
 
 def _dtype_name(a) -> str:
-    """cuflux's name for an array's dtype; bfloat16 is stored as uint16 (CuPy has none)."""
+    """cuflux's name for an array's dtype (bfloat16: ml_dtypes' bfloat16, or its uint16 bits)."""
     kind = np.dtype(a.dtype)
-    return {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16",
-            np.dtype(np.uint16): "bfloat16"}.get(kind, str(kind))
+    if kind.name == "bfloat16" or kind == np.uint16:
+        return "bfloat16"
+    return {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16"}.get(kind, str(kind))
 
 
 def to_float(host: np.ndarray, dtype: str) -> np.ndarray:
-    """Host values in float32 (bfloat16 from its uint16 bits)."""
+    """Host values in float32 (bfloat16 from its bits: ml_dtypes' bfloat16 or uint16)."""
     if dtype == "bfloat16":
-        return (host.astype(np.uint32) << 16).view(np.float32)
+        return (host.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
     return host.astype(np.float32)
 
 
 def from_float(values: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 values rounded to nearest even in `dtype` (bfloat16 as its uint16 bits)."""
+    """float32 values rounded to nearest even in `dtype` (bfloat16 as its uint16 bits: view
+    them as the storage dtype)."""
     if dtype == "bfloat16":
         bits = values.astype(np.float32).view(np.uint32)
         rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
@@ -128,6 +131,7 @@ class HostRail(_Rail):
 
     @staticmethod
     def _store(out, host: np.ndarray, stream) -> None:
+        host = host.view(out.dtype)  # bfloat16 sums come back as their uint16 bits
         if isinstance(out, np.ndarray):
             out[...] = host.reshape(out.shape)
             return
@@ -148,14 +152,14 @@ class HostRail(_Rail):
         return from_float(total, dt)
 
     def _all_reduce(self, x, out, stream, dt) -> None:
-        self._store(out, self._sum(x, stream, dt, "rail all_reduce"), stream)
+        self._store(out, self._sum(x, stream, dt, "all_reduce"), stream)
 
     def _all_gather(self, x, out, stream) -> None:
-        self._store(out, np.concatenate(self._gathered(x, stream, "rail all_gather")), stream)
+        self._store(out, np.concatenate(self._gathered(x, stream, "all_gather")), stream)
 
     def _reduce_scatter(self, x, out, stream, dt) -> None:
         n = out.size
-        mine = self._sum(x, stream, dt, "rail reduce_scatter")[self.rank * n:(self.rank + 1) * n]
+        mine = self._sum(x, stream, dt, "reduce_scatter")[self.rank * n:(self.rank + 1) * n]
         self._store(out, mine, stream)
 
     def wait(self, stream=None, what: str = "rail") -> None:
@@ -168,85 +172,143 @@ class HostRail(_Rail):
 
 class NcclRail(_Rail):
     """The rail through NCCL, its work queued on the caller's stream (see the module's
-    docstring). Building it is collective over the rail: rank 0's unique id goes out through
-    the host group first (bounded), so every rank is present when NCCL's own set-up blocks."""
+    docstring). Building it is collective over the rail and bounded: rank 0's unique id goes
+    out through the host group, NCCL's blocking set-up runs in a thread joined against the
+    deadline, and the rail agrees that every rank got a communicator. Each call records an
+    event behind its NCCL work; `wait` polls the latest one and NCCL's asynchronous error
+    against the deadline. Any failure aborts the communicator (never destroyed while work may
+    be pending) and the rail is not used again."""
 
     kind = "nccl"
 
     def __init__(self, group, device: int, timeout_s: float):
         super().__init__(group, timeout_s)
+        import threading
+
         import cupy
         from cupy.cuda import nccl
 
         if not nccl.available:
             raise CufluxError("NcclRail: CuPy was built without NCCL; install the NCCL runtime "
                               "(the cuda12 / cuda13 extra's nvidia-nccl) or use HostRail")
-        self._nccl, self.device = nccl, device
+        self._nccl, self.device, self.comm, self._last = nccl, device, None, None
         uid = group.allgather(nccl.get_unique_id() if group.rank == 0 else None, timeout_s,
-                              "rail NCCL unique id")[0]
-        with cupy.cuda.Device(device):
-            self.comm = nccl.NcclCommunicator(group.size, uid, group.rank)
+                              "NCCL unique id")[0]
+        made: list = []
+
+        def init():  # ncclCommInitRank waits for every rail rank: off the caller's thread
+            try:
+                with cupy.cuda.Device(device):
+                    made.append(nccl.NcclCommunicator(group.size, uid, group.rank))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                made.append(e)
+
+        worker = threading.Thread(target=init, name="cuflux-nccl-init", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        got = made[0] if made else None
+        if isinstance(got, nccl.NcclCommunicator):
+            self.comm = got
+        ok = group.allgather(self.comm is not None, timeout_s, "NCCL set-up")
+        if not all(ok):
+            self._failed = CommTimeoutError(
+                "rail NCCL set-up", group.rank, ok.index(False), timeout_s,
+                f"rail ranks {[r for r, good in enumerate(ok) if not good]} got no NCCL "
+                f"communicator" + (f" (here: {got!r})" if got is not None else ""))
+            self.abort()
+            raise self._failed
 
     @staticmethod
     def _ptr(a) -> int:
         return a.data.ptr
 
-    @staticmethod
-    def _handle(stream) -> int:
+    def _queued(self, call, *args, stream) -> None:
+        """One NCCL call on `stream` (default: the current one), then the event wait() polls."""
         import cupy
 
-        return (stream or cupy.cuda.get_current_stream()).ptr
+        s = stream or cupy.cuda.get_current_stream()
+        try:
+            call(*args, s.ptr)
+        except BaseException as e:
+            self._failed = e
+            self.abort()
+            raise
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(s)
+        self._last = done
 
     def _all_reduce(self, x, out, stream, dt) -> None:
-        self.comm.allReduce(self._ptr(x), self._ptr(out), x.size, NCCL_DTYPES[dt], _NCCL_SUM,
-                            self._handle(stream))
+        self._queued(self.comm.allReduce, self._ptr(x), self._ptr(out), x.size,
+                     NCCL_DTYPES[dt], _NCCL_SUM, stream=stream)
 
     def _all_gather(self, x, out, stream) -> None:
-        self.comm.allGather(self._ptr(x), self._ptr(out), x.nbytes, _NCCL_UINT8,
-                            self._handle(stream))
+        self._queued(self.comm.allGather, self._ptr(x), self._ptr(out), x.nbytes, _NCCL_UINT8,
+                     stream=stream)
 
     def _reduce_scatter(self, x, out, stream, dt) -> None:
-        self.comm.reduceScatter(self._ptr(x), self._ptr(out), out.size, NCCL_DTYPES[dt],
-                                _NCCL_SUM, self._handle(stream))
+        self._queued(self.comm.reduceScatter, self._ptr(x), self._ptr(out), out.size,
+                     NCCL_DTYPES[dt], _NCCL_SUM, stream=stream)
 
     def wait(self, stream=None, what: str = "rail") -> None:
-        """Until the rail work queued on `stream` is done, at most timeout_s: then the NCCL
-        communicator is aborted (its kernels return) and CommTimeoutError is raised."""
-        import cupy
-
+        """Until the latest NCCL call is done, at most timeout_s (then, or on NCCL's
+        asynchronous error, the communicator is aborted and the call's error raised)."""
         self._usable(what)
-        done = cupy.cuda.Event(disable_timing=True)
-        done.record(stream or cupy.cuda.get_current_stream())
-        deadline = time.monotonic() + self.timeout_s
-        while not done.done:
+        done, deadline = self._last, time.monotonic() + self.timeout_s
+        polls = 0
+        while done is not None and not done.done:
+            polls += 1
+            if polls % 64 == 0:
+                self._check_async(what)
             if time.monotonic() > deadline:
-                self._failed = CommTimeoutError(what, self.group.rank, -1, self.timeout_s,
+                self._failed = CommTimeoutError(what, self.rank, -1, self.timeout_s,
                                                 "the rail's NCCL work did not complete")
-                self.comm.abort()
+                self.abort()
                 raise self._failed
             time.sleep(0.0002)
-        self.comm.check_async_error()
+        self._check_async(what)
+
+    def _check_async(self, what: str) -> None:
+        try:
+            self.comm.check_async_error()
+        except BaseException as e:
+            self._failed = CufluxError(f"{what}: NCCL failed on rail rank {self.rank}: {e}")
+            self.abort()
+            raise self._failed from e
 
     def close(self) -> None:
-        comm, self.comm = getattr(self, "comm", None), None
+        """Destroy the communicator once its work is done (bounded); abort it otherwise."""
+        if self.comm is not None and self._failed is None:
+            try:
+                self.wait(what="closing the rail")
+            except CufluxError:
+                return  # wait() aborted it
+            comm, self.comm = self.comm, None
+            comm.destroy()
+            return
+        comm, self.comm = self.comm, None
         if comm is not None:
-            if self._failed is None:
-                comm.destroy()
-            else:
-                comm.abort()
+            comm.abort()
 
 
 def make_rail(group, device: int | None, timeout_s: float, kind: str = "auto"):
     """The rail communicator for a host group from World.split_nodes(): kind "nccl", "host", or
-    "auto" (NCCL when the rail's ranks use distinct GPUs, else the host kind: NCCL refuses two
-    ranks on one GPU). Collective over the rail."""
+    "auto": NCCL where every rail rank has a GPU of its own (told apart by PCI bus id) and CuPy
+    has NCCL, else the host kind (NCCL refuses two ranks on one GPU). Collective over the rail;
+    every rank makes the same choice."""
     if kind not in ("auto", "nccl", "host"):
         raise ValueError(f"make_rail: kind must be 'auto', 'nccl' or 'host', got {kind!r}")
     if kind == "auto":
         import socket
 
-        seen = group.allgather((socket.gethostname(), device), timeout_s, "rail devices")
-        kind = "nccl" if device is not None and len(set(seen)) == len(seen) else "host"
+        mine = (socket.gethostname(), None, False)
+        if device is not None:
+            from cupy.cuda import nccl, runtime
+
+            mine = (mine[0], runtime.deviceGetPCIBusId(device), bool(nccl.available))
+        seen = group.allgather(mine, timeout_s, "rail devices")
+        distinct = len({(host, bus) for host, bus, _ in seen}) == len(seen)
+        usable = all(bus is not None and has_nccl for _, bus, has_nccl in seen)
+        kind = "nccl" if distinct and usable else "host"
     if kind == "nccl":
         return NcclRail(group, device, timeout_s)
     return HostRail(group, timeout_s)

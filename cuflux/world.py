@@ -831,13 +831,16 @@ class World:
         node: a World of the ranks of this rank's node (same GPU, timeout and node size: a World
         of one node, where the ops' IPC paths run); rail: a host group of the ranks with this
         rank's node-local index, one per node in node order (the group a NCCL communicator of
-        the rail spans; its rank r is node r's). Bounded: the ranks first agree on the layout
-        (an allgather), so the splits that follow find every rank there. The caller owns both
-        (node.close(), rail.free())."""
+        the rail spans; its ranks in World-rank order). Bounded: the ranks first agree on the
+        layout (an allgather), so the splits that follow find every rank there. The caller owns
+        both (node.close(), rail.free())."""
         layout = self.nodes
-        self.check_same(layout.nodes, "split_nodes: the node layout", timeout_s)
+        self._num_splits = getattr(self, "_num_splits", 0) + 1  # the same count on every rank
+        self.check_same((layout.nodes, self._num_splits), "split_nodes: the node layout",
+                        timeout_s)
         node_ranks, rail_ranks = layout.node_peers(self.rank), layout.rail(self.rank)
-        gid = self._host.group_id
+        # An id of this split's own: a freed group's stray message never matches a later one's.
+        gid = f"{self._host.group_id}/split{self._num_splits}"
         if isinstance(self._host, TorchGroup):
             # gloo groups made by their members only (use_local_synchronization).
             glob = self._host.ranks  # this World's rank -> global rank
@@ -845,16 +848,20 @@ class World:
             node_comm = (self.comm if len(node_ranks) == self.size else
                          _new_gloo_group([glob[r] for r in node_ranks], t, "World",
                                          "split_nodes (node)", self.rank))
-            rail = TorchGroup.create(
+            rail = TorchGroup(
                 _new_gloo_group([glob[r] for r in rail_ranks], t, "World", "split_nodes (rail)",
                                 self.rank), t, "rail", f"{gid}/rail{layout.local_index(self.rank)}")
         else:
             both = self._host.dup("split_nodes", timeout_s)  # bounded; every rank is here
             try:
                 node_comm = both.Split(layout.node_of(self.rank), self.rank)
-                rail = HostGroup(both.Split(layout.local_index(self.rank), self.rank),
-                                 self.timeout_s, "rail",
-                                 f"{gid}/rail{layout.local_index(self.rank)}")
+                try:
+                    rail = HostGroup(both.Split(layout.local_index(self.rank), self.rank),
+                                     self.timeout_s, "rail",
+                                     f"{gid}/rail{layout.local_index(self.rank)}")
+                except BaseException:
+                    _free_comm(node_comm)
+                    raise
             finally:
                 _free_comm(both)
         made = node_comm is not self.comm  # a communicator of ours: the node World frees it

@@ -50,16 +50,37 @@ class _AcrossNodes(Closeable):
         across the World: the node op checks them again only within its node)."""
         require_world_device(world, self.op)
         world.check_same(args, f"{self.op} arguments", timeout_s)
-        self.world, self.timeout_s = world, timeout_s
-        self.node, self.group = world.split_nodes(timeout_s)
-        self.inner = None
+        self.world, self.timeout_s, self.inner = world, timeout_s, None
+        self.comm = world.sub_comm(self.op, timeout_s)  # the calls' agreements: the op's own
+        try:
+            self.node, self.group = world.split_nodes(timeout_s)
+        except BaseException:
+            self.comm.free()
+            raise
         try:
             self.rail = make_rail(self.group, world.device, timeout_s, rail)
         except BaseException:
             self.group.free()
             self.node.close()
+            self.comm.free()
             raise
         self._agreed: set = set()
+
+    def _built(self, error: BaseException | None) -> None:
+        """Every rank agrees that it built its part (bounded) before any returns: the ranks
+        that failed raise their error, the others CufluxError naming them; all free theirs."""
+        try:
+            oks = self.comm.allgather(error is None, self.timeout_s, "built")
+        except BaseException:
+            self._release(abort=True)
+            raise
+        if all(oks):
+            return
+        self._release(abort=True)
+        if error is not None:
+            raise error
+        raise CufluxError(f"{self.op}: ranks {[r for r, ok in enumerate(oks) if not ok]} could "
+                          f"not build their part of the op; this rank freed its own")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -67,11 +88,14 @@ class _AcrossNodes(Closeable):
 
     def _agree(self, key, what: str) -> None:
         if key not in self._agreed:
-            self.world.check_same(key, f"{self.op}: {what}", self.timeout_s)
+            self.comm.check_same(key, f"{self.op}: {what}", self.timeout_s)
             self._agreed.add(key)
 
     def synchronize(self, stream=None) -> None:
-        """Wait for this rank's work on `stream` (bounded: CommTimeoutError)."""
+        """Wait for this rank's work on `stream` (bounded: CommTimeoutError): the rail's latest
+        call first (its own event, so a node op failing later is not blamed on it), then the
+        node op, which names a node peer that failed."""
+        self._check_open()
         with self.world.device_context():
             self.rail.wait(stream_of(stream), f"{self.op} rail")
             self.inner.synchronize(stream)
@@ -86,6 +110,7 @@ class _AcrossNodes(Closeable):
             self.rail.abort() if abort else self.rail.close()
             self.group.free()
             self.node.close()
+            self.comm.free()
 
     def abort(self) -> None:
         if not self._closed:
@@ -107,6 +132,7 @@ class AllReduceAcrossNodes(_AcrossNodes):
 
         self._split(world, timeout_s, rail,
                     (max_elems, dtype_info(dtype, op=self.op).name, algo, max_blocks, rail))
+        error = None
         try:
             self.inner = AllReduce(self.node, max_elems, dtype, algo, timeout_s, max_blocks)
             import cupy
@@ -116,9 +142,9 @@ class AllReduceAcrossNodes(_AcrossNodes):
             # (zeros elsewhere) for the second node AllReduce.
             self._sum = cupy.zeros(self.max_elems, self.dtype.storage)
             self._own = cupy.zeros(self.max_elems, self.dtype.storage)
-        except BaseException:
-            self._release()
-            raise
+        except Exception as e:
+            error = e
+        self._built(error)
 
     @on_op_device
     def __call__(self, x, out=None, stream=None, algo: str | None = None):
@@ -168,6 +194,7 @@ class AllGatherAcrossNodes(_AcrossNodes):
         self.op = name
         self._split(world, timeout_s, rail, (max_rows, cols, dtype_info(dtype, op=name).name,
                                              mode, chunk_rows, wait, rail))
+        error = None
         try:
             nodes = world.nodes.num_nodes
             self.inner = AllGather(self.node, nodes * max_rows, cols, dtype, mode, chunk_rows,
@@ -187,9 +214,9 @@ class AllGatherAcrossNodes(_AcrossNodes):
                 for j, r in enumerate(members):
                     src[r] = a * nodes + j
             self._src = cupy.asarray(src)
-        except BaseException:
-            self._release()
-            raise
+        except Exception as e:
+            error = e
+        self._built(error)
 
     @on_op_device
     def __call__(self, x, out=None, stream=None):
