@@ -421,9 +421,10 @@ class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
                  out=None):
         self._check_open()
         s = stream_of(stream, a_shard)
-        gathered = self.inner(a_shard, stream=s)
-        got = self._gemm(gathered, b, bias, out, s)
-        return (got, gathered) if return_gathered else got
+        gathered = as_cupy(self.inner(a_shard, stream=s), "gathered", self.op)
+        got = as_cupy(self._gemm(gathered, b, bias, out, s), "out", self.op)
+        return to_caller((got, gathered) if return_gathered else got, a_shard,
+                         (out, None) if return_gathered else out)  # torch in, torch out
 
 
 class GemmReduceScatterAcrossNodes(_GemmAcrossNodes):
