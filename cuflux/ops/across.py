@@ -134,7 +134,15 @@ class AllReduceAcrossNodes(_AcrossNodes):
                     (max_elems, dtype_info(dtype, op=self.op).name, algo, max_blocks, rail))
         error = None
         try:
-            self.inner = AllReduce(self.node, max_elems, dtype, algo, timeout_s, max_blocks)
+            from cuflux.ops.allreduce import DEFAULT_MAX_BLOCKS
+            from cuflux.ops.base import ranks_on_my_gpu, sm_count
+
+            # The node op's grid shares this GPU with every rank of the World on it, not only
+            # the node's (emulated nodes on one GPU): the same cap on every rank.
+            cap = min(max_blocks or DEFAULT_MAX_BLOCKS,
+                      max(1, sm_count(world.device) // ranks_on_my_gpu(world)))
+            cap = min(self.comm.allgather(cap, timeout_s, "grid cap"))
+            self.inner = AllReduce(self.node, max_elems, dtype, algo, timeout_s, cap)
             import cupy
 
             self.dtype, self.max_elems = self.inner.dtype, self.inner.max_elems
