@@ -26,7 +26,9 @@
 #   multi2    W = 2 benches with ranks sharing the GPU (the paths run; no speed measured)
 # Environment: CUFLUX_BENCH_GROUPS="rs ag" benches only those ("none": no benches);
 # CUFLUX_TEST_BUDGET_S (default 360) bounds the tests of all groups together;
-# CUFLUX_TEST_WORLD_SIZES (default 1,2,4,8) the world sizes of the tests.
+# CUFLUX_TEST_WORLD_SIZES (default 1,2,4,8) the world sizes of the tests;
+# CUFLUX_SANITIZE_TOOLS / _WS / _CAP_S (default "memcheck racecheck synccheck", "1 2", 120) what
+# the sanitize group runs: which tools, at which world sizes, for how many seconds each.
 # A cubin cache compiled elsewhere with the same NVRTC (bash scripts/precompile.sh) can be
 # carried in .cubins/; cubins compiled here come back in $OUT/logs.tgz under cubins/.
 set -uo pipefail
