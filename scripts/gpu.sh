@@ -33,7 +33,7 @@
 # carried in .cubins/; cubins compiled here come back in $OUT/logs.tgz under cubins/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-[ $# -ge 1 ] || { sed -n 2,30p "$0"; exit 2; }
+[ $# -ge 1 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT="${OUT:-$(pwd)/out}"; L="$OUT/logs"; mkdir -p "$L"; B="$L/bench.log"
 export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
