@@ -1,6 +1,6 @@
 """CPU checks of the PyTorch examples (scripts/examples, issue 21): each one's --help runs and
 says how to launch it under mpirun and torchrun, and without a GPU each one stops at once with
-NoDeviceError saying why. What they compute is checked on a GPU (scripts/gpu.sh torch).
+NoDeviceError saying why. What they compute is checked on a GPU (scripts/gpu.sh examples).
 
 Needs torch (skipped, with the reason, where it is missing); no GPU."""
 import os
