@@ -191,7 +191,9 @@ class NcclRail(_Rail):
         if not nccl.available:
             raise CufluxError("NcclRail: CuPy was built without NCCL; install the NCCL runtime "
                               "(the cuda12 / cuda13 extra's nvidia-nccl) or use HostRail")
-        self._nccl, self.device, self.comm, self._last = nccl, device, None, None
+        self._nccl, self.device, self.comm = nccl, device, None
+        with cupy.cuda.Device(device):  # re-recorded behind every call (done until the first)
+            self._done = cupy.cuda.Event(disable_timing=True)
         uid = group.allgather(nccl.get_unique_id() if group.rank == 0 else None, timeout_s,
                               "NCCL unique id")[0]
         made: list = []
@@ -223,7 +225,8 @@ class NcclRail(_Rail):
         return a.data.ptr
 
     def _queued(self, call, *args, stream) -> None:
-        """One NCCL call on `stream` (default: the current one), then the event wait() polls."""
+        """One NCCL call on `stream` (default: the current one), then the event wait() polls
+        recorded behind it."""
         import cupy
 
         s = stream or cupy.cuda.get_current_stream()
@@ -233,9 +236,7 @@ class NcclRail(_Rail):
             self._failed = e
             self.abort()
             raise
-        done = cupy.cuda.Event(disable_timing=True)
-        done.record(s)
-        self._last = done
+        self._done.record(s)
 
     def _all_reduce(self, x, out, stream, dt) -> None:
         self._queued(self.comm.allReduce, self._ptr(x), self._ptr(out), x.size,
@@ -253,9 +254,8 @@ class NcclRail(_Rail):
         """Until the latest NCCL call is done, at most timeout_s (then, or on NCCL's
         asynchronous error, the communicator is aborted and the call's error raised)."""
         self._usable(what)
-        done, deadline = self._last, time.monotonic() + self.timeout_s
-        polls = 0
-        while done is not None and not done.done:
+        deadline, polls = time.monotonic() + self.timeout_s, 0
+        while not self._done.done:
             polls += 1
             if polls % 64 == 0:
                 self._check_async(what)

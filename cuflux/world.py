@@ -864,18 +864,18 @@ class World:
                     raise
             finally:
                 _free_comm(both)
-        made = node_comm is not self.comm  # a communicator of ours: the node World frees it
+        # A communicator made here (not the caller's own): the node World frees it on close.
         kind = TorchGroup if isinstance(self._host, TorchGroup) else HostGroup
+        own = kind(node_comm, self.timeout_s, "node") if node_comm is not self.comm else None
         try:
             node = World(node_comm, device=self.device, timeout_s=self.timeout_s,
                          node_size=layout.node_size)
         except BaseException:
             rail.free()
-            if made:
-                kind(node_comm, self.timeout_s, "node").free()
+            if own is not None:
+                own.free()
             raise
-        if made:
-            node._own_group = kind(node_comm, self.timeout_s, "node")
+        node._own_group = own
         return node, rail
 
     # ---- the device ----------------------------------------------------------------------------

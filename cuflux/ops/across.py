@@ -294,13 +294,15 @@ class AllReduceRMSNormAcrossNodes(_AcrossNodes):
                                         timeout_s, max_blocks, rail)
         self.dtype, self.gather = self.sum.dtype, None
         try:
-            if output == "sharded_residual":
-                self._pad = -(-self.max_tokens // world.size)  # the largest slice
-                self.gather = AllGatherAcrossNodes(world, self._pad, self.hidden, dtype,
-                                                   timeout_s=timeout_s, rail=rail)
             import cupy
 
             self._s = cupy.empty((self.max_tokens, self.hidden), self.dtype.storage)
+            if output == "sharded_residual":
+                pad = -(-self.max_tokens // world.size)  # the largest slice
+                self.gather = AllGatherAcrossNodes(world, pad, self.hidden, dtype,
+                                                   timeout_s=timeout_s, rail=rail)
+                self._mine = cupy.empty((pad, self.hidden), self.dtype.storage)
+                self._every = cupy.empty((world.size * pad, self.hidden), self.dtype.storage)
             self._rows: dict = {}  # T -> rows of the gather that hold each slice, in order
         except BaseException:
             self.sum.close()
@@ -343,11 +345,11 @@ class AllReduceRMSNormAcrossNodes(_AcrossNodes):
         from cuflux.ops.allreduce import rmsnorm_residual, token_slice
 
         T, W, pad = total.shape[0], self.world.size, -(-total.shape[0] // self.world.size)
-        mine = self._s[T:T + pad] if T + pad <= self.max_tokens else cupy.empty(
-            (pad, self.hidden), self.dtype.storage)
+        mine = self._mine[:pad]  # this rank's slice, padded to the largest
         if hi > lo:
             rmsnorm_residual(total[lo:hi], residual[lo:hi], weight, self.eps, mine[:hi - lo], s)
-        gathered = self.gather(mine, stream=s)  # [W * pad, hidden]: every rank's slice, padded
+        gathered = self._every[:W * pad]  # every rank's padded slice, in rank order
+        self.gather(mine, out=gathered, stream=s)
         rows = self._rows.get(T)
         if rows is None:
             rows = np.concatenate([np.arange(r * pad, r * pad + b - a) for r in range(W)
