@@ -24,7 +24,9 @@ tests/test_nodes.py plays each one on NumPy arrays over fake layouts (2 x 1, 2 x
     AllGather(+Gemm)       each rank's rows all-gathered across its rail (NCCL), then every
                            node-local rank's rail rows pulled over IPC; a chunk's flag is raised
                            when its copy lands, so the GEMM takes chunks in arrival order
-    All2AllHeads           node peers over IPC as today, the other ranks by NCCL send/recv
+    All2AllHeads           two hops: across the rail (NCCL send/recv, one message per rail
+                           peer) the head groups of the peer's whole node, then the node's
+                           IPC All2AllHeads hands each rank its head group
 """
 from __future__ import annotations
 
@@ -34,7 +36,8 @@ from typing import Sequence
 from cuflux.errors import CufluxError
 
 __all__ = ["NodeLayout", "Step", "node_layout", "require_one_node", "row_shards",
-           "allreduce_plan", "gemm_rs_plan", "allgather_plan", "all2all_plan"]
+           "allreduce_plan", "gemm_rs_plan", "allgather_plan", "all2all_plan",
+           "all2all_tokens", "all2all_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,9 +219,34 @@ def allgather_plan(layout: NodeLayout, rank: int) -> list[Step]:
     return steps
 
 
-def all2all_plan(layout: NodeLayout, rank: int) -> dict[str, tuple[int, ...]]:
-    """All2AllHeads: which peers this rank exchanges with over IPC (its node, as today) and
-    which by NCCL send/recv (every other rank, grouped in one NCCL group call)."""
-    node = layout.node_peers(rank)
-    return {"ipc": tuple(p for p in node if p != rank),
-            "nccl": tuple(p for p in range(layout.world_size) if p not in node)}
+def all2all_plan(layout: NodeLayout, rails, rank: int) -> tuple[tuple[int, ...], ...]:
+    """All2AllHeads across nodes in two hops (rails[a]: the World ranks of node-local index a's
+    rail, in that rail's order; the same on every rank). Hop 1, the rail: this rank sends to
+    its rail rank j its tokens with the head groups of every rank of j's node, in node order
+    (returned: those ranks, per rail rank j). Hop 2, the node: the node's All2AllHeads with
+    node_size * H / W heads, node rank a's tokens being the blocks its rail brought
+    (all2all_rows says in which order), hands node rank b its head group. Every byte crosses
+    the network once, in one message per pair of rail ranks (not one per pair of World ranks,
+    and no communicator spanning the World), and moves once more over IPC."""
+    mine = rails[layout.local_index(rank)]
+    if rank not in mine:
+        raise CufluxError(f"all2all_plan: rank {rank} is not on its rail {list(mine)}")
+    return tuple(layout.node_peers(m) for m in mine)
+
+
+def all2all_tokens(rails, tokens, batch: int) -> tuple[int, ...]:
+    """Hop 2's token count of each node rank a: its rail's blocks, batch folded into tokens."""
+    return tuple(batch * sum(tokens[w] for w in members) for members in rails)
+
+
+def all2all_rows(rails, tokens, batch: int):
+    """Where hop 2's output rows belong (the same on every rank): row i (node rank a, then its
+    rail's ranks in rail order, then batch, then token) is row q[i] of the op's output
+    [batch, S] flattened (World ranks' tokens one after another). A NumPy int64 array."""
+    import numpy as np
+
+    prefix = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    S = int(prefix[-1])
+    parts = [(np.arange(batch)[:, None] * S + prefix[w] + np.arange(tokens[w])[None, :]).ravel()
+             for members in rails for w in members]
+    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)

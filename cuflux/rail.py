@@ -14,11 +14,13 @@ host group). Two kinds, one interface:
     all_gather(x, out, stream)      out = the rail ranks' x one after another, in rail order
     reduce_scatter(x, out, stream)  out = rail rank r's part of sum(x): x.size / rail size
                                     elements from r * out.size
+    all_to_all(sends, recvs, stream)  recvs[j] = rail rank j's sends[r] (blocks of any sizes;
+                                    this rank's own pair is not moved: the caller places it)
     wait(stream, what)              returns once the rail's queued work is done
 
 Arrays are C-contiguous CuPy arrays (HostRail also takes NumPy arrays: its CPU tests) of one
 dtype: float32, float16 or bfloat16 (cuflux's storage, ml_dtypes' bfloat16, or its uint16
-bits); all_gather moves any dtype. Every wait
+bits); all_gather and all_to_all move any dtype. Every wait
 is bounded: a rail call that does not complete within timeout_s raises CommTimeoutError naming
 the call and this rank, and a NcclRail is aborted then (a timed-out rail is not used again).
 """
@@ -113,6 +115,17 @@ class _Rail:
         self._reduce_scatter(x, out, stream,
                              _check("reduce_scatter", x, out, x.size // self.size, True))
 
+    def all_to_all(self, sends, recvs, stream=None) -> None:
+        self._usable("all_to_all")
+        if len(sends) != self.size or len(recvs) != self.size:
+            raise ValueError(f"rail all_to_all: one send and one receive block per rail rank "
+                             f"({self.size}), got {len(sends)} and {len(recvs)}")
+        for name, blocks in (("sends", sends), ("recvs", recvs)):
+            for j, a in enumerate(blocks):
+                if j != self.rank and not a.flags.c_contiguous:
+                    raise ValueError(f"rail all_to_all: {name}[{j}] must be C-contiguous")
+        self._all_to_all(sends, recvs, stream)
+
 
 class HostRail(_Rail):
     """The rail over its host group, staged through host memory (see the module's docstring).
@@ -138,9 +151,11 @@ class HostRail(_Rail):
         out.set(np.ascontiguousarray(host.reshape(out.shape)), stream=stream)
 
     def _gathered(self, x, stream, what: str) -> list:
+        return self._allgather(self._to_host(x, stream).reshape(-1), what)
+
+    def _allgather(self, payload, what: str) -> list:
         try:
-            return self.group.allgather(self._to_host(x, stream).reshape(-1),
-                                        self.timeout_s, what)
+            return self.group.allgather(payload, self.timeout_s, what)
         except BaseException as e:
             self._failed = e
             raise
@@ -161,6 +176,16 @@ class HostRail(_Rail):
         n = out.size
         mine = self._sum(x, stream, dt, "reduce_scatter")[self.rank * n:(self.rank + 1) * n]
         self._store(out, mine, stream)
+
+    def _all_to_all(self, sends, recvs, stream) -> None:
+        # Every rank's blocks to every rank (the host group has no all-to-all): the testing
+        # path, where the blocks are small.
+        mine = [None if j == self.rank else self._to_host(a, stream).reshape(-1)
+                for j, a in enumerate(sends)]
+        got = self._allgather(mine, "all_to_all")
+        for j, out in enumerate(recvs):
+            if j != self.rank and out.size:
+                self._store(out, got[j][self.rank], stream)
 
     def wait(self, stream=None, what: str = "rail") -> None:
         """HostRail's calls return done (they synchronize): nothing is left to wait for."""
@@ -249,6 +274,22 @@ class NcclRail(_Rail):
     def _reduce_scatter(self, x, out, stream, dt) -> None:
         self._queued(self.comm.reduceScatter, self._ptr(x), self._ptr(out), out.size,
                      NCCL_DTYPES[dt], _NCCL_SUM, stream=stream)
+
+    def _all_to_all(self, sends, recvs, stream) -> None:
+        nccl, comm = self._nccl, self.comm
+
+        def grouped(stream_ptr):  # one NCCL group: every pair's send and receive at once
+            nccl.groupStart()
+            try:
+                for j in range(self.size):
+                    if j != self.rank and sends[j].nbytes:
+                        comm.send(sends[j].data.ptr, sends[j].nbytes, _NCCL_UINT8, j, stream_ptr)
+                    if j != self.rank and recvs[j].nbytes:
+                        comm.recv(recvs[j].data.ptr, recvs[j].nbytes, _NCCL_UINT8, j, stream_ptr)
+            finally:
+                nccl.groupEnd()
+
+        self._queued(grouped, stream=stream)
 
     def wait(self, stream=None, what: str = "rail") -> None:
         """Until the latest NCCL call is done, at most timeout_s (then, or on NCCL's

@@ -247,6 +247,83 @@ def test_allreduce_and_allgather_run_across_emulated_nodes(W, node_size):
 
 
 @on_ranks
+def across_all2all(world, node_size, seed):
+    """All2AllHeadsAcrossNodes (two hops: the rail, then the node's All2AllHeads) on a World of
+    emulated nodes (HostRail: the ranks share the GPU): scatter_heads and gather_heads, bfloat16
+    and fp8 (uint8 storage), no / per-token / per-head scales, batch 1 and 2, uneven token
+    counts with a rank of none, out poisoned: exactly the World's reference, every call."""
+    import cupy
+    from mpi4py import MPI
+
+    from cuflux.arrays import dtype_info
+    from cuflux.ops.across import All2AllHeadsAcrossNodes
+    from cuflux.ops.all2all import reference_gather_heads, reference_scatter_heads
+    from tests.checks import poisoned
+
+    w = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
+    W, me = w.size, w.rank
+    hpr, D, max_t = 2, 24, 9
+    checked = 0
+
+    def same(got, want, what):
+        got = cupy.asnumpy(got)
+        assert got.shape == want.shape, (what, got.shape, want.shape)
+        assert np.array_equal(got.view(np.uint8), np.ascontiguousarray(want).view(np.uint8)), \
+            (what, f"seed {seed}")
+
+    with w.device_context():
+        for dtype in ("bfloat16", "float8_e4m3fn"):
+            st = dtype_info(dtype).storage
+            with All2AllHeadsAcrossNodes(w, max_t, W * hpr, D, dtype, batch=2,
+                                         timeout_s=60) as op:
+                for call, (B, mode) in enumerate(((1, 0), (2, 1), (2, 2), (1, 1))):
+                    rng = np.random.default_rng((seed, call, len(dtype)))
+                    tokens = tuple(int(t) for t in rng.integers(0, max_t + 1, W))
+                    if W > 1:
+                        tokens = tokens[:1] + (0,) + tokens[2:]  # rank 1 has no tokens
+                    xs = [rng.integers(0, 0x3F, (B, t, W * hpr, D)).astype(np.uint8).view(st)
+                          if dtype != "bfloat16" else
+                          rng.integers(0, 0x3F80, (B, t, W * hpr, D)).astype(np.uint16).view(st)
+                          for t in tokens]
+                    scales = ([rng.standard_normal((B, t) if mode == 1 else (B, t, W * hpr))
+                               .astype(np.float32) for t in tokens] if mode else None)
+                    want = reference_scatter_heads(xs, tokens, W, scales)
+                    want_y, want_ys = want if mode else (want, None)
+                    out = poisoned(want_y[me].shape, dtype)
+                    kw = {}
+                    if mode:
+                        kw = dict(scale=cupy.asarray(scales[me]),
+                                  out_scale=poisoned(want_ys[me].shape, "float32"))
+                    got = op.scatter_heads(cupy.asarray(xs[me]), tokens, out=out, **kw)
+                    op.synchronize()
+                    same(out, want_y[me], ("scatter", dtype, B, mode, tokens))
+                    if mode:
+                        assert got[1] is kw["out_scale"]
+                        same(got[1], want_ys[me], ("scatter scale", dtype, B, mode))
+                    # and back: gather_heads of the reference's y gives every rank's x
+                    back = reference_gather_heads(want_y, tokens, W, want_ys if mode else None)
+                    back_x, back_s = back if mode else (back, None)
+                    gs = cupy.asarray(want_ys[me]) if mode else None
+                    got = op.gather_heads(cupy.asarray(want_y[me]), tokens, gs)
+                    op.synchronize()
+                    same(got[0] if mode else got, back_x[me], ("gather", dtype, B, mode))
+                    if mode:
+                        same(got[1], back_s[me], ("gather scale", dtype, B, mode))
+                    checked += 1
+    w.close()
+    return checked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W,node_size", ACROSS or [(2, 1)])
+def test_all2all_heads_runs_across_emulated_nodes(W, node_size):
+    import secrets
+
+    assert across_all2all.run(W, timeout_s=600, node_size=node_size,
+                              seed=secrets.randbelow(1 << 30)) == [8] * W
+
+
+@on_ranks
 def across_composed(world, node_size, seed):
     """AllReduceRMSNorm (every output mode), AllGatherGemm and GemmReduceScatter on a World of
     emulated nodes (ops/across.py; HostRail: the ranks share the GPU) against the float64
@@ -497,11 +574,87 @@ def test_allgather_plan_brings_every_block_once_from_a_rank_that_has_it(shape):
         assert copied[r][:len(local)] == local
 
 
+def _rails(lay, reverse):
+    """rails[a]: node-local index a's rail, in World-rank order (how split_nodes orders it), or
+    reversed (the plan must not depend on it)."""
+    rails = [sorted(lay.rail(n[a])) for a, n in zip(range(lay.node_size), [lay.nodes[0]] * 9)]
+    return tuple(tuple(m[::-1] if reverse else m) for m in rails)
+
+
 @pytest.mark.parametrize("shape", LAYOUTS, ids=_ids)
-def test_all2all_plan_splits_peers_into_ipc_and_nccl(shape):
+@pytest.mark.parametrize("reverse", [False, True], ids=["rail-order", "rail-reversed"])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_all2all_plan_two_hops_give_every_rank_its_heads(shape, reverse, batch):
+    """All2AllHeadsAcrossNodes' two hops played on NumPy (hop 1: the rail's blocks of the
+    peer node's head groups; hop 2: the node's All2AllHeads reference on the rail's blocks;
+    then all2all_rows' order), scatter and gather with both kinds of scales, uneven and zero
+    token counts: exactly the World's reference."""
+    from cuflux.nodes import all2all_rows, all2all_tokens
+    from cuflux.ops.all2all import reference_gather_heads, reference_scatter_heads
+
     lay = _layout(*shape)
-    for r in range(lay.world_size):
-        plan = all2all_plan(lay, r)
-        assert set(plan["ipc"]).isdisjoint(plan["nccl"]) and r not in plan["ipc"] + plan["nccl"]
-        assert set(plan["ipc"]) | set(plan["nccl"]) | {r} == set(range(lay.world_size))
-        assert set(plan["ipc"]) == set(lay.node_peers(r)) - {r}
+    W, k = lay.world_size, lay.node_size
+    rails = _rails(lay, reverse)
+    hpr, D = 2, 3
+    rng = np.random.default_rng(W * 7 + k + batch)
+    tokens = tuple(int(t) for t in rng.integers(0, 4, W))
+    tokens = tokens[:-1] + (0,) if W > 1 else (2,)  # a rank without tokens
+    a_of = {r: lay.local_index(r) for r in range(W)}
+    jm = {r: rails[a_of[r]].index(r) for r in range(W)}  # rail rank of each World rank
+    heads = {r: all2all_plan(lay, rails, r) for r in range(W)}
+    for r in range(W):  # hop 1 goes to a rail peer; its block holds that peer's node, in order
+        assert [list(h) for h in heads[r]] == [list(lay.node_peers(m)) for m in rails[a_of[r]]]
+    xs = [rng.standard_normal((batch, tokens[r], W * hpr, D)) for r in range(W)]
+    sc_tok = [rng.standard_normal((batch, tokens[r])) for r in range(W)]
+    sc_head = [rng.standard_normal((batch, tokens[r], W * hpr)) for r in range(W)]
+    node_tokens = all2all_tokens(rails, tokens, batch)
+    q = all2all_rows(rails, tokens, batch)
+    S = sum(tokens)
+    assert sorted(q.tolist()) == list(range(batch * S))  # a permutation of the output's rows
+
+    def hop1(r, a, cols):  # rank r's block for each rail rank: the peer node's head groups
+        return [a.reshape(batch, tokens[r], W, cols)[:, :, list(h)].reshape(
+            batch * tokens[r], k * cols) for h in heads[r]]
+
+    def scatter(arrays, cols):
+        """arrays[r] [B, T_r, W * cols] -> per rank [B * S, cols] in World order."""
+        blocks = {r: hop1(r, arrays[r], cols) for r in range(W)}
+        node_in = {}
+        for t in range(W):  # rank t's hop-2 input: its rail's blocks for it, in rail order
+            node_in[t] = np.concatenate([blocks[m][jm[t]] for m in rails[a_of[t]]])
+        got = {}
+        for n in lay.nodes:
+            ys = reference_scatter_heads([node_in[t][None, :, :, None] for t in n],
+                                         node_tokens, k)
+            for b, t in enumerate(n):
+                flat = np.empty((batch * S, cols))
+                flat[q] = ys[b][0, :, :, 0]
+                got[t] = flat
+        return got
+
+    want = reference_scatter_heads(xs, tokens, W, sc_head)
+    want_tok = reference_scatter_heads(xs, tokens, W, sc_tok)[1]
+    got = scatter([x.reshape(batch, tokens[r], W * hpr * D) for r, x in enumerate(xs)], hpr * D)
+    got_sh = scatter(sc_head, hpr)
+    got_st = scatter([np.repeat(s[..., None], W, 2) for s in sc_tok], 1)
+    for t in range(W):
+        assert np.array_equal(got[t].reshape(want[0][t].shape), want[0][t]), t
+        assert np.array_equal(got_sh[t].reshape(want[1][t].shape), want[1][t]), t
+        assert np.array_equal(got_st[t].reshape(want_tok[t].shape), want_tok[t]), t
+
+    # gather: the same hops backwards, back to every rank's [B, T_r, H, D]
+    ys = want[0]
+    back = reference_gather_heads(ys, tokens, W)
+    node_out = {}
+    for n in lay.nodes:
+        ins = [ys[t].reshape(batch * S, hpr * D)[q][None, :, :, None] for t in n]
+        for b, xn in zip(n, reference_gather_heads(ins, node_tokens, k)):
+            node_out[b] = xn[0, :, :, 0]  # [R_b, k * hpr * D]: rail rank j's block, in order
+    for r in range(W):
+        x = np.empty((batch, tokens[r], W, hpr * D))
+        for j, m in enumerate(rails[a_of[r]]):  # rail peer m sends back rank r's block
+            offs = np.cumsum([0] + [batch * tokens[w] for w in rails[a_of[m]]])
+            i = rails[a_of[m]].index(r)
+            blk = node_out[m][offs[i]:offs[i + 1]]
+            x[:, :, list(heads[r][j])] = blk.reshape(batch, tokens[r], k, hpr * D)
+        assert np.array_equal(x.reshape(back[r].shape), back[r]), r

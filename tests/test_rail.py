@@ -96,8 +96,30 @@ def _every_collective(w, group, rail, xp, seed) -> int:
                 p = to_float(np.asarray(part.get() if xp is not np else part), dtype)
                 lo, hi = me * (count // n), (me + 1) * (count // n)
                 check_sum(p, every[:, lo:hi], what)
+            _check_all_to_all(rail, xp, x.dtype, count, (seed, w.rank))
             checked += 1
     return checked
+
+
+def _check_all_to_all(rail, xp, dtype, count, seed) -> None:
+    """Blocks of uneven sizes (some empty) between every pair of rail ranks land exactly; this
+    rank's own receive block is not touched (the caller places its own)."""
+    n, me = rail.size, rail.rank
+
+    def block(src, dst):  # the same on sender and receiver
+        size = count * ((src + 2 * dst) % 3) // 2
+        bits = np.random.default_rng((*seed[:1], src, dst, count)).integers(0, 255, size * 8)
+        return bits.astype(np.uint8).view(dtype)[:size]
+
+    sends = [xp.asarray(block(me, j)) for j in range(n)]
+    recvs = [poisoned((block(j, me).size,), dtype, xp=xp) for j in range(n)]
+    own = np.asarray(recvs[me].get() if xp is not np else recvs[me]).copy()
+    rail.all_to_all(sends, recvs)
+    rail.wait()
+    for j in range(n):
+        got = np.asarray(recvs[j].get() if xp is not np else recvs[j])
+        want = own if j == me else block(j, me)
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), ("all_to_all", j, count)
 
 
 @pytest.mark.parametrize("W,node_size", [(2, 1), (3, 1), (4, 2)])
@@ -142,6 +164,9 @@ def test_bad_calls_are_refused_before_any_collective():
          ValueError, "not a multiple"),
         (lambda: rail.all_reduce(np.zeros((4, 4), np.float32)[:, :2],
                                  np.zeros(8, np.float32)), ValueError, "C-contiguous"),
+        (lambda: rail.all_to_all([f32], [f32]), ValueError, "one send and one receive block"),
+        (lambda: rail.all_to_all([f32, np.zeros((4, 4), np.float32)[:, :2]], [f32, f32]),
+         ValueError, r"sends\[1\] must be C-contiguous"),
     ]
     for call, exc, text in cases:
         with pytest.raises(exc, match=text):
@@ -180,7 +205,12 @@ def nccl_rail_of_one(world):
                 rail.wait(s, "NcclRail test")
                 assert bool((out == x).all()), call.__name__
                 checked += 1
+            out = cupy.full(1024, np.nan, cupy.float32)
+            rail.all_to_all([x], [out], s)  # one rank: its own pair is not moved (a NCCL group)
+            rail.wait(s, "NcclRail test")
+            assert bool(cupy.isnan(out).all()), "all_to_all moved this rank's own block"
+            checked += 1
     return checked
 
 
-test_nccl_rail_of_one_rank = nccl_rail_of_one.test(expect=3, sizes=[1], timeout_s=120)
+test_nccl_rail_of_one_rank = nccl_rail_of_one.test(expect=4, sizes=[1], timeout_s=120)

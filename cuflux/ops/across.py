@@ -16,6 +16,11 @@ own, else staged through the host) from World.split_nodes().
   AllGatherAcrossNodes  x [rows, cols]: the rail gathers the rows of this rank's rail-mates
                         (one per node), the node's AllGather brings every node rank's gather,
                         and one copy puts the blocks in World-rank order.
+  All2AllHeadsAcrossNodes  two hops (nodes.all2all_plan): across the rail, each rank sends
+                        a rail peer its tokens with the head groups of that peer's whole node;
+                        the node's All2AllHeads (node_size * H / W heads, the rail's blocks
+                        as its tokens) hands each rank its head group; one copy puts the
+                        tokens in World-rank order. gather_heads runs the same backwards.
   AllReduceRMSNormAcrossNodes, AllGatherGemmAcrossNodes, GemmReduceScatterAcrossNodes: the
                         two above composed with the W = 1 norm kernel and cuflux.gemm, correct
                         first (nothing overlapped yet; see each class).
@@ -35,8 +40,9 @@ from cuflux.ops.base import DEFAULT_TIMEOUT_S, on_op_device, on_world_device, re
 from cuflux.rail import make_rail
 from cuflux.resource import Closeable
 
-__all__ = ["AllReduceAcrossNodes", "AllGatherAcrossNodes", "AllReduceRMSNormAcrossNodes",
-           "AllGatherGemmAcrossNodes", "GemmReduceScatterAcrossNodes"]
+__all__ = ["AllReduceAcrossNodes", "AllGatherAcrossNodes", "All2AllHeadsAcrossNodes",
+           "AllReduceRMSNormAcrossNodes", "AllGatherGemmAcrossNodes",
+           "GemmReduceScatterAcrossNodes"]
 
 
 class _AcrossNodes(Closeable):
@@ -89,6 +95,8 @@ class _AcrossNodes(Closeable):
     def _agree(self, key, what: str) -> None:
         if key not in self._agreed:
             self.comm.check_same(key, f"{self.op}: {what}", self.timeout_s)
+            if len(self._agreed) >= 4096:  # token lists that change every call: stay bounded
+                self._agreed.clear()       # (every rank clears at the same call)
             self._agreed.add(key)
 
     def synchronize(self, stream=None) -> None:
@@ -258,6 +266,237 @@ class AllGatherAcrossNodes(_AcrossNodes):
                 cupy.take(gathered.reshape(k * nodes, rows, self.cols), self._src, axis=0,
                           out=out.reshape(W, rows, self.cols))
         return to_caller(out, x_in, out_in)
+
+
+class All2AllHeadsAcrossNodes(_AcrossNodes):
+    """cuflux.All2AllHeads on a World of several nodes (see the module's docstring): the same
+    calls (scatter_heads, gather_heads; uneven and zero token counts, fp8, per-token or per-head
+    scales, out= / out_scale=), the same arguments, plus rail. Not view=: the output is this
+    op's copy in World order. Built on the node's All2AllHeads, whose receive slot it reads
+    (view=True), so it is not captured in CUDA graphs."""
+
+    op = "All2AllHeads"
+
+    @on_world_device
+    def __init__(self, world, max_tokens_per_rank: int, num_heads: int, head_dim: int, dtype,
+                 batch: int = 1, num_sms: int | None = None,
+                 timeout_s: float = DEFAULT_TIMEOUT_S, rail: str = "auto"):
+        from cuflux.nodes import all2all_plan
+        from cuflux.ops.all2all import All2AllHeads, Spec, check_op_args
+
+        check_op_args(world.size, max_tokens_per_rank, num_heads, head_dim, batch, num_sms,
+                      timeout_s)
+        info = dtype_info(dtype, op=self.op)
+        self._split(world, timeout_s, rail, (max_tokens_per_rank, num_heads, head_dim,
+                                             info.name, batch, num_sms, rail))
+        error = None
+        try:
+            import cupy
+
+            W, nodes, k = world.size, world.nodes.num_nodes, self.node.size
+            self.spec = Spec(W, world.rank, world.device, int(max_tokens_per_rank),
+                             int(num_heads), int(head_dim), info, int(batch))
+            self.dtype, hpr = info, self.spec.heads_per_rank
+            # rails[a]: node rank a's rail in its own order (the order its rail ranks go by).
+            self._rails = tuple(tuple(m) for m in self.node.allgather(
+                self.group.allgather(world.rank, timeout_s, "rail ranks"), timeout_s,
+                "All2AllHeads rails"))
+            # Per rail rank j: the head groups of j's node, as a slice where they are
+            # consecutive (one strided copy), else a device index array.
+            self._heads = tuple(
+                slice(p[0], p[0] + k) if list(p) == list(range(p[0], p[0] + k))
+                else cupy.asarray(np.array(p, np.int64))
+                for p in all2all_plan(world.nodes, self._rails, world.rank))
+            self.inner = All2AllHeads(self.node, self.spec.batch * nodes * self.spec.max_tokens,
+                                      k * hpr, self.spec.head_dim, info.name, batch=1,
+                                      num_sms=num_sms, timeout_s=timeout_s)
+            block = self.spec.batch * self.spec.max_tokens * k * hpr  # heads of a node, a rank
+            st = info.storage
+            self._send = cupy.empty(nodes * block * self.spec.head_dim, st)
+            self._recv = cupy.empty(nodes * block * self.spec.head_dim, st)
+            self._send_scale = cupy.empty(nodes * block, np.float32)
+            self._recv_scale = cupy.empty(nodes * block, np.float32)
+            whole = self.spec.batch * W * self.spec.max_tokens * hpr  # [B, S, H/W] at most
+            self._rows_in = cupy.empty(whole * self.spec.head_dim, st)
+            self._scale_in = cupy.empty(whole, np.float32)
+            self._orders: dict = {}  # (tokens, B) -> hop 2's row order q and its inverse
+        except Exception as e:
+            error = e
+        self._built(error)
+
+    def scatter_heads(self, x, tokens_per_rank, scale=None, *, out=None, out_scale=None,
+                      stream=None):
+        """x [B, T_r, H, D] -> y [B, S, H/W, D] (and y_scale, as All2AllHeads.scatter_heads)."""
+        return self._run(False, x, tokens_per_rank, scale, out, out_scale, stream)
+
+    def gather_heads(self, y, tokens_per_rank, scale=None, *, out=None, out_scale=None,
+                     stream=None):
+        """y [B, S, H/W, D] -> x [B, T_r, H, D] (and x_scale, as All2AllHeads.gather_heads)."""
+        return self._run(True, y, tokens_per_rank, scale, out, out_scale, stream)
+
+    __call__ = scatter_heads
+
+    def _order(self, tokens, B):
+        """(q, q's inverse) on the device: hop 2's row i is row q[i] of the output [B * S]."""
+        import cupy
+
+        from cuflux.nodes import all2all_rows
+
+        got = self._orders.get((tokens, B))
+        if got is None:
+            if len(self._orders) >= 1024:
+                self._orders.clear()  # no kernel holds them: every call reads them in order
+            q = all2all_rows(self._rails, tokens, B)
+            got = self._orders[tokens, B] = (cupy.asarray(q), cupy.asarray(np.argsort(q)))
+        return got
+
+    @on_op_device
+    def _run(self, gather, a, tokens_per_rank, scale, out, out_scale, stream):
+        import cupy
+
+        from cuflux.ops.all2all import check_call, check_tokens, io_shapes, scale_shapes
+        from cuflux.ops.base import check_no_alias
+
+        self._check_open()
+        spec, name = self.spec, "y" if gather else "x"
+        a_in, given = a, (out, out_scale)
+        a = as_cupy(a, name, self.op)
+        scale = None if scale is None else as_cupy(scale, "scale", self.op)
+        tokens = check_tokens(tokens_per_rank, spec.world_size, spec.max_tokens)
+        B, mode = check_call(spec, gather, a, tokens, scale)
+        if out_scale is not None and not mode:
+            raise ValueError(f"{self.op}: out_scale given without scale")
+        _, out_shape = io_shapes(spec, gather, B, tokens)
+        outs = [(out, "out", out_shape, self.dtype)]
+        if mode:
+            outs.append((out_scale, "out_scale", scale_shapes(spec, gather, B, tokens,
+                                                              mode == 2)[1],
+                         dtype_info("float32")))
+        made = []
+        for arr, what, shape, dt in outs:
+            if arr is None:
+                arr = cupy.empty(shape, dt.storage)
+            else:
+                arr = check_array(as_cupy(arr, what, self.op), name=what, op=self.op,
+                                  shape=shape, dtype=dt, device=spec.device)
+                check_no_alias(self.op, arr, input=a, scale=scale)
+            made.append(arr)
+        out, out_scale = made[0], (made[1] if mode else None)
+        s = stream_of(stream, a_in)
+        self._agree((gather, tokens, B, mode), "direction, tokens_per_rank, batch and scales "
+                                               "of the call")
+        if B * sum(tokens):
+            (self._gather if gather else self._scatter)(a, scale, out, out_scale, tokens, B,
+                                                        mode, s)
+        if mode:
+            return to_caller((out, out_scale), a_in, given)
+        return to_caller(out, a_in, given[0])
+
+    def _blocks(self, buf, tokens, B, cols, members=None):
+        """Per rail rank j, the block of `buf` (one after another, `cols` elements a token)
+        holding B * tokens[members[j]] tokens (members None: this rank's own count, fixed
+        stride)."""
+        sizes = ([B * tokens[w] * cols for w in members] if members is not None else
+                 [B * tokens[self.spec.rank] * cols] * self.rail.size)
+        offs = np.concatenate([[0], np.cumsum(sizes)])
+        return [buf[offs[j]:offs[j + 1]] for j in range(len(sizes))]
+
+    def _scatter(self, x, scale, out, out_scale, tokens, B, mode, s):
+        from cuflux.nodes import all2all_tokens
+
+        spec, me = self.spec, self.rail.rank
+        W, hpr, D, k = spec.world_size, spec.heads_per_rank, spec.head_dim, self.node.size
+        T, mine = tokens[spec.rank], self._rails[self.node.rank]
+        row = k * hpr * D
+        sends = self._blocks(self._send, tokens, B, row)
+        recvs = self._blocks(self._recv, tokens, B, row, mine)
+        x5 = x.reshape(B, T, W, hpr, D)
+        with s:  # hop 1's blocks: this rank's own goes straight where hop 2 reads it
+            for j, heads in enumerate(self._heads):
+                dst = recvs[j] if j == me else sends[j]
+                if dst.size:
+                    dst.reshape(B, T, k, hpr, D)[...] = x5[:, :, heads]
+        self.rail.all_to_all(sends, recvs, s)
+        node_scale = None
+        if mode:
+            cols = 1 if mode == 1 else k * hpr
+            ssend = self._blocks(self._send_scale, tokens, B, cols)
+            srecv = self._blocks(self._recv_scale, tokens, B, cols, mine)
+            with s:
+                for j, heads in enumerate(self._heads):
+                    dst = srecv[j] if j == me else ssend[j]
+                    if dst.size:
+                        src = (scale if mode == 1 else
+                               scale.reshape(B, T, W, hpr)[:, :, heads])
+                        dst.reshape(src.shape)[...] = src
+            self.rail.all_to_all(ssend, srecv, s)
+        node_tokens = all2all_tokens(self._rails, tokens, B)
+        R = node_tokens[self.node.rank]
+        xn = self._recv[:R * row].reshape(1, R, k * hpr, D)
+        if mode:
+            cols = 1 if mode == 1 else k * hpr
+            node_scale = self._recv_scale[:R * cols].reshape((1, R) if mode == 1
+                                                            else (1, R, k * hpr))
+        got = self.inner.scatter_heads(xn, node_tokens, node_scale, view=True, stream=s)
+        yn, yn_scale = got if mode else (got, None)
+        _, inverse = self._order(tokens, B)
+        with s:  # World order: output row i is hop 2's row inverse[i]
+            cupy_take(yn.reshape(-1, hpr * D), inverse, out.reshape(-1, hpr * D))
+            if mode:
+                c = 1 if mode == 1 else hpr
+                cupy_take(yn_scale.reshape(-1, c), inverse, out_scale.reshape(-1, c))
+
+    def _gather(self, y, scale, out, out_scale, tokens, B, mode, s):
+        from cuflux.nodes import all2all_tokens
+
+        spec, me = self.spec, self.rail.rank
+        W, hpr, D, k = spec.world_size, spec.heads_per_rank, spec.head_dim, self.node.size
+        T, mine = tokens[spec.rank], self._rails[self.node.rank]
+        S, row = sum(tokens), k * hpr * D
+        q, _ = self._order(tokens, B)
+        rows_in = self._rows_in[:B * S * hpr * D]
+        node_scale = None
+        with s:  # hop 2's order: its row i is the input's row q[i]
+            cupy_take(y.reshape(-1, hpr * D), q, rows_in.reshape(-1, hpr * D))
+            if mode:
+                c = 1 if mode == 1 else hpr
+                node_scale = self._scale_in[:B * S * c]
+                cupy_take(scale.reshape(-1, c), q, node_scale.reshape(-1, c))
+                node_scale = node_scale.reshape((1, B * S) if mode == 1 else (1, B * S, hpr))
+        node_tokens = all2all_tokens(self._rails, tokens, B)
+        got = self.inner.gather_heads(rows_in.reshape(1, B * S, hpr, D), node_tokens,
+                                      node_scale, view=True, stream=s)
+        xn, xn_scale = got if mode else (got, None)
+        # xn [1, R, k * H/W, D]: per rail rank j, the tokens of rail member mine[j] with the
+        # head groups of this node's ranks: rail rank j's hop-1 block, sent back.
+        sends = self._blocks(xn.reshape(-1), tokens, B, row, mine)
+        recvs = self._blocks(self._recv, tokens, B, row)
+        self.rail.all_to_all(sends, recvs, s)
+        out5 = out.reshape(B, T, W, hpr, D)
+        with s:
+            for j, heads in enumerate(self._heads):
+                src = sends[j] if j == me else recvs[j]
+                if src.size:
+                    out5[:, :, heads] = src.reshape(B, T, k, hpr, D)
+        if mode:
+            cols = k if mode == 1 else k * hpr  # a scale per token and node rank's head group
+            ssend = self._blocks(xn_scale.reshape(-1), tokens, B, cols, mine)
+            srecv = self._blocks(self._recv_scale, tokens, B, cols)
+            self.rail.all_to_all(ssend, srecv, s)
+            dst = out_scale.reshape(B, T, W, 1 if mode == 1 else hpr)
+            with s:
+                for j, heads in enumerate(self._heads):
+                    src = ssend[j] if j == me else srecv[j]
+                    if src.size:
+                        dst[:, :, heads] = src.reshape(B, T, k, dst.shape[3])
+
+
+def cupy_take(src, index, out) -> None:
+    """out[i] = src[index[i]] (rows), on the current stream."""
+    import cupy
+
+    if out.size:
+        cupy.take(src, index, axis=0, out=out)
 
 
 class AllReduceRMSNormAcrossNodes(_AcrossNodes):
