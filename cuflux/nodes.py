@@ -127,16 +127,17 @@ def node_layout(hosts: Sequence[str], p2p, node_size: int | None = None) -> Node
 
 
 def require_one_node(world, what: str) -> None:
-    """CufluxError where the World spans several nodes: the ops (and symmetric memory) reach
-    peers through CUDA IPC, within one node, until their cross-node paths land (issue 20).
-    Every rank sees the same layout, so every rank raises, before anything is allocated."""
+    """CufluxError where the World spans several nodes and `what` (symmetric memory, an op's
+    one-node form) reaches peers through CUDA IPC only. The ops themselves build their
+    cross-node forms on such a World (cuflux.ops.across). Every rank sees the same layout, so
+    every rank raises, before anything is allocated."""
     nodes = getattr(world, "nodes", None)  # test doubles of a World may have none
     if nodes is not None and nodes.num_nodes > 1:
         raise CufluxError(
             f"{what}: this World spans {nodes.num_nodes} nodes of {nodes.node_size} ranks "
-            f"({[list(n) for n in nodes.nodes]}); {what} reaches its peers through CUDA IPC "
-            f"within one node, and its cross-node path (NCCL between nodes, issue 20) is not "
-            f"built yet: build the World on one node's ranks (a sub-communicator)")
+            f"({[list(n) for n in nodes.nodes]}); {what} reaches its peers through CUDA IPC, "
+            f"within one node: build it on a node's World (World.split_nodes() gives each "
+            f"rank its node)")
 
 
 # ---- plans ---------------------------------------------------------------------------------------

@@ -272,6 +272,8 @@ class AllGatherGemm(CopyGather):
     be captured in a CUDA graph (CaptureError).
     """
 
+    ACROSS = "AllGatherGemmAcrossNodes"  # several nodes: CommOp.__new__
+
     @on_world_device
     def __init__(self, world, max_m: int | None = None, n: int | None = None,
                  k: int | None = None, dtype=None, out_dtype=None, b_layout: str = "kn",

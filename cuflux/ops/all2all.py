@@ -263,6 +263,8 @@ class All2AllHeads(CommOp):
     failure the op refuses to run: close it (collectively) and build a new one.
     """
 
+    ACROSS = "All2AllHeadsAcrossNodes"  # several nodes: CommOp.__new__
+
     def __init__(self, world, max_tokens_per_rank: int, num_heads: int, head_dim: int, dtype,
                  batch: int = 1, num_sms: int | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, w1: str = "pdl"):

@@ -378,6 +378,8 @@ class AllGather(CopyGather):
     one. CUDA-graph capturable at W = 1 only (CaptureError at W > 1).
     """
 
+    ACROSS = "AllGatherAcrossNodes"  # several nodes: CommOp.__new__
+
     @on_world_device
     def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
                  chunk_rows: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, wait: str = "stream",

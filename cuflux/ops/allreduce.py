@@ -295,6 +295,8 @@ class AllReduce(_P2PReduce):
         sharing a GPU).
     """
 
+    ACROSS = "AllReduceAcrossNodes"  # several nodes: CommOp.__new__
+
     def __init__(self, world, max_elems: int, dtype, algo: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,
                  max_blocks: int | None = None):
         op = "AllReduce"
@@ -345,6 +347,8 @@ class AllReduceRMSNorm(_P2PReduce):
       "sequence_parallel" residual [n_slice, hidden] (this rank's slice); out [n_slice, hidden].
     The residual is updated in place; out is returned (or written into `out`).
     """
+
+    ACROSS = "AllReduceRMSNormAcrossNodes"  # several nodes: CommOp.__new__
 
     def __init__(self, world, max_tokens: int, hidden: int, dtype, eps: float = 1e-6,
                  output: str = "replicated", algo: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S,

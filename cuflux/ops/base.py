@@ -184,6 +184,18 @@ class CommOp(Closeable):
     free whatever else they own in `_free()`; `close()` is collective (every rank calls it)."""
 
     board_buf = None  # the failure board's symmetric buffer (W > 1; failure_board)
+    # The class of cuflux.ops.across that runs this op on a World of several nodes (issue 20):
+    # constructing the op on such a World builds that instead, with the same arguments.
+    ACROSS: str | None = None
+
+    def __new__(cls, *args, **kwargs):
+        world = args[0] if args else kwargs.get("world")
+        nodes = getattr(world, "nodes", None)  # test doubles of a World may have none
+        if cls.ACROSS is not None and nodes is not None and nodes.num_nodes > 1:
+            from cuflux.ops import across
+
+            return getattr(across, cls.ACROSS)(*args, **kwargs)  # not a cls: no __init__ call
+        return super().__new__(cls)
 
     def __init__(self, world, op: str, timeout_s: float):
         """Collective: every rank builds its ops in the same order (World.sub_comm checks it).

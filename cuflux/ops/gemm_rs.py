@@ -196,6 +196,8 @@ class GemmReduceScatter(CommOp):
     so calls are not CUDA-graph capturable. The constructor is collective; close() too.
     """
 
+    ACROSS = "GemmReduceScatterAcrossNodes"  # several nodes: CommOp.__new__
+
     def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
                  b_layout: str = "kn", reduce: str = "deterministic",
                  timeout_s: float = DEFAULT_TIMEOUT_S,
