@@ -214,8 +214,8 @@ class NcclRail(_Rail):
         from cupy.cuda import nccl
 
         if not nccl.available:
-            raise CufluxError("NcclRail: CuPy was built without NCCL; install the NCCL runtime "
-                              "(the cuda12 / cuda13 extra's nvidia-nccl) or use HostRail")
+            raise CufluxError("NcclRail: CuPy finds no NCCL runtime; install it (cuflux's "
+                              "nccl13 / nccl12 extra: nvidia-nccl-cu13 / -cu12) or use HostRail")
         self._nccl, self.device, self.comm = nccl, device, None
         with cupy.cuda.Device(device):  # re-recorded behind every call (done until the first)
             self._done = cupy.cuda.Event(disable_timing=True)

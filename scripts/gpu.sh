@@ -25,6 +25,8 @@
 #   probe     the host-path probes (scripts/probe_host.py, scripts/probe_launch.py)
 #   quick     the README quick start at W = 2 (scripts/quickstart.py)
 #   multi2    W = 2 benches with ranks sharing the GPU (the paths run; no speed measured)
+#   across    the cross-node ops at W = 2 as two emulated nodes, ranks sharing the GPU (the
+#             paths run; no speed measured; `multi` measures them on distinct GPUs)
 # Environment: CUFLUX_BENCH_GROUPS="rs ag" benches only those ("none": no benches);
 # CUFLUX_TEST_BUDGET_S (default 360) bounds the tests of all groups together;
 # CUFLUX_TEST_WORLD_SIZES (default 1,2,4,8) the world sizes of the tests;
@@ -105,6 +107,7 @@ tests_probe() { step "$L/probe.log" 120 python scripts/probe_host.py
                 step "$L/probe.log" 120 python scripts/probe_launch.py; }
 tests_quick() { step "$L/quick.log" 60 "${MPI[@]}" -np 2 python scripts/quickstart.py; }
 tests_multi2() { :; }
+tests_across() { :; }
 bench_runtime() { for W in 1 2 8; do bench 40 "$W" allgather; done; }
 bench_comm() { bench 45 1 allreduce; bench 45 1 all2all; }
 bench_a2a() { bench 45 1 all2all; }
@@ -112,6 +115,7 @@ bench_gemm() { step "$B" 150 "${MPI[@]}" -np 1 python -m cuflux.bench gemm --ite
 # W = 1 fused-vs-GEMM-only bars: 3-4x the default iterations (50 left a 2-3 % spread between runs)
 bench_rs() { bench 150 1 gemm_rs --iters 150; }
 bench_ag() { bench 120 1 ag_gemm --iters 200; }
+bench_across() { CUFLUX_NODE_SIZE=1 bench 150 2 across; }
 bench_multi2() { bench 150 2 ag_gemm; bench 120 2 gemm_rs; bench 60 2 allreduce; }
 
 finish() {
@@ -142,6 +146,7 @@ case $1 in
     nvidia-smi topo -m >"$L/topo.txt" 2>&1
     for op in all2all allreduce; do bench 60 "$W" "$op"; done
     bench 120 "$W" gemm_rs; bench 120 "$W" ag_gemm; bench 60 "$W" allgather
+    CUFLUX_NODE_SIZE=1 bench 150 "$W" across  # issue 20: each GPU a node, NCCL between
     CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 90 python -m pytest -q -rf -m gpu \
       tests/test_all2all.py tests/test_allreduce.py
     finish ;;
