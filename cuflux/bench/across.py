@@ -21,8 +21,6 @@ one GPU, so the rail is staged through the host, nothing is compared and no spee
 """
 from __future__ import annotations
 
-import os
-
 from cuflux.bench.__main__ import (bench_extra, measure_regimes, on_stream, print_bench_table,
                                    regime_calls, speed_header, speed_measured)
 from cuflux.bench.common import ranks_share_gpu, time_interleaved, write_results
@@ -171,7 +169,9 @@ def run(world, args):
         if world.rank == 0:
             print("across: one rank is one node; run it under mpirun -np W (W > 1)")
         return None
-    node_size = int(os.environ.get("CUFLUX_NODE_SIZE", "1"))
+    from cuflux import knobs
+
+    node_size = knobs.node_size() or 1  # CUFLUX_NODE_SIZE; unset: every rank its own node
     shared_gpu = ranks_share_gpu(world)
     measured = speed_measured(W, shared_gpu)
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
