@@ -114,6 +114,36 @@ def test_symmetric_memory_refuses_a_world_of_several_nodes():
     require_one_node(SimpleNamespace(), "AllReduce")  # a stand-in World without nodes
 
 
+def test_ops_built_on_several_nodes_are_their_cross_node_form(monkeypatch):
+    """CommOp.__new__: an op built on a World of several nodes is its class's ACROSS form, with
+    the same arguments (positional and keyword); a World of one node, and a user's subclass of
+    an op (not silently replaced), are not dispatched."""
+    from cuflux.ops import across
+    from cuflux.ops.allreduce import AllReduce
+
+    class Fake:
+        def __init__(self, *args, **kwargs):
+            self.args, self.kwargs = args, kwargs
+
+    monkeypatch.setattr(across, "AllReduceAcrossNodes", Fake)
+    two = SimpleNamespace(nodes=NodeLayout(((0,), (1,))))
+    got = AllReduce(two, 1024, "float32", algo="one_shot")
+    assert isinstance(got, Fake) and got.args == (two, 1024, "float32")
+    assert got.kwargs == {"algo": "one_shot"}
+    assert isinstance(AllReduce(world=two, max_elems=8, dtype="float32"), Fake)
+
+    class Mine(AllReduce):
+        pass
+
+    for world in (SimpleNamespace(nodes=NodeLayout(((0, 1),))), two):
+        for cls in (AllReduce, Mine) if world is not two else (Mine,):
+            try:
+                made = cls(world, 1024, "float32")
+            except Exception as e:  # the stand-in World is no World: the op's own checks
+                made = e
+            assert not isinstance(made, Fake), (cls, world)
+
+
 @on_ranks
 def ops_on_two_nodes(world):
     """On a World of two emulated nodes every op, built by its own name with its one-node

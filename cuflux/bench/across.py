@@ -26,6 +26,7 @@ from cuflux.bench.__main__ import (bench_extra, measure_regimes, on_stream, prin
 from cuflux.bench.common import ranks_share_gpu, time_interleaved, write_results
 
 HEADS, HEAD_DIM = 32, 128   # All2AllHeads: a Llama-style attention layer
+TOLERANCE = 2e-2  # max relative difference from the NCCL composition (bfloat16 sums)
 N_FFN, K_HIDDEN = 8192, 8192  # the GEMM ops: [*, 8192] x [8192, 8192]
 
 
@@ -94,12 +95,13 @@ def _pair(world, nodes, op: str, n: int, nccl, stream):
                                                  lib.NCCL_UINT8, stream.ptr)),
                 lambda: (out, ref), f"AllGather [{n}, {cols}] a rank", o)
     if op == "all2all":
-        hpr, T = HEADS // W, n
-        x, out, ref = randn(1, T, HEADS, HEAD_DIM), cupy.empty((1, W * T, hpr, HEAD_DIM), bf), \
+        heads = HEADS if HEADS % W == 0 else 4 * W  # the heads must split over the ranks
+        hpr, T = heads // W, n
+        x, out, ref = randn(1, T, heads, HEAD_DIM), cupy.empty((1, W * T, hpr, HEAD_DIM), bf), \
             cupy.empty((1, W * T, hpr, HEAD_DIM), bf)
         send, recv = cupy.empty((W, T, hpr, HEAD_DIM), bf), cupy.empty((W, T, hpr, HEAD_DIM), bf)
         tokens = (T,) * W
-        o = cuflux.All2AllHeads(nodes, T, HEADS, HEAD_DIM, "bfloat16")
+        o = cuflux.All2AllHeads(nodes, T, heads, HEAD_DIM, "bfloat16")
 
         def theirs():
             with stream:
@@ -112,7 +114,7 @@ def _pair(world, nodes, op: str, n: int, nccl, stream):
             with stream:
                 ref.reshape(W, T, hpr, HEAD_DIM)[...] = recv
         return (lambda: o.scatter_heads(x, tokens, out=out, stream=stream), comm and theirs,
-                lambda: (out, ref), f"All2AllHeads T={T} a rank, {HEADS}x{HEAD_DIM}", o)
+                lambda: (out, ref), f"All2AllHeads T={T} a rank, {heads}x{HEAD_DIM}", o)
     rows = n
     if op == "ag_gemm":
         a, b = randn(rows, K_HIDDEN), randn(K_HIDDEN, N_FFN, scale=0.02)
@@ -175,13 +177,14 @@ def run(world, args):
     shared_gpu = ranks_share_gpu(world)
     measured = speed_measured(W, shared_gpu)
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
-    nodes = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
+    nodes = cuflux.World(MPI.COMM_WORLD, device=world.device, timeout_s=60, node_size=node_size)
     stream = cupy.cuda.Stream(non_blocking=True)
     iters = args.iters if measured else 2
     rows = []
     with nodes.device_context():
         for op, n in _cases(W, args.quick):
             ours, theirs, outputs, label, closer = _pair(world, nodes, op, n, nccl, stream)
+            cupy.cuda.Device().synchronize()  # inputs made on the default stream: landed
             with closer:
                 row = {"case": label, "op": op, "nodes": nodes.nodes.num_nodes,
                        "node_size": nodes.nodes.node_size, "rail": _rail_kind(closer),
@@ -193,6 +196,10 @@ def run(world, args):
                 closer.synchronize(stream)
                 stream.synchronize()
                 row["max_rel_diff"] = max(world.allgather(_rel(outputs()))) if theirs else None
+                row["correct"] = None if not theirs else row["max_rel_diff"] < TOLERANCE
+                if row["correct"] is False and world.rank == 0:
+                    print(f"across: {label}: WRONG, max relative difference "
+                          f"{row['max_rel_diff']:.3g} from the NCCL composition")
                 fns = {"cuflux_ms": ours} | ({"nccl_ms": theirs} if theirs else {})
                 world.barrier()
                 ms = time_interleaved(fns, rounds=3 if measured else 1, iters=iters,
@@ -213,9 +220,11 @@ def run(world, args):
     if world.rank != 0:
         return None
     print(speed_header("across", W, shared_gpu))
-    cols = ["case", "rail", "cuflux_ms", "nccl_ms", "speedup", "max_rel_diff", "user_loop_ms",
+    cols = ["case", "rail", "correct", "cuflux_ms", "nccl_ms", "speedup", "max_rel_diff",
+            "user_loop_ms",
             "nccl_user_loop_ms", "host_us", "nccl_host_us"]
-    print_bench_table(rows, cols, set(cols) - {"case", "rail", "max_rel_diff"}, measured)
+    print_bench_table(rows, cols, set(cols) - {"case", "rail", "correct", "max_rel_diff"},
+                      measured)
     return write_results("across", W, rows, bench_extra(args, measured, node_size=node_size,
                                                         ranks_share_gpu=shared_gpu),
                          outdir=args.outdir)

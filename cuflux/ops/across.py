@@ -98,6 +98,27 @@ class _AcrossNodes(Closeable):
         if self._closed:
             raise CufluxError(f"{self.op}: the op is closed")
 
+    _last_stream = None
+
+    def _stream(self, stream, like):
+        """The call's stream (stream_of), refused under CUDA-graph capture (the host-staged
+        rail synchronizes, and the node ops are read through their receive slots), and ordered
+        after the stream of this op's previous call: the op's scratch buffers are reused, so
+        calls on different streams must not overlap."""
+        import cupy
+
+        from cuflux.ops.base import refuse_capture
+
+        s = stream_of(stream, like)
+        refuse_capture(self.op, s, "its cross-node form is not capturable")
+        last = self._last_stream
+        if last is not None and last.ptr != s.ptr:
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(last)
+            s.wait_event(ev)
+        self._last_stream = s
+        return s
+
     def _agree(self, key, what: str) -> None:
         if key not in self._agreed:
             self.comm.check_same(key, f"{self.op}: {what}", self.timeout_s)
@@ -112,7 +133,8 @@ class _AcrossNodes(Closeable):
         self._check_open()
         with self.world.device_context():
             self.rail.wait(stream_of(stream), f"{self.op} rail")
-            self.inner.synchronize(stream)
+            if self.inner is not None:
+                self.inner.synchronize(stream)
 
     def _release(self, abort: bool = False) -> None:
         """Collective close (the node op's), or with abort local and at once: the node op
@@ -182,9 +204,14 @@ class AllReduceAcrossNodes(_AcrossNodes):
         if x.size > self.max_elems:
             raise ValueError(f"{self.op}: x has {x.size} elements, more than "
                              f"max_elems={self.max_elems}")
-        s = stream_of(stream, x_in)
+        from cuflux.ops.allreduce import ALGOS
+
+        if algo is not None and algo not in ALGOS:  # (nodes of one rank never reach the op's)
+            raise ValueError(f"{self.op}: algo must be one of {ALGOS}, got {algo!r}")
+        s = self._stream(stream, x_in)
         if out is None:
-            out = cupy.empty(x.shape, self.dtype.storage)
+            with s:  # from the pool arena of the stream that writes it
+                out = cupy.empty(x.shape, self.dtype.storage)
         else:
             out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
                               shape=x.shape, dtype=self.dtype, device=self.world.device)
@@ -228,8 +255,6 @@ class AllGatherAcrossNodes(_AcrossNodes):
 
             self.dtype, self.cols, self.max_rows = self.inner.dtype, cols, max_rows
             k = self.node.size
-            self._rail_rows = cupy.empty((nodes * max_rows, cols), self.dtype.storage)
-            self._node_rows = cupy.empty((k * nodes * max_rows, cols), self.dtype.storage)
             # Block b = a * nodes + j of the node's gather holds the rows of node rank a's rail
             # member j: World rank rails[a][j]. The World's order takes block src[r] for rank r.
             rails = self.node.allgather(self.group.allgather(world.rank, timeout_s, "rail ranks"),
@@ -241,6 +266,9 @@ class AllGatherAcrossNodes(_AcrossNodes):
             self._src = cupy.asarray(src)
             # Nodes of one rank whose rails run in World order: the rail's gather is the op.
             self._direct = k == 1 and bool((src == np.arange(world.size)).all())
+            staged = 0 if self._direct else nodes * max_rows  # the rail's rows, then the node's
+            self._rail_rows = cupy.empty((staged, cols), self.dtype.storage)
+            self._node_rows = cupy.empty((k * staged, cols), self.dtype.storage)
         except Exception as e:
             error = e
         self._built(error)
@@ -259,9 +287,10 @@ class AllGatherAcrossNodes(_AcrossNodes):
         if x.shape[1] != self.cols or rows > self.max_rows:
             raise ValueError(f"{self.op}: x must be [rows <= max_rows={self.max_rows}, "
                              f"cols={self.cols}], got shape {tuple(x.shape)}")
-        s = stream_of(stream, x_in)
+        s = self._stream(stream, x_in)
         if out is None:
-            out = cupy.empty((W * rows, self.cols), self.dtype.storage)
+            with s:
+                out = cupy.empty((W * rows, self.cols), self.dtype.storage)
         else:
             out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
                               shape=(W * rows, self.cols), dtype=self.dtype,
@@ -295,10 +324,12 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
                  batch: int = 1, num_sms: int | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, w1: str = "pdl", rail: str = "auto"):
         from cuflux.nodes import all2all_plan
-        from cuflux.ops.all2all import All2AllHeads, Spec, check_op_args
+        from cuflux.ops.all2all import W1_PATHS, All2AllHeads, Spec, check_op_args
 
         check_op_args(world.size, max_tokens_per_rank, num_heads, head_dim, batch, num_sms,
                       timeout_s)
+        if w1 not in W1_PATHS:  # (checked here: nodes of one rank build no node op)
+            raise ValueError(f"{self.op}: w1 must be one of {W1_PATHS}, got {w1!r}")
         info = dtype_info(dtype, op=self.op)
         self._split(world, timeout_s, rail, (max_tokens_per_rank, num_heads, head_dim,
                                              info.name, batch, num_sms, w1, rail))
@@ -320,9 +351,11 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
                 slice(p[0], p[0] + k) if list(p) == list(range(p[0], p[0] + k))
                 else cupy.asarray(np.array(p, np.int64))
                 for p in all2all_plan(world.nodes, self._rails, world.rank))
-            self.inner = All2AllHeads(self.node, self.spec.batch * nodes * self.spec.max_tokens,
-                                      k * hpr, self.spec.head_dim, info.name, batch=1,
-                                      num_sms=num_sms, timeout_s=timeout_s, w1=w1)
+            if k > 1:  # (a node of one rank has nothing to move: _node_call)
+                self.inner = All2AllHeads(
+                    self.node, self.spec.batch * nodes * self.spec.max_tokens, k * hpr,
+                    self.spec.head_dim, info.name, batch=1, num_sms=num_sms,
+                    timeout_s=timeout_s, w1=w1)
             block = self.spec.batch * self.spec.max_tokens * k * hpr  # heads of a node, a rank
             st = info.storage
             self._send = cupy.empty(nodes * block * self.spec.head_dim, st)
@@ -349,8 +382,9 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
 
     __call__ = scatter_heads
 
-    def _order(self, tokens, B):
-        """(q, q's inverse) on the device: hop 2's row i is row q[i] of the output [B * S]."""
+    def _order(self, tokens, B, s):
+        """(q, q's inverse) on the device: hop 2's row i is row q[i] of the output [B * S]
+        (uploaded on the call's stream `s`, which reads them)."""
         import cupy
 
         from cuflux.nodes import all2all_rows
@@ -358,9 +392,10 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
         got = self._orders.get((tokens, B))
         if got is None:
             if len(self._orders) >= 1024:
-                self._orders.clear()  # no kernel holds them: every call reads them in order
+                self._orders.clear()  # read by takes queued on s: the pool reuses after them
             q = all2all_rows(self._rails, tokens, B)
-            got = self._orders[tokens, B] = (cupy.asarray(q), cupy.asarray(np.argsort(q)))
+            with s:
+                got = self._orders[tokens, B] = (cupy.asarray(q), cupy.asarray(np.argsort(q)))
         return got
 
     @on_op_device
@@ -385,17 +420,18 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
             outs.append((out_scale, "out_scale", scale_shapes(spec, gather, B, tokens,
                                                               mode == 2)[1],
                          dtype_info("float32")))
+        s = self._stream(stream, a_in)
         made = []
         for arr, what, shape, dt in outs:
             if arr is None:
-                arr = cupy.empty(shape, dt.storage)
+                with s:
+                    arr = cupy.empty(shape, dt.storage)
             else:
                 arr = check_array(as_cupy(arr, what, self.op), name=what, op=self.op,
                                   shape=shape, dtype=dt, device=spec.device)
                 check_no_alias(self.op, arr, input=a, scale=scale)
             made.append(arr)
         out, out_scale = made[0], (made[1] if mode else None)
-        s = stream_of(stream, a_in)
         self._agree((gather, tokens, B, mode), "direction, tokens_per_rank, batch and scales "
                                                "of the call")
         if B * sum(tokens):
@@ -451,7 +487,7 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
             node_scale = self._recv_scale[:R * cols].reshape((1, R) if mode == 1
                                                             else (1, R, k * hpr))
         yn, yn_scale = self._node_call(False, xn, node_tokens, node_scale, mode, s)
-        _, inverse = self._order(tokens, B)
+        _, inverse = self._order(tokens, B, s)
         with s:  # World order: output row i is hop 2's row inverse[i]
             cupy_take(yn.reshape(-1, hpr * D), inverse, out.reshape(-1, hpr * D))
             if mode:
@@ -477,7 +513,7 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
         W, hpr, D, k = spec.world_size, spec.heads_per_rank, spec.head_dim, self.node.size
         T, mine = tokens[spec.rank], self._rails[self.node.rank]
         S, row = sum(tokens), k * hpr * D
-        q, _ = self._order(tokens, B)
+        q, _ = self._order(tokens, B, s)
         rows_in = self._rows_in[:B * S * hpr * D]
         node_scale = None
         with s:  # hop 2's order: its row i is the input's row q[i]
@@ -584,10 +620,11 @@ class AllReduceRMSNormAcrossNodes(_AcrossNodes):
         self._check_open()
         x_in, out_in = x, out
         x, residual, weight, out = check_norm_call(self, x, residual, weight, out, algo)
-        s = stream_of(stream, x_in)
+        s = self._stream(stream, x_in)
         T, W, me = x.shape[0], self.world.size, self.world.rank
         if out is None:
-            out = cupy.empty((self.out_rows(T), self.hidden), self.dtype.storage)
+            with s:
+                out = cupy.empty((self.out_rows(T), self.hidden), self.dtype.storage)
         if T:
             total = self._s[:T]
             self.sum(x, out=total, stream=s, algo=algo)
@@ -706,7 +743,7 @@ class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
     def __call__(self, a_shard, b, bias=None, return_gathered: bool = False, stream=None,
                  out=None):
         self._check_open()
-        s = stream_of(stream, a_shard)
+        s = self._stream(stream, a_shard)
         gathered = as_cupy(self.inner(a_shard, stream=s), "gathered", self.op)
         got = as_cupy(self._gemm(gathered, b, bias, out, s), "out", self.op)
         return to_caller((got, gathered) if return_gathered else got, a_shard,
@@ -775,12 +812,16 @@ class GemmReduceScatterAcrossNodes(_GemmAcrossNodes):
                              f"size {W} and <= max_m={self.max_m}")
         if a.shape[1] != self.k:
             raise ValueError(f"{self.op}: a must be [M, k={self.k}], got {tuple(a.shape)}")
-        if bias is not None:  # checked on every rank (one node's reaches the GEMM)
+        if bias is not None:  # checked on every rank: only one node's reaches its node op,
             bias = check_array(as_cupy(bias, "bias", self.op), name="bias", op=self.op,
                                shape=(self.n,), dtype=self.dtype, device=self.world.device)
-        s = stream_of(stream, a_in)
+            if bias.data.ptr % 16:  # which would refuse it there alone (the rest would wait)
+                raise ValueError(f"{self.op}: bias must start at a 16-byte aligned address "
+                                 f"(got {bias.data.ptr:#x})")
+        s = self._stream(stream, a_in)
         if out is None:
-            out = cupy.empty((M // W, self.n), self.out_dtype.storage)
+            with s:
+                out = cupy.empty((M // W, self.n), self.out_dtype.storage)
         else:
             out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
                               shape=(M // W, self.n), dtype=self.out_dtype,

@@ -191,10 +191,13 @@ class CommOp(Closeable):
     def __new__(cls, *args, **kwargs):
         world = args[0] if args else kwargs.get("world")
         nodes = getattr(world, "nodes", None)  # test doubles of a World may have none
-        if cls.ACROSS is not None and nodes is not None and nodes.num_nodes > 1:
+        # The class's own ACROSS only: a user's subclass of an op is not silently replaced by
+        # the cross-node form (it gets require_one_node's error instead).
+        across_name = cls.__dict__.get("ACROSS")
+        if across_name is not None and nodes is not None and nodes.num_nodes > 1:
             from cuflux.ops import across
 
-            return getattr(across, cls.ACROSS)(*args, **kwargs)  # not a cls: no __init__ call
+            return getattr(across, across_name)(*args, **kwargs)  # not a cls: no __init__
         return super().__new__(cls)
 
     def __init__(self, world, op: str, timeout_s: float):
