@@ -716,12 +716,17 @@ class World:
     CUFLUX_NODE_SIZE, else unset) splits each group of ranks that reach each other by P2P into
     nodes of that many consecutive ranks, so one host emulates several nodes. `nodes` (a
     cuflux.nodes.NodeLayout) says which ranks share a node: ranks of one node map each other's
-    memory; every node must hold as many ranks as the others. Ops run within one node until
-    their cross-node paths land (issue 20): on a World of several nodes they raise before
-    allocating anything. On a machine without a GPU `device` is None: the world still
-    bootstraps (topology checks, argument checks), but ops raise NoDeviceError. The caller's
-    current CUDA device is the same after __init__ as before.
+    memory; every node must hold as many ranks as the others. On a World of several nodes
+    each op builds its cross-node form (cuflux.ops.across: the node's IPC op and a rail
+    between nodes, issue 20); symmetric memory stays within a node. On a machine without a
+    GPU `device` is None: the world still bootstraps (topology checks, argument checks), but
+    ops raise NoDeviceError. The caller's current CUDA device is the same after __init__ as
+    before.
     """
+
+    # Ranks on this rank's GPU as the ops count them (ops.base.ranks_on_my_gpu); None: from
+    # the topology. split_nodes() sets a node World's to its parent's.
+    gpu_sharers: int | None = None
 
     def __init__(self, comm=None, device: int | None = None, timeout_s: float | None = None,
                  node_size: int | None = None):
@@ -876,6 +881,11 @@ class World:
                 own.free()
             raise
         node._own_group = own
+        from cuflux.ops.base import ranks_on_my_gpu
+
+        # The node's ops size their co-resident grids by every rank on this GPU, not only
+        # the node's (emulated nodes of one GPU): the parent World's count.
+        node.gpu_sharers = ranks_on_my_gpu(self)
         return node, rail
 
     # ---- the device ----------------------------------------------------------------------------

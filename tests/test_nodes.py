@@ -73,6 +73,8 @@ def split_worlds(world):
     rail group hold (the World ranks each allgather returns), after a rail barrier."""
     from mpi4py import MPI
 
+    from cuflux.ops.base import ranks_on_my_gpu
+
     out = {}
     for node_size in (4, 2, 1):
         w = cuflux.World(MPI.COMM_WORLD, timeout_s=20, node_size=node_size)
@@ -81,6 +83,7 @@ def split_worlds(world):
         out[f"size{node_size}"] = {
             "node": node.allgather(w.rank), "node_nodes": node.nodes.nodes,
             "node_device": node.device == w.device,
+            "sharers": (ranks_on_my_gpu(node), ranks_on_my_gpu(w)),
             "rail": rail.allgather(w.rank, what="rail ranks")}
         rail.free()
         node.close()
@@ -98,6 +101,8 @@ def test_split_nodes_gives_each_rank_its_node_world_and_its_rail():
         assert four["node"] == [me] and four["rail"] == [0, 1, 2, 3], r
         for case in (one, two, four):
             assert len(case["node_nodes"]) == 1 and case["node_device"], r  # a one-node World
+            # the node's grids count every rank on this GPU (the parent's), not the node's
+            assert case["sharers"][0] == case["sharers"][1], r
 
 
 def test_world_rejects_a_bad_node_size_before_any_collective():
@@ -354,9 +359,9 @@ def test_all2all_heads_runs_across_emulated_nodes(W, node_size):
 
 @on_ranks
 def across_composed(world, node_size, seed):
-    """AllReduceRMSNorm (every output mode), AllGatherGemm and GemmReduceScatter on a World of
-    emulated nodes (ops/across.py; HostRail: the ranks share the GPU) against the float64
-    references, outputs poisoned."""
+    """AllReduceRMSNorm (every output mode), AllGatherGemm and GemmReduceScatter (its node
+    op's unfused and fused routes) on a World of emulated nodes (ops/across.py; HostRail: the
+    ranks share the GPU) against the float64 references, outputs poisoned."""
     import cupy
     from mpi4py import MPI
 
@@ -414,19 +419,21 @@ def across_composed(world, node_size, seed):
             check_close(out, want, "float32", "AllGatherGemm across nodes")
             checked += 1
         M = 8 * W
-        with GemmReduceScatterAcrossNodes(w, M, n, k, "bfloat16", out_dtype="float32",
-                                          b_layout="nk", timeout_s=60) as grs:
-            a_list = [bf16((6, p), (M, k)) for p in range(W)]
-            b_list = [bf16((7, p), (n, k), 0.1) for p in range(W)]
-            bias_bits, bias = bf16((8,), (n,))
-            out = poisoned((M // W, n), "float32")
-            grs(cupy.asarray(a_list[me][0]), cupy.asarray(b_list[me][0]),
-                bias=cupy.asarray(bias_bits), out=out)
-            grs.synchronize()
-            want = reference_gemm_rs([a for _, a in a_list], [b for _, b in b_list], bias,
-                                     b_layout="nk", rank=me)
-            check_close(out, want, "float32", "GemmReduceScatter across nodes")
-            checked += 1
+        a_list = [bf16((6, p), (M, k)) for p in range(W)]
+        b_list = [bf16((7, p), (n, k), 0.1) for p in range(W)]
+        bias_bits, bias = bf16((8,), (n,))
+        want = reference_gemm_rs([a for _, a in a_list], [b for _, b in b_list], bias,
+                                 b_layout="nk", rank=me)
+        # auto: M < 256 runs the node's unfused route; fused: the node's fused kernel
+        for route in ("auto", "fused"):
+            with GemmReduceScatterAcrossNodes(w, M, n, k, "bfloat16", out_dtype="float32",
+                                              b_layout="nk", timeout_s=60, route=route) as grs:
+                out = poisoned((M // W, n), "float32")
+                grs(cupy.asarray(a_list[me][0]), cupy.asarray(b_list[me][0]),
+                    bias=cupy.asarray(bias_bits), out=out)
+                grs.synchronize()
+                check_close(out, want, "float32", f"GemmReduceScatter across nodes ({route})")
+                checked += 1
     w.close()
     return checked
 
@@ -437,7 +444,7 @@ def test_the_fused_ops_composed_across_emulated_nodes(W, node_size):
     import secrets
 
     assert across_composed.run(W, timeout_s=600, node_size=node_size,
-                               seed=secrets.randbelow(1 << 30)) == [11] * W
+                               seed=secrets.randbelow(1 << 30)) == [12] * W
 
 
 # ---- node discovery ----------------------------------------------------------------------------

@@ -83,7 +83,11 @@ def sm_count(device: int) -> int:
 def ranks_on_my_gpu(world) -> int:
     """Ranks of the world running on this rank's GPU, this one included. Their spinning grids
     run side by side (MPS) or time-sliced, so grids that must stay co-resident split the SMs
-    between them."""
+    between them. A node World from split_nodes() carries its parent's count (gpu_sharers):
+    emulated nodes share a GPU with ranks outside the node too."""
+    given = getattr(world, "gpu_sharers", None)
+    if given:
+        return given
     return 1 + sum(1 for link in world.topology.links
                    if link.same_gpu and link.peer != world.rank)
 
