@@ -140,7 +140,10 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
     u8* local_dst_scale, const u64* __restrict__ bases, u64 data_off0, u64 data_off1,
     u64 scale_off0, u64 scale_off1, u64 flags_off0, u64 flags_off1, const u64* state,
     const int* __restrict__ prefix, u32 me, u32 world, u32 batch, u64 row_bytes, u32 scale_cols,
-    u32 scale_per_head, u32 call_hash) {
+    u32 scale_per_head, u32 call_hash, const u32* err_claim) {
+  // A wait of this op gave up in an earlier call (sync.cuh op_gave_up): a peer may still read
+  // the slot this call would write (its call of two before). Nothing is written; the host raises.
+  if (world > 1 && op_gave_up(err_claim)) return;
   const u32 t = blockIdx.x % world, worker = blockIdx.x / world;
   const u64 epoch = *reinterpret_cast<const volatile u64*>(state) + 1;
   const bool odd = epoch & 1u;

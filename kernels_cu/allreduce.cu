@@ -259,7 +259,9 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
   const int W = world_size, me = rank;
   if (threadIdx.x == 0) {
     s_epoch = *reinterpret_cast<volatile u64*>(state) + 1;
-    s_failed = 0;
+    // A wait of this op gave up in an earlier call (sync.cuh op_gave_up): a late peer may
+    // still read our stage of two calls ago, so this call stages nothing (the host raises).
+    s_failed = W > 1 && op_gave_up(err_claim) ? 1 : 0;
   }
   for (int p = threadIdx.x; p < W; p += blockDim.x) s_base[p] = bases[p];
   __syncthreads();
@@ -270,8 +272,8 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
   const u64 stage_now = stage_off + (e & 1u) * stage_parity_bytes;
   const bool publish = kTwoShot && kMode != kSequenceParallel && W > 1;
 
-  bool ok = true;
-  if (W > 1) {
+  bool ok = s_failed == 0;
+  if (W > 1 && ok) {
     // Phase 0: publish x. Stage the rows that block b of each rank will reduce.
     T* my_stage = reinterpret_cast<T*>(s_base[me] + stage_now);
     if (kTwoShot) {

@@ -57,7 +57,8 @@ struct RsHooks {
         epi{a.out, a.out_f32, a.bias, a.bases, a.data_off, a.slot_bytes, a.flags_off,
             a.flag_stride, M, N, (N + kBN - 1) / kBN, a.rows_per_rank, a.world_size, a.rank,
             a.epoch,
-            WaitSite{a.err, a.err_claim, a.timeout_ns, a.op, static_cast<u32>(a.rank)}} {}
+            WaitSite{a.err, a.err_claim, a.timeout_ns, a.op, static_cast<u32>(a.rank)},
+            a.world_size > 1 && op_gave_up(a.err_claim)} {}
 };
 
 // ---- Hopper ------------------------------------------------------------------------------------

@@ -629,6 +629,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
     op._copy_slots = ((u(3 << 30), u(4 << 30)), (u(5 << 30), u(6 << 30)))
     op.state = DeviceArray()
     op.err_args = (u(1 << 40), DeviceArray(), u(10**9), np.uint32(2))
+    op.err = SimpleNamespace(claim=op.err_args[1])
     op._push = {(v, g): f"push{v}{g}" for v in A._VEC_BYTES for g in (False, True)}
     op._copy_out = {v: f"copy{v}" for v in A._VEC_BYTES}
     op._wait = "wait"

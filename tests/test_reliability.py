@@ -250,6 +250,97 @@ def _told_op(world, kind, bound_s):
     return op, lambda: op(a, b)
 
 
+_HOLD_SRC = r"""
+extern "C" __global__ void hold_ns(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    __nanosleep(100000);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
+"""
+
+
+def _queued_case(world, kind, bound_s):
+    """(op, call(i, out, stream), out shape and dtype, want(i) on rank 1) of a small op of
+    `kind` whose call i on rank r has inputs that depend on (r, i), so that rank 1's output of
+    one call tells which call of rank 0 it met. Small integers: every sum is exact."""
+    import cupy
+
+    W = world.size
+    v = [[1 + r + 2 * i for i in range(4)] for r in range(W)]  # rank r's value in call i
+    me = world.rank
+    if kind == "allreduce":  # one-shot: its only barrier is START (two-shot adds MID)
+        n = 1 << 14
+        op = cuflux.AllReduce(world, n, "float32", timeout_s=bound_s)
+        xs = [cupy.full(n, v[me][i], cupy.float32) for i in range(4)]
+        return (op, lambda i, out, s: op(xs[i], out=out, stream=s, algo="one_shot"),
+                ((n,), cupy.float32), lambda i: np.full(n, sum(v[r][i] for r in range(W))))
+    if kind == "all2all":
+        op = cuflux.All2AllHeads(world, 16, 2 * W, 64, "float16", timeout_s=bound_s)
+        xs = [cupy.full((1, 16, 2 * W, 64), v[me][i], cupy.float16) for i in range(4)]
+
+        def want(i):  # rank 1's heads of every rank's 16 tokens, rank order
+            return np.concatenate([np.full((1, 16, 2, 64), v[r][i], np.float16)
+                                   for r in range(W)], axis=1)
+        return (op, lambda i, out, s: op.scatter_heads(xs[i], [16] * W, out=out, stream=s),
+                ((1, 16 * W, 2, 64), cupy.float16), want)
+    M = 256 * W  # gemm_rs, the fused kernel: C_r = 64 * v (a = v, b = ones, k = 64)
+    op = cuflux.GemmReduceScatter(world, M, 256, 64, "float16", timeout_s=bound_s,
+                                  route="fused")
+    a = [cupy.full((M, 64), v[me][i], cupy.float16) for i in range(4)]
+    b = cupy.ones((64, 256), cupy.float16)
+    return (op, lambda i, out, s: op(a[i], b, out=out, stream=s), ((256, 256), cupy.float16),
+            lambda i: np.full((256, 256), 64 * sum(v[r][i] for r in range(W)), np.float16))
+
+
+@on_ranks
+def queued_behind_a_failure(world, kind, bound_s=1.0):
+    """#19 item 1, calls already queued when a wait gives up. Rank 1's GPU is held past the
+    timeout with its call 1 queued behind the hold; rank 0 queues calls 1, 2 and 3 at once.
+    Rank 0's wait in call 1 times out; its calls 2 and 3 must store nothing shared or remote:
+    call 3 would land in the very buffer (same parity as call 1) that rank 1's call 1 has yet
+    to read. Rank 1's call 1 then meets rank 0's call 1 and must come out exact, although
+    its host is told of the failure (its synchronize raises)."""
+    import cupy
+
+    me = world.rank
+    with world.device_context():
+        op, call, (shape, dtype), want = _queued_case(world, kind, bound_s)
+        s = cupy.cuda.Stream(non_blocking=True)
+        outs = [cupy.full(shape, -7, dtype) for _ in range(4)]
+        warm = _outcome(lambda: (call(0, outs[0], s), op.synchronize(s)))
+        world.barrier()
+        if me == 1:
+            hold = cupy.RawKernel(_HOLD_SRC, "hold_ns")
+            hold((1,), (1,), (np.uint64(int((bound_s + 2.0) * 1e9)),), stream=s)
+            issued = _outcome(lambda: call(1, outs[1], s))
+            s.synchronize()  # the hold, then call 1 (its waits find rank 0's call-1 flags)
+            got = cupy.asnumpy(outs[1])
+            exact = bool(np.array_equal(got, want(1)))
+            seen = sorted(set(np.unique(got).tolist()))[:6]
+        else:
+            issued = _outcome(lambda: [call(i, outs[i], s) for i in (1, 2, 3)])
+            exact, seen = None, None
+        synced = _outcome(lambda: op.synchronize(s))
+        op.abort()
+    world.barrier()
+    return {"warm": warm, "issued": issued, "exact": exact, "seen": seen, "synced": synced}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["allreduce", "all2all", "gemm_rs"])
+def test_calls_queued_behind_a_failed_wait_store_nothing(kind):
+    if 2 not in WS:
+        pytest.skip("runs at W = 2 (CUFLUX_TEST_WORLD_SIZES leaves it out)")
+    res = queued_behind_a_failure.run(2, timeout_s=120, kind=kind, bound_s=1.0)
+    for me, r in enumerate(res):
+        assert r["warm"]["error"] is None and r["issued"]["error"] is None, (me, r)
+        assert r["synced"]["error"] in ("CommTimeoutError", "PeerFailedError"), (me, r)
+    assert res[1]["exact"], res[1]  # rank 0's later calls did not overwrite what it read
+
+
 @on_ranks
 def told_late_rank(world, kind, bound_s=1.0):
     """The last rank sleeps past the timeout while its peers' calls wait for it. The first peer

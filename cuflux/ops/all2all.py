@@ -499,7 +499,8 @@ class All2AllHeads(CommOp):
             (np.uint64(a.data.ptr), scale_ptr, np.uint64(out.data.ptr), out_scale_ptr,
              self.buf.ptrs_dev) + self._push_slots
             + (self.state, plan.prefix_dev, np.uint32(me), np.uint32(W), np.uint32(B),
-               np.uint64(row_bytes), np.uint32(scale_cols), np.uint32(mode == 2), h),
+               np.uint64(row_bytes), np.uint32(scale_cols), np.uint32(mode == 2), h,
+               self.err.claim),  # pushes nothing once a wait of the op gave up (#19 item 1)
             s, op=_OP, name="a2a_push")
         if W == 1:
             return

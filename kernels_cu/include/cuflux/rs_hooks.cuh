@@ -167,6 +167,10 @@ struct RsEpilogue {
   int world_size, rank;
   u32 epoch;
   WaitSite site;
+  // A wait of this op on this rank gave up in an earlier call (sync.cuh op_gave_up), read once
+  // at the kernel's start: no tile is sent (an owner may still read data[parity] of two calls
+  // ago) and none finished; the host raises.
+  bool gave_up;
 
   // Phase A: every element goes to its owner (this rank included): the owner's slot for this
   // source, or added into the owner's accumulator.
@@ -314,6 +318,7 @@ struct RsEpilogue {
       body(Direct<OutT>{this});
       return;
     }
+    if (gave_up) return;  // the same on every thread of the CTA: no barrier is left unmet
     const int tm = m0 / kBM, tn = n0 / kBN;
     const bool mine = m0 < (rank + 1) * rows_per_rank && min(m0 + kBM, M) > rank * rows_per_rank;
     body(Send<OutT>{this});

@@ -122,6 +122,16 @@ __device__ __forceinline__ bool op_failed(const WaitSite& s) {
   return board != 0u && *reinterpret_cast<volatile const u32*>(board) != 0u;
 }
 
+// True once a wait of this op on this rank gave up (timed out, was told by a rank that failed
+// the op, or the host aborted): every give-up sets the record's claim word, device memory, so
+// a kernel reads it at its start for the price of one cached load. A call queued behind a call
+// whose waits gave up must not store into shared or remote buffers: the double-buffering that
+// makes those stores safe assumes the call before met every peer, and a late peer may still be
+// reading the buffer of two calls ago (#19 item 1).
+__device__ __forceinline__ bool op_gave_up(const u32* err_claim) {
+  return *reinterpret_cast<volatile const u32*>(err_claim) != 0u;
+}
+
 // Spin (one thread) until *flag has reached `expected`, with acquire semantics at system scope.
 // Returns false on timeout or abort, after recording who waited for whom (the error record keeps
 // the low 32 bits of a 64-bit epoch).
@@ -141,6 +151,8 @@ __device__ __forceinline__ bool wait_epoch_acquire(const E* flag, E expected, co
         if (s.err[kErrAbort] == 0u)
           record_error(s, kStatusPeerFailed, peer, static_cast<u32>(v), static_cast<u32>(expected),
                        index);
+        else
+          atomicCAS(s.err_claim, 0u, 1u);  // aborted: nothing to record, but it gave up
         return false;
       }
       if (globaltimer_ns() - start > s.timeout_ns) {
