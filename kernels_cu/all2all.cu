@@ -143,9 +143,11 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
     u32 scale_per_head, u32 call_hash, const u32* err_claim) {
   // A wait of this op gave up in an earlier call (sync.cuh op_gave_up): a peer may still read
   // the slot this call would write (its call of two before). Nothing is written; the host raises.
-  if (world > 1 && op_gave_up(err_claim)) return;
-  const u32 t = blockIdx.x % world, worker = blockIdx.x / world;
+  // Both loads are issued before either is used: the check adds no round trip.
+  const bool gave_up = world > 1 && op_gave_up(err_claim);
   const u64 epoch = *reinterpret_cast<const volatile u64*>(state) + 1;
+  if (gave_up) return;
+  const u32 t = blockIdx.x % world, worker = blockIdx.x / world;
   const bool odd = epoch & 1u;
   const u64 data_off = odd ? data_off1 : data_off0, scale_off = odd ? scale_off1 : scale_off0;
   const u64 flags_off = odd ? flags_off1 : flags_off0;

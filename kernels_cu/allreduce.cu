@@ -258,10 +258,11 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
 
   const int W = world_size, me = rank;
   if (threadIdx.x == 0) {
-    s_epoch = *reinterpret_cast<volatile u64*>(state) + 1;
     // A wait of this op gave up in an earlier call (sync.cuh op_gave_up): a late peer may
     // still read our stage of two calls ago, so this call stages nothing (the host raises).
-    s_failed = W > 1 && op_gave_up(err_claim) ? 1 : 0;
+    const bool gave_up = W > 1 && op_gave_up(err_claim);  // in flight with the epoch's load
+    s_epoch = *reinterpret_cast<volatile u64*>(state) + 1;
+    s_failed = gave_up ? 1 : 0;
   }
   for (int p = threadIdx.x; p < W; p += blockDim.x) s_base[p] = bases[p];
   __syncthreads();
