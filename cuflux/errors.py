@@ -145,7 +145,14 @@ class ErrorRecord:
         self.words[:] = 0
         # The status word alone, read on every call (0.05 us, against 1.5 us for the array).
         self._status = ctypes.c_uint32.from_address(self._host_ptr + 4 * STATUS)
-        self.claim = cupy.zeros(1, dtype=cupy.uint32)
+        # The claim word also says "a wait of this op gave up" (sync.cuh op_gave_up), which
+        # makes kernels skip their stores: it must read 0 before any stream of the op can read
+        # it. From a private stream's pool arena (no caller's queued work still holds the
+        # block), zeroed there and waited for.
+        s = cupy.cuda.Stream(non_blocking=True)
+        with s:
+            self.claim = cupy.zeros(1, dtype=cupy.uint32)
+        s.synchronize()
 
     @property
     def ptr(self) -> int:

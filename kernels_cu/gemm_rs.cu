@@ -58,7 +58,9 @@ struct RsHooks {
             a.flag_stride, M, N, (N + kBN - 1) / kBN, a.rows_per_rank, a.world_size, a.rank,
             a.epoch,
             WaitSite{a.err, a.err_claim, a.timeout_ns, a.op, static_cast<u32>(a.rank)},
-            a.world_size > 1 && op_gave_up(a.err_claim)} {}
+            // one value for the whole CTA (every thread constructs the hooks, before the
+            // core's warp roles): the epilogue's named barriers see all or none return
+            a.world_size > 1 && __syncthreads_or(op_gave_up(a.err_claim)) != 0} {}
 };
 
 // ---- Hopper ------------------------------------------------------------------------------------

@@ -310,18 +310,29 @@ def queued_behind_a_failure(world, kind, bound_s=1.0):
         op, call, (shape, dtype), want = _queued_case(world, kind, bound_s)
         s = cupy.cuda.Stream(non_blocking=True)
         outs = [cupy.full(shape, -7, dtype) for _ in range(4)]
-        warm = _outcome(lambda: (call(0, outs[0], s), op.synchronize(s)))
+        hold = cupy.RawKernel(_HOLD_SRC, "hold_ns")
+        hold((1,), (1,), (np.uint64(0),), stream=s)  # compiled and loaded before the race
+        cupy.cuda.Device().synchronize()  # inputs and outputs filled on the default stream
+
+        def issue(*calls):  # (returns None: an outcome must be JSON)
+            for i in calls:
+                call(i, outs[i], s)
+
+        def warm_up():  # arguments agreed, kernels loaded, on every rank
+            issue(0)
+            op.synchronize(s)
+
+        warm = _outcome(warm_up)
         world.barrier()
         if me == 1:
-            hold = cupy.RawKernel(_HOLD_SRC, "hold_ns")
             hold((1,), (1,), (np.uint64(int((bound_s + 2.0) * 1e9)),), stream=s)
-            issued = _outcome(lambda: call(1, outs[1], s))
+            issued = _outcome(lambda: issue(1))
             s.synchronize()  # the hold, then call 1 (its waits find rank 0's call-1 flags)
             got = cupy.asnumpy(outs[1])
             exact = bool(np.array_equal(got, want(1)))
             seen = sorted(set(np.unique(got).tolist()))[:6]
         else:
-            issued = _outcome(lambda: [call(i, outs[i], s) for i in (1, 2, 3)])
+            issued = _outcome(lambda: issue(1, 2, 3))
             exact, seen = None, None
         synced = _outcome(lambda: op.synchronize(s))
         op.abort()

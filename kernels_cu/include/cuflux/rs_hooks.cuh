@@ -168,8 +168,8 @@ struct RsEpilogue {
   u32 epoch;
   WaitSite site;
   // A wait of this op on this rank gave up in an earlier call (sync.cuh op_gave_up), read once
-  // at the kernel's start: no tile is sent (an owner may still read data[parity] of two calls
-  // ago) and none finished; the host raises.
+  // at the kernel's start and agreed across the CTA (gemm_rs.cu RsHooks): no tile is sent (an
+  // owner may still read data[parity] of two calls ago) and none finished; the host raises.
   bool gave_up;
 
   // Phase A: every element goes to its owner (this rank included): the owner's slot for this

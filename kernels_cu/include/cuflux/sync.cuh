@@ -75,7 +75,8 @@ __device__ __forceinline__ bool epoch_reached(u64 observed, u64 expected) {
 // op's ranks: the first waiter to fail writes 1 + its rank into every rank's word, so queued and
 // running work of the op on every rank gives up at its next check instead of waiting out its
 // own timeout, and every rank's host raises (#19 item 1).
-// The claim word (device memory, one per record) makes sure only the first waiter writes.
+// The claim word (device memory, one per record) makes sure only the first waiter writes, and
+// once set says that a wait of the op on this rank gave up (op_gave_up below).
 // 3 is All2AllHeads' kStatusMismatch; kStatusPeerFailed: this rank's wait gave up because another
 // rank failed the op and told it (the record's peer: whom it was waiting for).
 enum : u32 { kStatusOk = 0, kStatusTimeout = 1, kStatusAborted = 2, kStatusPeerFailed = 4 };
@@ -123,8 +124,9 @@ __device__ __forceinline__ bool op_failed(const WaitSite& s) {
 }
 
 // True once a wait of this op on this rank gave up (timed out, was told by a rank that failed
-// the op, or the host aborted): every give-up sets the record's claim word, device memory, so
-// a kernel reads it at its start for the price of one cached load. A call queued behind a call
+// the op, or saw the host's abort request): every give-up sets the record's claim word, device
+// memory, so a kernel reads it at its start for the price of one cached load. (The host's
+// abort itself writes no claim: a call whose previous call met every peer may still store.) A call queued behind a call
 // whose waits gave up must not store into shared or remote buffers: the double-buffering that
 // makes those stores safe assumes the call before met every peer, and a late peer may still be
 // reading the buffer of two calls ago (#19 item 1).
@@ -152,7 +154,7 @@ __device__ __forceinline__ bool wait_epoch_acquire(const E* flag, E expected, co
           record_error(s, kStatusPeerFailed, peer, static_cast<u32>(v), static_cast<u32>(expected),
                        index);
         else
-          atomicCAS(s.err_claim, 0u, 1u);  // aborted: nothing to record, but it gave up
+          atomicCAS(s.err_claim, 0u, 1u);  // the host's abort: nothing to record; it gave up
         return false;
       }
       if (globaltimer_ns() - start > s.timeout_ns) {
