@@ -5,9 +5,10 @@
 rail="auto" | "nccl" | "host" when built by its own name. Each rank gets its node (a World of
 one node, where the IPC ops run unchanged) and its rail (rank i of every node: cuflux.rail,
 NCCL between GPUs of their own, else staged through the host) from World.split_nodes().
-Arguments that choose between the one-node op's fused kernels (GemmReduceScatter's reduce, w1
-and route; AllGatherGemm's config and route) are checked as there, and have nothing to choose
-here: the cross-node forms are composed, correct first.
+GemmReduceScatter's arguments all reach its node op (reduce, w1, config and route choose the
+node's kernel as they do on one node); AllGatherGemm's config and route, which choose its fused
+kernel, are checked as there and have nothing to choose here: its cross-node form is composed
+(AllGather across nodes, then cuflux.gemm), correct first.
 
   AllReduceAcrossNodes  x (n elements): the node's AllReduce gives every rank its node's sum;
                         node rank i all-reduces share i of the n elements (row_shards over the
