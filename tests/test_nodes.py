@@ -14,7 +14,7 @@ import pytest
 
 import cuflux
 from cuflux.errors import CufluxError
-from tests.mpi import on_ranks, world_sizes
+from tests.mpi import fresh_seed, on_ranks, world_sizes
 from cuflux.nodes import (NodeLayout, all2all_plan, allgather_plan, allreduce_plan, gemm_rs_plan,
                           node_layout, require_one_node, row_shards)
 
@@ -271,13 +271,20 @@ def across_nodes(world, node_size, seed):
 ACROSS = [(W, k) for W, k in ((2, 1), (4, 1), (4, 2), (8, 2), (8, 4)) if W in world_sizes()]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W,node_size", ACROSS or [(2, 1)])
-def test_allreduce_and_allgather_run_across_emulated_nodes(W, node_size):
-    import secrets
+def across_test(body, expect):
+    """The GPU test of a cross-node rank body: every (W, node size) of ACROSS, a fresh seed a
+    run, every rank returning `expect`."""
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("W,node_size", ACROSS or [(2, 1)])
+    def check(W, node_size):
+        assert body.run(W, timeout_s=600, node_size=node_size,
+                        seed=fresh_seed()) == [expect] * W
 
-    assert across_nodes.run(W, timeout_s=600, node_size=node_size,
-                            seed=secrets.randbelow(1 << 30)) == [16] * W
+    check.__doc__ = body.__doc__
+    return check
+
+
+test_allreduce_and_allgather_run_across_emulated_nodes = across_test(across_nodes, 16)
 
 
 @on_ranks
@@ -348,13 +355,7 @@ def across_all2all(world, node_size, seed):
     return checked
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W,node_size", ACROSS or [(2, 1)])
-def test_all2all_heads_runs_across_emulated_nodes(W, node_size):
-    import secrets
-
-    assert across_all2all.run(W, timeout_s=600, node_size=node_size,
-                              seed=secrets.randbelow(1 << 30)) == [8] * W
+test_all2all_heads_runs_across_emulated_nodes = across_test(across_all2all, 8)
 
 
 @on_ranks
@@ -438,13 +439,7 @@ def across_composed(world, node_size, seed):
     return checked
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("W,node_size", ACROSS or [(2, 1)])
-def test_the_fused_ops_composed_across_emulated_nodes(W, node_size):
-    import secrets
-
-    assert across_composed.run(W, timeout_s=600, node_size=node_size,
-                               seed=secrets.randbelow(1 << 30)) == [12] * W
+test_the_fused_ops_composed_across_emulated_nodes = across_test(across_composed, 12)
 
 
 # ---- node discovery ----------------------------------------------------------------------------

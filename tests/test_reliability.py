@@ -250,18 +250,6 @@ def _told_op(world, kind, bound_s):
     return op, lambda: op(a, b)
 
 
-_HOLD_SRC = r"""
-extern "C" __global__ void hold_ns(unsigned long long ns) {
-  unsigned long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    __nanosleep(100000);
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
-}
-"""
-
-
 def _queued_case(world, kind, bound_s):
     """(op, call(i, out, stream), out shape and dtype, want(i) on rank 1) of a small op of
     `kind` whose call i on rank r has inputs that depend on (r, i), so that rank 1's output of
@@ -305,13 +293,14 @@ def queued_behind_a_failure(world, kind, bound_s=1.0):
     its host is told of the failure (its synchronize raises)."""
     import cupy
 
+    from cuflux.bench.common import hold_stream
+
     me = world.rank
     with world.device_context():
         op, call, (shape, dtype), want = _queued_case(world, kind, bound_s)
         s = cupy.cuda.Stream(non_blocking=True)
         outs = [cupy.full(shape, -7, dtype) for _ in range(4)]
-        hold = cupy.RawKernel(_HOLD_SRC, "hold_ns")
-        hold((1,), (1,), (np.uint64(0),), stream=s)  # compiled and loaded before the race
+        hold_stream(s, 0)  # its kernel compiled and loaded before the race
         cupy.cuda.Device().synchronize()  # inputs and outputs filled on the default stream
 
         def issue(*calls):  # (returns None: an outcome must be JSON)
@@ -325,7 +314,8 @@ def queued_behind_a_failure(world, kind, bound_s=1.0):
         warm = _outcome(warm_up)
         world.barrier()
         if me == 1:
-            hold((1,), (1,), (np.uint64(int((bound_s + 2.0) * 1e9)),), stream=s)
+            hold_us = (bound_s + 2.0) * 1e6
+            hold_stream(s, hold_us, max_us=hold_us)
             issued = _outcome(lambda: issue(1))
             s.synchronize()  # the hold, then call 1 (its waits find rank 0's call-1 flags)
             got = cupy.asnumpy(outs[1])

@@ -157,18 +157,19 @@ _HOLD_MAX_US = 20_000.0
 _hold_kernel = None
 
 
-def hold_stream(stream, us: float) -> None:
-    """Keep `stream` busy for `us` microseconds (at most 20 ms: one thread sleeping on the
-    global timer), so a block of calls enqueued behind it is all queued before the GPU reaches
-    the first. Events recorded after the hold then time the calls back to back, not the host's
-    time to issue the first of them (for a 25-call block of a 35 us op whose host path takes
-    20 us, that start alone is 2 % of the block)."""
+def hold_stream(stream, us: float, max_us: float = _HOLD_MAX_US) -> None:
+    """Keep `stream` busy for `us` microseconds (at most max_us, 20 ms by default: one thread
+    sleeping on the global timer), so a block of calls enqueued behind it is all queued before
+    the GPU reaches the first. Events recorded after the hold then time the calls back to back,
+    not the host's time to issue the first of them (for a 25-call block of a 35 us op whose host
+    path takes 20 us, that start alone is 2 % of the block). The tests hold a rank's GPU for
+    seconds with a larger max_us (a late GPU)."""
     global _hold_kernel
     import cupy
 
     if _hold_kernel is None:
         _hold_kernel = cupy.RawKernel(_HOLD_SRC, "cuflux_bench_hold")
-    ns = int(min(max(us, 0.0), _HOLD_MAX_US) * 1e3)
+    ns = int(min(max(us, 0.0), max_us) * 1e3)
     _hold_kernel((1,), (1,), (np.uint64(ns),), stream=stream)
 
 

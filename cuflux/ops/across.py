@@ -79,6 +79,14 @@ class _AcrossNodes(Closeable):
             raise
         self._agreed: set = set()
 
+    def _rails(self) -> tuple[tuple[int, ...], ...]:
+        """rails[a]: the World ranks of node rank a's rail, in that rail's own order (the order
+        its collectives go by), gathered (collective over the node, bounded): the same on
+        every rank of the node."""
+        mine = self.group.allgather(self.world.rank, self.timeout_s, "rail ranks")
+        return tuple(tuple(m) for m in self.node.allgather(mine, self.timeout_s,
+                                                           f"{self.op} rails"))
+
     def _built(self, error: BaseException | None) -> None:
         """Every rank agrees that it built its part (bounded) before any returns: the ranks
         that failed raise their error, the others CufluxError naming them; all free theirs."""
@@ -258,8 +266,7 @@ class AllGatherAcrossNodes(_AcrossNodes):
             k = self.node.size
             # Block b = a * nodes + j of the node's gather holds the rows of node rank a's rail
             # member j: World rank rails[a][j]. The World's order takes block src[r] for rank r.
-            rails = self.node.allgather(self.group.allgather(world.rank, timeout_s, "rail ranks"),
-                                        timeout_s, f"{name} rails")
+            rails = self._rails()
             src = np.empty(world.size, np.int64)
             for a, members in enumerate(rails):
                 for j, r in enumerate(members):
@@ -342,16 +349,13 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
             self.spec = Spec(W, world.rank, world.device, int(max_tokens_per_rank),
                              int(num_heads), int(head_dim), info, int(batch))
             self.dtype, hpr = info, self.spec.heads_per_rank
-            # rails[a]: node rank a's rail in its own order (the order its rail ranks go by).
-            self._rails = tuple(tuple(m) for m in self.node.allgather(
-                self.group.allgather(world.rank, timeout_s, "rail ranks"), timeout_s,
-                "All2AllHeads rails"))
+            self._rail_ranks = self._rails()
             # Per rail rank j: the head groups of j's node, as a slice where they are
             # consecutive (one strided copy), else a device index array.
             self._heads = tuple(
                 slice(p[0], p[0] + k) if list(p) == list(range(p[0], p[0] + k))
                 else cupy.asarray(np.array(p, np.int64))
-                for p in all2all_plan(world.nodes, self._rails, world.rank))
+                for p in all2all_plan(world.nodes, self._rail_ranks, world.rank))
             if k > 1:  # (a node of one rank has nothing to move: _node_call)
                 self.inner = All2AllHeads(
                     self.node, self.spec.batch * nodes * self.spec.max_tokens, k * hpr,
@@ -394,7 +398,7 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
         if got is None:
             if len(self._orders) >= 1024:
                 self._orders.clear()  # read by takes queued on s: the pool reuses after them
-            q = all2all_rows(self._rails, tokens, B)
+            q = all2all_rows(self._rail_ranks, tokens, B)
             with s:
                 got = self._orders[tokens, B] = (cupy.asarray(q), cupy.asarray(np.argsort(q)))
         return got
@@ -456,7 +460,7 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
 
         spec, me = self.spec, self.rail.rank
         W, hpr, D, k = spec.world_size, spec.heads_per_rank, spec.head_dim, self.node.size
-        T, mine = tokens[spec.rank], self._rails[self.node.rank]
+        T, mine = tokens[spec.rank], self._rail_ranks[self.node.rank]
         row = k * hpr * D
         sends = self._blocks(self._send, tokens, B, row)
         recvs = self._blocks(self._recv, tokens, B, row, mine)
@@ -480,7 +484,7 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
                                scale.reshape(B, T, W, hpr)[:, :, heads])
                         dst.reshape(src.shape)[...] = src
             self.rail.all_to_all(ssend, srecv, s)
-        node_tokens = all2all_tokens(self._rails, tokens, B)
+        node_tokens = all2all_tokens(self._rail_ranks, tokens, B)
         R = node_tokens[self.node.rank]
         xn = self._recv[:R * row].reshape(1, R, k * hpr, D)
         if mode:
@@ -512,7 +516,7 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
 
         spec, me = self.spec, self.rail.rank
         W, hpr, D, k = spec.world_size, spec.heads_per_rank, spec.head_dim, self.node.size
-        T, mine = tokens[spec.rank], self._rails[self.node.rank]
+        T, mine = tokens[spec.rank], self._rail_ranks[self.node.rank]
         S, row = sum(tokens), k * hpr * D
         q, _ = self._order(tokens, B, s)
         rows_in = self._rows_in[:B * S * hpr * D]
@@ -524,7 +528,7 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
                 node_scale = self._scale_in[:B * S * c]
                 cupy_take(scale.reshape(-1, c), q, node_scale.reshape(-1, c))
                 node_scale = node_scale.reshape((1, B * S) if mode == 1 else (1, B * S, hpr))
-        node_tokens = all2all_tokens(self._rails, tokens, B)
+        node_tokens = all2all_tokens(self._rail_ranks, tokens, B)
         xn, xn_scale = self._node_call(True, rows_in.reshape(1, B * S, hpr, D), node_tokens,
                                        node_scale, mode, s)
         # xn [1, R, k * H/W, D]: per rail rank j, the tokens of rail member mine[j] with the
@@ -785,9 +789,7 @@ class GemmReduceScatterAcrossNodes(_GemmAcrossNodes):
             self.inner = GemmReduceScatter(self.node, self.max_m, n, k, self.dtype.name,
                                            self.out_dtype.name, b_layout, reduce, timeout_s,
                                            impl, config, w1, route)
-            rails = self.node.allgather(self.group.allgather(world.rank, timeout_s,
-                                                             "rail ranks"),
-                                        timeout_s, f"{self.op} rails")
+            rails = self._rails()
             # Row blocks of a (one per World rank, M / W rows each) in the node op's order.
             self._blocks = cupy.asarray(np.array([o for members in rails for o in members],
                                                  np.int64))
