@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 
@@ -82,6 +83,38 @@ class PeerFailedError(CommTimeoutError):
                                    f"void (outputs may be partial): close or abort the op")
 
 
+_PID_NAMESPACE: int | None = None
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (low 32 bits of its inode; 0 where /proc has none): pids
+    compare only within one namespace."""
+    global _PID_NAMESPACE
+    if _PID_NAMESPACE is None:
+        try:
+            _PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
+        except OSError:
+            _PID_NAMESPACE = 0
+    return _PID_NAMESPACE
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process `pid` (this pid namespace) still runs: a zombie (killed, not yet reaped
+    by its launcher) has stopped running and counts as dead."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state not in (b"Z", b"X")
+
+
 class FailureBoard:
     """One uint32 per rank that any rank of the op can write: 0 while the op is healthy, else
     1 + the rank that failed it first. Host memory shared by the ranks of one machine
@@ -94,14 +127,29 @@ class FailureBoard:
     and synchronize() raises PeerFailedError instead of returning outputs a late peer may have
     half written.
 
+    It also says whether a rank has left the op (`gone`): a copy into a peer's memory waits
+    for that peer's own word that the memory is free, and never for a timeout; once the peer
+    has left (closed or aborted the op: its `left` word) or its process is dead, nothing of it
+    reads that memory any more and the wait may be released (watchdog.StreamWaiter guards).
+
     host_addrs: each rank's word as seen by this process (host addresses); dev_word: this
-    rank's word as a device pointer; dev_table: device array of the W words' device pointers.
+    rank's word as a device pointer; dev_table: device array of the W words' device pointers;
+    left_addrs / pid_addrs: each rank's `left` word and its two process words (pid, pid
+    namespace), host addresses (None: no such words; every rank reads as gone).
     """
 
-    def __init__(self, rank: int, host_addrs, dev_word: int = 0, dev_table: int = 0):
+    def __init__(self, rank: int, host_addrs, dev_word: int = 0, dev_table: int = 0,
+                 left_addrs=None, pid_addrs=None):
         self.rank, self.world_size = rank, len(host_addrs)
         self.dev_word, self.dev_table = dev_word, dev_table
         self._words = [ctypes.c_uint32.from_address(a) for a in host_addrs]
+        self._left = ([ctypes.c_uint32.from_address(a) for a in left_addrs]
+                      if left_addrs is not None else None)
+        self._pids = ([(ctypes.c_uint32 * 2).from_address(a) for a in pid_addrs]
+                      if pid_addrs is not None else None)
+        if self._pids is not None:  # ours, for the peers' liveness checks
+            self._pids[rank][1] = _pid_namespace()
+            self._pids[rank][0] = os.getpid()
 
     def told(self) -> int:
         """-1 while nobody failed the op, else the rank that told this one (the first to fail
@@ -116,9 +164,30 @@ class FailureBoard:
             if w.value == 0:
                 w.value = v
 
+    def leave(self) -> None:
+        """This rank reads none of the op's memory any more (close, abort): a peer's guarded
+        copy into it may be released."""
+        if self._left is not None:
+            self._left[self.rank].value = 1
+
+    def gone(self, rank: int) -> bool:
+        """True once `rank` has left the op (its `left` word) or its process is dead; a rank
+        whose process this one cannot judge (another pid namespace, no pid yet) reads as
+        present until it leaves."""
+        left, pids = self._left, self._pids  # (detach() may run meanwhile: the watchdog asks)
+        if left is None or pids is None:
+            return True
+        if left[rank].value:
+            return True
+        pid, namespace = int(pids[rank][0]), int(pids[rank][1])
+        if pid == 0 or namespace != _pid_namespace():
+            return False
+        return not process_alive(pid)
+
     def detach(self) -> None:
-        """Forget the mapped words (before the pages are unmapped)."""
+        """Forget the mapped words (before the pages are unmapped); every rank reads as gone."""
         self._words = [ctypes.c_uint32(0) for _ in self._words]
+        self._left = self._pids = None
 
 
 class ErrorRecord:
@@ -223,6 +292,17 @@ class ErrorRecord:
         every peer: this rank is leaving the op."""
         self.words[ABORT] = 1
         self.tell()
+        self.leave()
+
+    def leave(self) -> None:
+        """This rank reads none of the op's memory any more (close, abort): see
+        FailureBoard.gone."""
+        if self.board is not None:
+            self.board.leave()
+
+    def peer_gone(self, rank: int) -> bool:
+        """Whether rank `rank` has left the op or died (True without a board: W = 1)."""
+        return self.board is None or self.board.gone(rank)
 
     def close(self) -> None:
         if self._host_ptr:

@@ -18,6 +18,14 @@ How the flag is released depends on where it lives:
   that stream can share a queue with the blocked wait and never run: the thread waits for it
   a bounded time, then records a fault instead of hanging.
 
+A guard wait (`wait(guard=True)`) is one that a copy into a peer's memory, or into memory a
+peer reads, sits behind (#19 item 1: AllGather's push copies wait for the peer's `free` word,
+its pull staging for every peer's `done` word). Releasing it early would let this rank's copy
+overwrite what a late but alive peer still reads. On expiry it is recorded (and told) like
+any wait, but it is released only by its flag (the peer got there after all) or once the peer
+has left the op or died (ErrorRecord.peer_gone): the stream behind it stays held until then,
+so the ops join such streams through waits of their own that may be released (allgather.py).
+
 The thread never dies silently: an exception in it is kept (`fault`, also set on the
 ErrorRecord as `err.fault`), the op's error record is marked aborted (so its next call
 raises), every pending wait on host-mapped memory is released, and `wait()`/`check()` raise
@@ -80,7 +88,7 @@ class StreamWaiter:
 
     A pending wait is a list: [reached event, passed event, time the stream reached it (None
     before), flag address, expected, peer, index, released?, CPU address of the flag (None:
-    device memory)].
+    device memory), guard?, expiry recorded?].
     """
 
     fault: BaseException | None = None  # what killed the thread (or a release that could not run)
@@ -115,13 +123,16 @@ class StreamWaiter:
             raise CufluxError(f"{op}: the stream-wait watchdog failed: "
                               f"{type(fault).__name__}: {fault}") from fault
 
-    def wait(self, stream, flag_addr: int, expected: int, peer: int, index: int = 0) -> None:
+    def wait(self, stream, flag_addr: int, expected: int, peer: int, index: int = 0,
+             guard: bool = False) -> None:
         """`stream` waits until the flag at flag_addr reached `expected` (epoch, wrap-aware).
-        Put the flag in host-mapped memory: then a timed-out wait is released by the CPU."""
+        Put the flag in host-mapped memory: then a timed-out wait is released by the CPU.
+        guard: a copy into `peer`'s memory (or into memory it reads) follows; on expiry the
+        wait is recorded but released only by the flag or once the peer has left or died."""
         import cupy
 
         self.check()
-        if self.err.failed():
+        if self.err.failed() and not guard:
             return  # the op already failed: do not block the stream behind a dead peer
         host = self._host_word(flag_addr)
         # The budget counts from when the stream reaches the wait (event `reached`), not from
@@ -132,7 +143,7 @@ class StreamWaiter:
         passed = cupy.cuda.Event(disable_timing=True)
         passed.record(stream)
         item = [reached, passed, None, flag_addr, expected & 0xFFFFFFFF, peer, index, False,
-                host]
+                host, guard, False]
         with self._lock:
             # One FIFO per stream: a stream passes its waits in order, so only the head of each
             # queue can be blocked and each poll looks at one wait per stream.
@@ -179,9 +190,15 @@ class StreamWaiter:
                         item[2] = started = now
                     if not item[7] and (aborted or (started is not None and (
                             failed or now - started > self.err.timeout_s))):
-                        self._expire(item, expiry_status(aborted, now - started,
-                                                         self.err.timeout_s))
-                        item[7] = True  # released: it passes shortly and is popped then
+                        waited_s = 0.0 if started is None else now - started
+                        status = expiry_status(aborted, waited_s, self.err.timeout_s)
+                        if self._is_guard(item) and not self.err.peer_gone(item[5]):
+                            if not item[10]:  # record (and tell) once; keep holding
+                                self._expire(item, status, release=False)
+                                item[10] = True
+                        else:
+                            self._expire(item, status)
+                            item[7] = True  # released: it passes shortly and is popped then
                     break
 
     def _record(self, item, status: int, observed: int) -> None:
@@ -194,26 +211,38 @@ class StreamWaiter:
             if status == E.STATUS_TIMEOUT:  # every peer's queued work gives up too (#19 item 1)
                 self.err.tell()  # (told waits tell nobody: the teller wrote every word)
 
-    def _expire(self, item, status: int) -> None:
+    @staticmethod
+    def _is_guard(item) -> bool:
+        return len(item) > 9 and bool(item[9])
+
+    def _expire(self, item, status: int, release: bool = True) -> None:
+        """Record why the wait ends (once: later records keep the first), then release it
+        unless `release` is False (a guard whose peer is still in the op)."""
         host = item[8] if len(item) > 8 else None
         if host is not None:
             # The flag is ours and host-mapped: read it and release the wait with CPU accesses
             # (an aligned 32-bit store; the stream's wait sees it at its next poll).
             word = ctypes.c_uint32.from_address(host)
             self._record(item, status, word.value)
-            word.value = item[4]
+            if release:
+                word.value = item[4]
             return
-        self._expire_device(item, status)
+        self._expire_device(item, status, release)
 
-    def _expire_device(self, item, status: int) -> None:
+    def _expire_device(self, item, status: int, release: bool = True) -> None:
         from cupy.cuda import runtime
 
         flag_addr, expected = item[3], item[4]
-        runtime.memcpyAsync(self._observed.ptr, flag_addr, 4, 2, self._release.ptr)  # D2H
-        read = self._wait_release()
-        observed = (int(np.frombuffer(self._observed, dtype=np.uint32, count=1)[0]) if read
-                    else _UNKNOWN)
-        self._record(item, status, observed)
+        if not (len(item) > 10 and item[10]):  # not read and recorded yet
+            runtime.memcpyAsync(self._observed.ptr, flag_addr, 4, 2, self._release.ptr)  # D2H
+            read = self._wait_release()
+            observed = (int(np.frombuffer(self._observed, dtype=np.uint32, count=1)[0]) if read
+                        else _UNKNOWN)
+            self._record(item, status, observed)
+        else:
+            read = True
+        if not release:
+            return
         # Release the stream: the flag is ours, so writing it touches no peer.
         driver.stream_write_value32(self._release, flag_addr, expected)
         if not (read and self._wait_release()):
@@ -259,7 +288,9 @@ class StreamWaiter:
             items = [item for q in self._pending.values() for item in q]
         for item in items:
             host = item[8] if len(item) > 8 else None
-            if host is not None and not item[7]:
+            # A guard stays held (its flag or its peer's leaving is the only release); with the
+            # thread gone, its peer's progress releases it.
+            if host is not None and not item[7] and not self._is_guard(item):
                 try:
                     ctypes.c_uint32.from_address(host).value = item[4]
                     item[7] = True

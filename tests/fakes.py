@@ -41,3 +41,9 @@ class FakeErrorRecord:
 
     def tell(self):
         """ErrorRecord.tell: this fake has no failure board (W = 1)."""
+
+    gone: set | None = None  # ranks that left the op (None: no board, every rank reads gone)
+
+    def peer_gone(self, rank):
+        """ErrorRecord.peer_gone: without a board (W = 1) every peer reads as gone."""
+        return self.gone is None or rank in self.gone

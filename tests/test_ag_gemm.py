@@ -732,7 +732,9 @@ class _Stream:
         self.q.append(("wait_event", ev, ev.version))
 
     @property
-    def done(self):
+    def done(self):  # polled by CommOp._drain: each look lets the GPU run one step
+        if self.q:
+            self.sim.step()
         return not self.q
 
     def __enter__(self):  # `with stream:` (CuPy's current stream): nothing to simulate
@@ -798,6 +800,13 @@ class _Sim:
             if not op[1].step():
                 return  # the kernel stays at the head until its last tile
         st.q.popleft()
+
+    def step(self) -> bool:
+        """Run one queued operation of some stream whose head can run; False if none can."""
+        runnable = [st for st in self.streams if st.q and self._ready(st.q[0])]
+        if runnable:
+            self._execute(self.rng.choice(runnable))
+        return bool(runnable)
 
     def run(self):
         while True:
@@ -870,6 +879,8 @@ def _fake_env(monkeypatch, sim):
                                                                                n)))
     monkeypatch.setattr(driver, "stream_write_value32",
                         lambda st, addr, v: st.q.append(("write", addr, v & 0xFFFFFFFF)))
+    monkeypatch.setattr(driver, "stream_wait_value32",
+                        lambda st, addr, v, cmp="geq": st.q.append(("wait", addr, v & 0xFFFFFFFF)))
     monkeypatch.setattr(AGM, "StreamWaiter", lambda err, dev, code: _Waiter(sim, err.rank))
     monkeypatch.setattr(op_base, "ErrorRecord", lambda op, rank, timeout_s: _Err(sim, op, rank,
                                                                               timeout_s))
@@ -909,6 +920,9 @@ class _Err(FakeErrorRecord):
         self.sim.log.append((self.rank, "err.abort"))
         self.words[E.ABORT] = 1
 
+    def leave(self):
+        self.sim.log.append((self.rank, "err.leave"))
+
     def close(self):
         self.sim.log.append((self.rank, "err.close"))
 
@@ -919,7 +933,7 @@ class _Waiter:
     def __init__(self, sim, rank):
         self.sim, self.rank = sim, rank
 
-    def wait(self, st, addr, v, peer, index=0):
+    def wait(self, st, addr, v, peer, index=0, guard=False):
         st.q.append(("wait", addr, v & 0xFFFFFFFF))
 
     def close(self):
@@ -1148,7 +1162,7 @@ def test_close_frees_everything_once(monkeypatch, cls, mode):
         op.close()
     assert all(st.done for st in sim.streams)
     for rank, op in enumerate(ops):
-        assert _rank_log(sim, rank) == [f"check_close {cls}", "waiter.close",
+        assert _rank_log(sim, rank) == [f"check_close {cls}", "err.leave", "waiter.close",
                                         ("buf.close", False, None), f"comm.free {cls}",
                                         "err.close"]
         assert op.closed and op._last_stream is streams[rank]
@@ -1173,7 +1187,7 @@ def test_abort_keeps_what_queued_work_may_touch(monkeypatch, cls):
         ops[0]._orders[(77, 64, 1)] = "a visit order a queued kernel may read"
     sim.log.clear()
     ops[0].abort()
-    own = ops[0].lanes + ([ops[0]._side] if cls == "AllGatherGemm" else [])
+    own = ops[0].lanes + [ops[0].stager] + ([ops[0]._side] if cls == "AllGatherGemm" else [])
     assert len(ops[0].lanes) == 1 and not all(st.done for st in [s] + own)
     assert _rank_log(sim, 0) == ["err.abort", ("buf.close", True, (s, *own)),
                                  f"comm.free {cls}"]
@@ -1187,7 +1201,7 @@ def test_abort_keeps_what_queued_work_may_touch(monkeypatch, cls):
     with pytest.raises(CommTimeoutError):
         with ops[1]:
             raise CommTimeoutError(cls, 1, 0, 1.0)
-    own = ops[1].lanes + ([ops[1]._side] if cls == "AllGatherGemm" else [])
+    own = ops[1].lanes + [ops[1].stager] + ([ops[1]._side] if cls == "AllGatherGemm" else [])
     assert _rank_log(sim, 1) == ["err.abort", "waiter.close", ("buf.close", True, tuple(own)),
                                  f"comm.free {cls}"]
 

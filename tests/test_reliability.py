@@ -274,6 +274,15 @@ def _queued_case(world, kind, bound_s):
                                    for r in range(W)], axis=1)
         return (op, lambda i, out, s: op.scatter_heads(xs[i], [16] * W, out=out, stream=s),
                 ((1, 16 * W, 2, 64), cupy.float16), want)
+    if kind.startswith("allgather_"):  # copy engines behind guards (CopyGather)
+        rows, cols = 16, 128
+        op = cuflux.AllGather(world, rows, cols, "float32", mode=kind.split("_")[1],
+                              timeout_s=bound_s)
+        xs = [cupy.full((rows, cols), v[me][i], cupy.float32) for i in range(4)]
+        return (op, lambda i, out, s: op(xs[i], out=out, stream=s),
+                ((W * rows, cols), cupy.float32),
+                lambda i: np.concatenate([np.full((rows, cols), v[r][i], np.float32)
+                                          for r in range(W)]))
     M = 256 * W  # gemm_rs, the fused kernel: C_r = 64 * v (a = v, b = ones, k = 64)
     op = cuflux.GemmReduceScatter(world, M, 256, 64, "float16", timeout_s=bound_s,
                                   route="fused")
@@ -290,7 +299,9 @@ def queued_behind_a_failure(world, kind, bound_s=1.0):
     Rank 0's wait in call 1 times out; its calls 2 and 3 must store nothing shared or remote:
     call 3 would land in the very buffer (same parity as call 1) that rank 1's call 1 has yet
     to read. Rank 1's call 1 then meets rank 0's call 1 and must come out exact, although
-    its host is told of the failure (its synchronize raises)."""
+    its host is told of the failure (its synchronize raises). AllGather (copy engines): rank
+    0's call 2 copies into rank 1's gathered rows (push) or its own staged shard that rank 1
+    reads (pull) behind a guard, which the timeout must not release while rank 1 is alive."""
     import cupy
 
     from cuflux.bench.common import hold_stream
@@ -331,7 +342,8 @@ def queued_behind_a_failure(world, kind, bound_s=1.0):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["allreduce", "all2all", "gemm_rs"])
+@pytest.mark.parametrize("kind", ["allreduce", "all2all", "gemm_rs", "allgather_push",
+                                  "allgather_pull"])
 def test_calls_queued_behind_a_failed_wait_store_nothing(kind):
     if 2 not in WS:
         pytest.skip("runs at W = 2 (CUFLUX_TEST_WORLD_SIZES leaves it out)")
@@ -407,6 +419,42 @@ def test_failure_board_keeps_the_first_teller_and_reaches_every_rank():
     boards[3].detach()  # the pages may go: the board reads nothing of them any more
     pages[3][0] = 7
     assert boards[3].told() == -1
+
+
+def test_failure_board_says_when_a_rank_has_left_or_died():
+    """FailureBoard.gone (#19 item 1, guards): a rank is gone once it left the op (its own
+    word), once its process is dead (a zombie not yet reaped counts) and never while it runs;
+    a rank of another pid namespace, or one whose pid is not written yet, is present until it
+    leaves. A detached board reads every rank as gone."""
+    W = 3
+    failed = [(ctypes.c_uint32 * 1)() for _ in range(W)]
+    left = [(ctypes.c_uint32 * 1)() for _ in range(W)]
+    pids = [(ctypes.c_uint32 * 2)() for _ in range(W)]
+    boards = [E.FailureBoard(r, [ctypes.addressof(p) for p in failed],
+                             left_addrs=[ctypes.addressof(p) for p in left],
+                             pid_addrs=[ctypes.addressof(p) for p in pids]) for r in range(W)]
+    assert [int(p[0]) for p in pids] == [os.getpid()] * W  # each wrote its own (one process)
+    assert not any(boards[0].gone(r) for r in range(W))  # this process runs
+    boards[2].leave()
+    assert boards[0].gone(2) and boards[1].gone(2) and not boards[0].gone(1)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    zombie = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.monotonic() + 10
+    while E.process_alive(zombie.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)  # exits, unreaped: a zombie
+    pids[1][0] = dead.pid
+    assert boards[0].gone(1)
+    pids[1][0] = zombie.pid
+    assert boards[0].gone(1) and not E.process_alive(zombie.pid)
+    zombie.wait()
+    pids[1][1] ^= 1  # another pid namespace: not judged by pid
+    assert not boards[0].gone(1)
+    pids[1][:] = [0, pids[0][1]]  # no pid yet
+    assert not boards[0].gone(1)
+    boards[0].detach()
+    assert boards[0].gone(1)
+    assert E.FailureBoard(0, [ctypes.addressof(failed[0])]).gone(1)  # no such words
 
 
 def test_peer_failed_error_names_whom_it_waited_for_and_who_failed_first():
@@ -940,6 +988,58 @@ def test_host_mapped_wait_is_released_by_a_cpu_store(monkeypatch):
         assert int(words[E.OBSERVED]) == 4 and int(words[E.EXPECTED]) == 5
         assert int(words[E.INDEX]) == 2 and int(words[E.RANK]) == 3
         assert w.fault is None
+    finally:
+        w.close()
+
+
+def test_guard_wait_is_recorded_on_expiry_but_released_only_when_its_peer_leaves(monkeypatch):
+    """#19 item 1: a wait guarding a copy into a peer's memory is recorded and told when it runs
+    out of time, like any wait, but its flag is not forged while the peer is still in the op:
+    only the peer's own word or its leaving releases it. A plain wait behind the failure is
+    released at once."""
+    flags = np.zeros(4, dtype=np.uint32)
+    flags[1] = 6
+    w = _waiter(monkeypatch, 0.1, flags)
+    w.err.gone = set()  # a board: rank 1 is still in the op
+    tells = []
+    w.err.tell = lambda: tells.append(1)
+    try:
+        w.wait(5, 0x9000 + 4, 7, peer=1, index=1, guard=True)
+        (item,) = list(w._pending[5])
+        item[0].done = True  # the stream reaches the guard
+        time.sleep(0.5)
+        words = w.err.words
+        assert int(words[E.STATUS]) == E.STATUS_TIMEOUT and int(words[E.PEER]) == 1
+        assert int(words[E.OBSERVED]) == 6 and tells == [1]
+        assert int(flags[1]) == 6 and not item[7]  # held: rank 1 may still read its rows
+        w.wait(6, 0x9000 + 8, 3, peer=2, index=2)  # the op failed: a plain wait is not queued
+        w.wait(7, 0x9000 + 12, 3, peer=2, index=3, guard=True)  # a guard still is
+        assert 6 not in w._pending and len(w._pending[7]) == 1
+        w._pending[7][0][0].done = True
+        time.sleep(0.1)
+        assert int(flags[3]) == 0 and int(flags[1]) == 6  # both guards held
+        w.err.gone.update((1, 2))  # ranks 1 and 2 left the op (or died)
+        time.sleep(0.1)
+        assert int(flags[1]) == 7 and item[7] and tells == [1]  # released, recorded once
+        assert int(flags[3]) == 3
+    finally:
+        w.close()
+
+
+def test_guard_wait_passes_when_its_peer_gets_there(monkeypatch):
+    flags = np.zeros(2, dtype=np.uint32)
+    w = _waiter(monkeypatch, 0.1, flags)
+    w.err.gone = set()
+    try:
+        w.wait(5, 0x9000, 4, peer=1, guard=True)
+        (item,) = list(w._pending[5])
+        item[0].done = True
+        time.sleep(0.3)
+        assert not item[7] and int(flags[0]) == 0
+        flags[0] = 4  # the peer's word comes after all: the stream passes
+        item[1].done = True
+        time.sleep(0.1)
+        assert not w._pending[5] and not item[7]  # popped, never forged
     finally:
         w.close()
 

@@ -544,7 +544,8 @@ class AllGatherGemm(CopyGather):
         return super()._own_streams() + [self._side]
 
     def _free(self) -> None:
-        """The visit orders live as long as a kernel may still read them."""
+        """The visit orders live as long as a kernel may still read them (CopyGather._free
+        raises where close() finds a stream still held: they stay)."""
+        super()._free()
         if self._quiet():
             self._orders.clear()
-        super()._free()

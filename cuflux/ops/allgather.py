@@ -18,13 +18,22 @@ Symmetric layout (one IPC allocation per op, 128-byte aligned regions):
   done    uint32 [W] (pull): done[p] = e when rank p finished reading our staged shard
   free    uint32 [W] (push): free[p] = e when rank p consumed its gathered rows of call e,
           so our shard of call e+1 may overwrite them
+  joined  uint32 [W + 1]: joined[l] = e when copy lane l (joined[W]: the pull stager) has
+          queued nothing more of call e; the call's stream waits for them
 
-Pull, call e:  S: wait done[*] >= e-1; stage x; ready[me] -> every peer; copy own rows.
-               lane(p): wait ready[p] >= e; copy chunks from p's staging, raise chunk[p, c];
-               done[me] = e -> p.
-Push, call e:  S: copy own rows; lane(p): wait free[p] >= e-1; copy chunks of x into p's data,
+Pull, call e:  stager: guard done[*] >= e-1; stage x; ready[me] -> every peer.
+               S: copy own rows. lane(p): wait ready[p] >= e; copy chunks from p's staging,
+               raise chunk[p, c]; done[me] = e -> p.
+Push, call e:  S: copy own rows; lane(p): guard free[p] >= e-1; copy chunks of x into p's data,
                raise chunk[me, c] on p.  Then S: wait chunk[*] >= e; copy out; free[me] = e ->
                every peer.
+
+The guards (#19 item 1) come before a copy that overwrites what a peer reads (its gathered
+rows, our staged shard): they are stream waits that a timeout never releases, only the peer's
+own word or its leaving the op (watchdog.StreamWaiter.wait(guard=True)), so a late but alive
+peer never has a call in flight overwritten. A stream holding a guard (push lanes, the pull
+stager) may therefore stay held after a failure; S joins it through its `joined` word with a
+wait that a timeout does release (x, the copies' source, then belongs to a void call).
 
 Inside a stage of the transfer order the lanes' copies are queued chunk-major (chunk 0 of every
 peer of the stage, then chunk 1, ...), so chunks land in the order `arrival_order` lists; the
@@ -43,7 +52,7 @@ import numpy as np
 from cuflux import driver, kernels
 from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torch, stream_of,
                            to_caller)
-from cuflux.errors import ABORT, OP_CODES
+from cuflux.errors import ABORT, OP_CODES, CufluxError
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_timeout, on_op_device,
                              on_world_device, require_world_device)
 from cuflux.signal import wait_flags
@@ -67,6 +76,7 @@ def gather_layout(world_size: int, max_rows: int, row_bytes: int, max_chunks: in
     layout.add("chunk", (world_size, max_chunks), np.uint32)
     for region in ("ready", "done", "free"):
         layout.add(region, (world_size,), np.uint32)
+    layout.add("joined", (world_size + 1,), np.uint32)
     return layout
 
 
@@ -130,7 +140,7 @@ class CopyGather(CommOp):
         self.row_bytes = cols * dtype.itemsize
         self.layout = gather_layout(W, max_rows, self.row_bytes, self.max_chunks, mode)
         self._alloc(self.layout)
-        self._epoch_regions = ("chunk", "ready", "done", "free")  # zeroed on a re-arm (CommOp)
+        self._epoch_regions = ("chunk", "ready", "done", "free", "joined")  # zeroed on a re-arm
         self.wait_mode = wait
         self.waiter = StreamWaiter(self.err, world.device, OP_CODES[op])
         self.order = transfer_order(world.topology, W)
@@ -139,6 +149,8 @@ class CopyGather(CommOp):
             world.rank, self.comm.allgather(self.order, what=f"{op} transfer orders"), mode)
         num_lanes = max([len(stage) for stage in self.order], default=0)
         self.lanes = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_lanes)]
+        # Pull: the staging copy and its guard run here, so a held guard holds no caller stream.
+        self.stager = cupy.cuda.Stream(non_blocking=True) if mode == "pull" and W > 1 else None
         kernels.load("signal.cu", world.device)  # eager: nothing may load while a stream spins
 
     # ---- addresses ---------------------------------------------------------------------------
@@ -169,21 +181,45 @@ class CopyGather(CommOp):
                 self.waiter.wait(stream, self._flag(me, rank_flag_name, i), expected,
                                  first_peer + g, i)
 
-    def _fork(self, s):
+    def _guard(self, stream, flag_name: str, expected: int, peer: int) -> None:
+        """A guard (module docstring): `stream` waits for peer's word flag_name[peer] of this
+        rank; a timeout records and tells but never releases it (a stream wait in either wait
+        mode: a waiting kernel gives up)."""
+        me = self.world.rank
+        self.waiter.wait(stream, self._flag(me, flag_name, peer), expected, peer, peer,
+                         guard=True)
+
+    def _fork(self, s, streams):
         import cupy
 
         ev = cupy.cuda.Event(disable_timing=True)
         ev.record(s)
-        for lane in self.lanes:
-            lane.wait_event(ev)
+        for st in streams:
+            st.wait_event(ev)
 
-    def _join(self, s):
+    def _join(self, s, streams):
+        """`s` waits for what `streams` queued so far (events: they hold no guard)."""
         import cupy
 
-        for lane in self.lanes:
+        for st in streams:
             ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(lane)
+            ev.record(st)
             s.wait_event(ev)
+
+    def _join_guarded(self, s, streams, first_slot: int) -> None:
+        """`s` waits for what `streams` (which may hold a guard) queued so far, through a wait
+        that a timeout releases. The streams end in a chain: stream i raises joined[first_slot
+        + i] = epoch once stream i-1 raised its word (a plain stream wait, bounded as the guards
+        before it are), so `s` waits for the last word only: one watched wait per call."""
+        me, e = self.world.rank, self.epoch
+        slot = None
+        for i, st in enumerate(streams):
+            if slot is not None:
+                driver.stream_wait_value32(st, self._flag(me, "joined", slot), e, "geq")
+            slot = first_slot + i
+            driver.stream_write_value32(st, self._flag(me, "joined", slot), e)
+        if slot is not None:
+            self._wait(s, "joined", e, me, index0=slot)
 
     # ---- the halves of a call (AllGatherGemm queues its GEMM between them) --------------------
     # A consumer that reads the gathered rows as they land calls begin(), queues its kernel on
@@ -227,21 +263,25 @@ class CopyGather(CommOp):
                 runtime.memcpyAsync(gathered_ptr, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
             return e
         if self.mode == "pull":
-            staging = self.buf.ptr(me, "data")
-            # Peers may still be reading our staging slot from call e-1.
+            staging, st = self.buf.ptr(me, "data"), self.stager
+            self._fork(s, [st])
+            # Peers may still be reading our staging slot from call e-1 (guards: a late peer's
+            # read is never overwritten).
             if e > 1:
-                self._wait(s, "done", e - 1, 0, num_groups=W)
-            runtime.memcpyAsync(staging, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
+                for p in range(W):
+                    if p != me:
+                        self._guard(st, "done", e - 1, p)
+            runtime.memcpyAsync(staging, x.data.ptr, nbytes, _MEMCPY_DEFAULT, st.ptr)
             for p in range(W):
                 if p != me:
-                    driver.stream_write_value32(s, self._flag(p, "ready", me), e)
+                    driver.stream_write_value32(st, self._flag(p, "ready", me), e)
         dst = (self.push_gathered_ptr() if self.mode == "push" else gathered_ptr) + me * nbytes
         runtime.memcpyAsync(dst, x.data.ptr, nbytes, _MEMCPY_DEFAULT, s.ptr)
         for c, _, _ in self._chunks(rows):
             driver.stream_write_value32(s, self._chunk_flag(me, me, c), e)
         driver.stream_write_value32(s, self._flag(me, "done" if self.mode == "pull" else "free",
                                                   me), e)
-        self._fork(s)
+        self._fork(s, self.lanes)
         return e
 
     def send_peers(self, x, gathered_ptr: int, stream) -> None:
@@ -272,10 +312,11 @@ class CopyGather(CommOp):
                 for lane, p in pairs:
                     driver.stream_write_value32(lane, self._flag(p, "done", me), e)
             else:
-                # Rank p's gathered rows of call e-1 must be consumed before we overwrite them.
+                # Rank p's gathered rows of call e-1 must be consumed before we overwrite them
+                # (guards: a late peer's rows are never overwritten).
                 if e > 1:
                     for lane, p in pairs:
-                        self._wait(lane, "free", e - 1, p, index0=p)
+                        self._guard(lane, "free", e - 1, p)
                 for c, r0, n in chunks:
                     off = r0 * self.row_bytes
                     for lane, p in pairs:
@@ -283,7 +324,11 @@ class CopyGather(CommOp):
                                             x.data.ptr + off, n * self.row_bytes,
                                             _MEMCPY_DEFAULT, lane.ptr)
                         driver.stream_write_value32(lane, self._chunk_flag(p, me, c), e)
-        self._join(stream)
+        if self.mode == "pull":
+            self._join(stream, self.lanes)
+            self._join_guarded(stream, [self.stager], W)
+        else:
+            self._join_guarded(stream, self.lanes, 0)
 
     def release(self, stream) -> None:
         """Push mode: once `stream` has run everything that reads this call's gathered rows,
@@ -315,8 +360,8 @@ class CopyGather(CommOp):
 
     # ---- lifetime (CommOp: close, abort; here: the op's own streams and its watchdog) ---------
     def _own_streams(self) -> list:
-        """Streams of the op's own that calls queue work on (the copy lanes)."""
-        return list(self.lanes)
+        """Streams of the op's own that calls queue work on (the copy lanes, the stager)."""
+        return list(self.lanes) + ([self.stager] if self.stager is not None else [])
 
     def _streams(self):
         """Every stream this op's work may still be queued on: the last call's and its own."""
@@ -326,9 +371,9 @@ class CopyGather(CommOp):
     @on_op_device
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's work on `stream` (default: the current stream) and on the op's
-        own streams; raise CommTimeoutError if a wait of this op failed."""
-        for st in self._own_streams():
-            st.synchronize()
+        own streams; raise CommTimeoutError if a wait of this op failed (then at once: a
+        stream holding a guard may stay held until its peer leaves the op)."""
+        self._drain(self._own_streams())
         super().synchronize(stream)
 
     def _quiet(self) -> bool:
@@ -339,17 +384,42 @@ class CopyGather(CommOp):
         streams = self._streams()
         if int(self.err.words[ABORT]) == 0:
             with self.world.device_context():
-                for st in streams:
-                    st.synchronize()
-            return True
+                # A failed op: a guard is released once its peer leaves; close() left first, and
+                # a peer that never comes to close makes it abort (CommOp._release).
+                if self._drain_closing(streams):
+                    return True
+            self.err.words[ABORT] = 1  # still held: close() goes on as abort() does
+            return False
         return all(st.done for st in streams)
+
+    def _drain_closing(self, streams) -> bool:
+        """close(): wait for the streams; once the op has failed, a held guard waits for its
+        peer to leave too, bounded by the op's timeout (False: some stream is still held; its
+        memory is then kept, as after abort())."""
+        import time
+
+        if self._drain(streams):
+            return True
+        deadline = time.monotonic() + self.timeout_s
+        while not all(st.done for st in streams):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(1e-3)
+        return True
 
     def _free(self) -> None:
         """Stop the stream-wait watchdog once no stream can reach one of its waits. After an
         abort() with work still queued it keeps running (leaked, as the error record is): the
-        abort word makes it release each remaining wait as its stream reaches it."""
+        abort word makes it release each remaining wait as its stream reaches it, a guard once
+        its peer leaves. close() with a stream still held past the bound raises (CommOp then
+        closes this rank's side as abort() does, memory kept)."""
+        closing = int(self.err.words[ABORT]) == 0
         if self._quiet():
             self.waiter.close()
+        elif closing:
+            raise CufluxError(f"{self.op}: a copy stream of rank {self.world.rank} is still held "
+                              f"by a guarded copy {self.timeout_s} s after the op failed (its "
+                              "peer neither got there nor left the op)")
 
 
 class AllGather(CopyGather):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import warnings
 
 import numpy as np
@@ -173,10 +174,15 @@ def failure_board(world, comm):
     # At offset 0, so the buffer's table of base pointers (ptrs_dev) is the table of every
     # rank's word that kernels tell through.
     assert layout.regions["failed"].offset == 0
+    layout.add("left", (1,), np.uint32)  # the rank has left the op (FailureBoard.gone)
+    layout.add("pid", (2,), np.uint32)   # its process: pid, pid namespace
     buf = world.alloc_layout(layout, group=comm, memory="host")
     try:
-        board = FailureBoard(world.rank, [buf.host_ptr(r, "failed") for r in range(world.size)],
-                             buf.ptr(world.rank, "failed"), buf.ptrs_dev.data.ptr)
+        ranks = range(world.size)
+        board = FailureBoard(world.rank, [buf.host_ptr(r, "failed") for r in ranks],
+                             buf.ptr(world.rank, "failed"), buf.ptrs_dev.data.ptr,
+                             left_addrs=[buf.host_ptr(r, "left") for r in ranks],
+                             pid_addrs=[buf.host_ptr(r, "pid") for r in ranks])
     except BaseException:
         buf.close(abort=True, streams=())
         raise
@@ -321,9 +327,10 @@ class CommOp(Closeable):
         first barrier: every rank's earlier calls are done (they write into this rank's flags);
         the second: no rank starts a call (and writes here) before every rank has zeroed."""
         what = f"re-arming the call epochs after {self.epoch} calls"
-        stream.synchronize()
-        for other in self._streams() or ():  # an op's own streams (copy lanes, side streams)
-            other.synchronize()
+        stream.synchronize()  # the calls' stream: its waits are bounded
+        # An op's own stream (a copy lane) may stay held by a guarded copy after a failure:
+        # bounded by the failure, which err.check() raises.
+        self._drain(self._streams() or ())
         self.err.check()
         try:
             self.comm.barrier(self.timeout_s, f"{self.op}: {what}")
@@ -340,6 +347,17 @@ class CommOp(Closeable):
         refuse_capture(self.op, stream, why)
 
     # ---- lifetime ----------------------------------------------------------------------------
+    def _drain(self, streams, poll_s: float = 1e-4) -> bool:
+        """Wait until every stream in `streams` is idle, or until the op has failed (a copy
+        lane may then stay held by a guarded copy until its peer leaves the op: see
+        watchdog.StreamWaiter.wait(guard=True)). True when they are all idle."""
+        for st in streams:
+            while not st.done:
+                if self.err.failed():
+                    return False
+                time.sleep(poll_s)
+        return True
+
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's work on `stream` (default: the current stream); raise
         CommTimeoutError if a wait of this op failed."""
@@ -359,6 +377,10 @@ class CommOp(Closeable):
         peer does not come (leaving a `with` block on CommTimeoutError aborts at once)."""
         try:
             self.comm.check_close(self.timeout_s)
+            # Every rank came: none starts a call any more. Leave first, so a peer's copy into
+            # our memory held back by a failed call (a guarded copy) can finish: its stream then
+            # drains while we drain ours (each rank waits for its own streams in _free).
+            self.err.leave()
             self._free()
             with self.world.device_context():
                 if self.buf is not None:
