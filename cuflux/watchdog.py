@@ -24,7 +24,9 @@ its pull staging for every peer's `done` word). Releasing it early would let thi
 overwrite what a late but alive peer still reads. On expiry it is recorded (and told) like
 any wait, but it is released only by its flag (the peer got there after all) or once the peer
 has left the op or died (ErrorRecord.peer_gone): the stream behind it stays held until then,
-so the ops join such streams through waits of their own that may be released (allgather.py).
+so the ops join such streams through a follower wait (`wait(follow=True)`): it has no clock
+of its own (the waits ahead of it on the joined streams bound the time and name the late peer)
+and is released once the op has failed or been aborted (allgather.py).
 
 The thread never dies silently: an exception in it is kept (`fault`, also set on the
 ErrorRecord as `err.fault`), the op's error record is marked aborted (so its next call
@@ -88,7 +90,7 @@ class StreamWaiter:
 
     A pending wait is a list: [reached event, passed event, time the stream reached it (None
     before), flag address, expected, peer, index, released?, CPU address of the flag (None:
-    device memory), guard?, expiry recorded?].
+    device memory), guard?, expiry recorded?, follower?].
     """
 
     fault: BaseException | None = None  # what killed the thread (or a release that could not run)
@@ -124,11 +126,13 @@ class StreamWaiter:
                               f"{type(fault).__name__}: {fault}") from fault
 
     def wait(self, stream, flag_addr: int, expected: int, peer: int, index: int = 0,
-             guard: bool = False) -> None:
+             guard: bool = False, follow: bool = False) -> None:
         """`stream` waits until the flag at flag_addr reached `expected` (epoch, wrap-aware).
         Put the flag in host-mapped memory: then a timed-out wait is released by the CPU.
         guard: a copy into `peer`'s memory (or into memory it reads) follows; on expiry the
-        wait is recorded but released only by the flag or once the peer has left or died."""
+        wait is recorded but released only by the flag or once the peer has left or died.
+        follow: the flag is raised by this rank's own streams after bounded waits of theirs;
+        no clock of its own: released (unrecorded) once the op failed or was aborted."""
         import cupy
 
         self.check()
@@ -143,7 +147,7 @@ class StreamWaiter:
         passed = cupy.cuda.Event(disable_timing=True)
         passed.record(stream)
         item = [reached, passed, None, flag_addr, expected & 0xFFFFFFFF, peer, index, False,
-                host, guard, False]
+                host, guard, False, follow]
         with self._lock:
             # One FIFO per stream: a stream passes its waits in order, so only the head of each
             # queue can be blocked and each poll looks at one wait per stream.
@@ -188,8 +192,9 @@ class StreamWaiter:
                     now = time.monotonic()
                     if started is None and reached.done:
                         item[2] = started = now
+                    follower = len(item) > 11 and item[11]
                     if not item[7] and (aborted or (started is not None and (
-                            failed or now - started > self.err.timeout_s))):
+                            failed or (now - started > self.err.timeout_s and not follower)))):
                         waited_s = 0.0 if started is None else now - started
                         status = expiry_status(aborted, waited_s, self.err.timeout_s)
                         if self._is_guard(item) and not self.err.peer_gone(item[5]):
@@ -197,7 +202,8 @@ class StreamWaiter:
                                 self._expire(item, status, release=False)
                                 item[10] = True
                         else:
-                            self._expire(item, status)
+                            # A follower names nobody: the waits it follows record the peer.
+                            self._expire(item, status, record=not follower)
                             item[7] = True  # released: it passes shortly and is popped then
                     break
 
@@ -215,25 +221,28 @@ class StreamWaiter:
     def _is_guard(item) -> bool:
         return len(item) > 9 and bool(item[9])
 
-    def _expire(self, item, status: int, release: bool = True) -> None:
-        """Record why the wait ends (once: later records keep the first), then release it
-        unless `release` is False (a guard whose peer is still in the op)."""
+    def _expire(self, item, status: int, release: bool = True, record: bool = True) -> None:
+        """Record why the wait ends (once: later records keep the first; not `record`: a
+        follower), then release it unless `release` is False (a guard whose peer is still in
+        the op)."""
         host = item[8] if len(item) > 8 else None
         if host is not None:
             # The flag is ours and host-mapped: read it and release the wait with CPU accesses
             # (an aligned 32-bit store; the stream's wait sees it at its next poll).
             word = ctypes.c_uint32.from_address(host)
-            self._record(item, status, word.value)
+            if record:
+                self._record(item, status, word.value)
             if release:
                 word.value = item[4]
             return
-        self._expire_device(item, status, release)
+        self._expire_device(item, status, release, record)
 
-    def _expire_device(self, item, status: int, release: bool = True) -> None:
+    def _expire_device(self, item, status: int, release: bool = True,
+                       record: bool = True) -> None:
         from cupy.cuda import runtime
 
         flag_addr, expected = item[3], item[4]
-        if not (len(item) > 10 and item[10]):  # not read and recorded yet
+        if record and not (len(item) > 10 and item[10]):  # not read and recorded yet
             runtime.memcpyAsync(self._observed.ptr, flag_addr, 4, 2, self._release.ptr)  # D2H
             read = self._wait_release()
             observed = (int(np.frombuffer(self._observed, dtype=np.uint32, count=1)[0]) if read

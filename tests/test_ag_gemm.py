@@ -920,8 +920,12 @@ class _Err(FakeErrorRecord):
         self.sim.log.append((self.rank, "err.abort"))
         self.words[E.ABORT] = 1
 
-    def leave(self):
-        self.sim.log.append((self.rank, "err.leave"))
+    left = False
+
+    def leave(self):  # idempotent, as FailureBoard.leave: logged once
+        if not self.left:
+            self.left = True
+            self.sim.log.append((self.rank, "err.leave"))
 
     def close(self):
         self.sim.log.append((self.rank, "err.close"))
@@ -933,7 +937,7 @@ class _Waiter:
     def __init__(self, sim, rank):
         self.sim, self.rank = sim, rank
 
-    def wait(self, st, addr, v, peer, index=0, guard=False):
+    def wait(self, st, addr, v, peer, index=0, guard=False, follow=False):
         st.q.append(("wait", addr, v & 0xFFFFFFFF))
 
     def close(self):

@@ -190,6 +190,8 @@ def test_unfused_below_m_is_gemms_cublas_boundary():
 
 # ---- epoch re-arm (host-counted ops) -------------------------------------------------------------
 class _Stream:
+    done = True  # idle (CommOp._drain polls it)
+
     def __init__(self, log):
         self.log = log
 

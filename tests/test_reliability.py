@@ -1026,6 +1026,31 @@ def test_guard_wait_is_recorded_on_expiry_but_released_only_when_its_peer_leaves
         w.close()
 
 
+def test_follower_wait_has_no_clock_and_names_nobody(monkeypatch):
+    """The wait by which a call's stream joins streams that may hold a guard (AllGather) has no
+    clock of its own: it outlives the timeout unreleased while the op is healthy (the waits
+    ahead of it bound the time), and once another wait expires it is released without a record
+    of its own, so the error names the late peer, not this rank."""
+    flags = np.zeros(3, dtype=np.uint32)
+    w = _waiter(monkeypatch, 0.1, flags)
+    w.err.gone = set()
+    try:
+        w.wait(5, 0x9000, 2, peer=3, index=0, follow=True)  # joins rank 3's own stream
+        (follower,) = list(w._pending[5])
+        follower[0].done = True
+        time.sleep(0.4)
+        assert int(flags[0]) == 0 and not follower[7]  # 4 timeouts long: still waiting
+        assert int(w.err.words[E.STATUS]) == E.STATUS_OK
+        w.wait(6, 0x9000 + 4, 9, peer=1, index=1, guard=True)  # the lane's guard, for rank 1
+        w._pending[6][0][0].done = True
+        time.sleep(0.4)
+        assert int(w.err.words[E.STATUS]) == E.STATUS_TIMEOUT and int(w.err.words[E.PEER]) == 1
+        assert int(flags[0]) == 2 and follower[7]  # released, once the op failed
+        assert int(flags[1]) == 0  # the guard still held
+    finally:
+        w.close()
+
+
 def test_guard_wait_passes_when_its_peer_gets_there(monkeypatch):
     flags = np.zeros(2, dtype=np.uint32)
     w = _waiter(monkeypatch, 0.1, flags)

@@ -25,7 +25,7 @@ def _waiter(monkeypatch, timeout_s):
     w._pending, w._lock, w._thread, w._stop = {}, threading.Lock(), None, threading.Event()
     w.expired = []
 
-    def expire(item, status):
+    def expire(item, status, release=True, record=True):
         w.expired.append((item[5], time.monotonic()))
         if int(w.err.words[E.STATUS]) == 0:
             w.err.words[E.PEER], w.err.words[E.STATUS] = item[5], status

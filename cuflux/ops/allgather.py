@@ -207,8 +207,9 @@ class CopyGather(CommOp):
             s.wait_event(ev)
 
     def _join_guarded(self, s, streams, first_slot: int) -> None:
-        """`s` waits for what `streams` (which may hold a guard) queued so far, through a wait
-        that a timeout releases. The streams end in a chain: stream i raises joined[first_slot
+        """`s` waits for what `streams` (which may hold a guard) queued so far, through a
+        follower wait (watchdog: no clock of its own, released once the op failed, so a held
+        guard never holds `s` and the error names the late peer). The streams end in a chain: stream i raises joined[first_slot
         + i] = epoch once stream i-1 raised its word (a plain stream wait, bounded as the guards
         before it are), so `s` waits for the last word only: one watched wait per call."""
         me, e = self.world.rank, self.epoch
@@ -218,8 +219,8 @@ class CopyGather(CommOp):
                 driver.stream_wait_value32(st, self._flag(me, "joined", slot), e, "geq")
             slot = first_slot + i
             driver.stream_write_value32(st, self._flag(me, "joined", slot), e)
-        if slot is not None:
-            self._wait(s, "joined", e, me, index0=slot)
+        if slot is not None:  # a follower (either wait mode): the lanes' waits name the peer
+            self.waiter.wait(s, self._flag(me, "joined", slot), e, me, slot, follow=True)
 
     # ---- the halves of a call (AllGatherGemm queues its GEMM between them) --------------------
     # A consumer that reads the gathered rows as they land calls begin(), queues its kernel on
@@ -372,9 +373,10 @@ class CopyGather(CommOp):
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's work on `stream` (default: the current stream) and on the op's
         own streams; raise CommTimeoutError if a wait of this op failed (then at once: a
-        stream holding a guard may stay held until its peer leaves the op)."""
-        self._drain(self._own_streams())
-        super().synchronize(stream)
+        stream holding a guard, or one sharing its hardware queue, may stay held until the
+        guard's peer leaves the op)."""
+        self._drain(self._own_streams() + [stream_of(stream)])
+        self.err.check()
 
     def _quiet(self) -> bool:
         """True once none of this rank's streams can still reach a wait of this op or read its
@@ -384,28 +386,25 @@ class CopyGather(CommOp):
         streams = self._streams()
         if int(self.err.words[ABORT]) == 0:
             with self.world.device_context():
-                # A failed op: a guard is released once its peer leaves; close() left first, and
-                # a peer that never comes to close makes it abort (CommOp._release).
-                if self._drain_closing(streams):
+                # close() (every rank came): first this rank's reads (of its memory, which a
+                # peer's held guarded copy would overwrite once we leave, and of the peers'
+                # staging), then leave the op, then the streams that may hold a guard until
+                # their peers leave; each bounded by the op's timeout.
+                holders = self._guard_holders()
+                self._drain([st for st in streams if st not in holders], self.timeout_s,
+                            stop_on_failure=False)
+                self.err.leave()
+                if self._drain(streams, self.timeout_s, stop_on_failure=False):
                     return True
             self.err.words[ABORT] = 1  # still held: close() goes on as abort() does
             return False
         return all(st.done for st in streams)
 
-    def _drain_closing(self, streams) -> bool:
-        """close(): wait for the streams; once the op has failed, a held guard waits for its
-        peer to leave too, bounded by the op's timeout (False: some stream is still held; its
-        memory is then kept, as after abort())."""
-        import time
-
-        if self._drain(streams):
-            return True
-        deadline = time.monotonic() + self.timeout_s
-        while not all(st.done for st in streams):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(1e-3)
-        return True
+    def _guard_holders(self) -> list:
+        """The streams whose guards wait for peers: push lanes, the pull stager."""
+        if self.world.size == 1:
+            return []
+        return list(self.lanes) if self.mode == "push" else [self.stager]
 
     def _free(self) -> None:
         """Stop the stream-wait watchdog once no stream can reach one of its waits. After an

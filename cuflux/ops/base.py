@@ -327,11 +327,11 @@ class CommOp(Closeable):
         first barrier: every rank's earlier calls are done (they write into this rank's flags);
         the second: no rank starts a call (and writes here) before every rank has zeroed."""
         what = f"re-arming the call epochs after {self.epoch} calls"
-        stream.synchronize()  # the calls' stream: its waits are bounded
-        # An op's own stream (a copy lane) may stay held by a guarded copy after a failure:
-        # bounded by the failure, which err.check() raises.
+        # Polled: an op's own stream (a copy lane) may stay held by a guarded copy after a
+        # failure, and a stream sharing its hardware queue with it too; err.check() raises it.
         self._drain(self._streams() or ())
         self.err.check()
+        stream.synchronize()
         try:
             self.comm.barrier(self.timeout_s, f"{self.op}: {what}")
             with stream:
@@ -347,15 +347,22 @@ class CommOp(Closeable):
         refuse_capture(self.op, stream, why)
 
     # ---- lifetime ----------------------------------------------------------------------------
-    def _drain(self, streams, poll_s: float = 1e-4) -> bool:
-        """Wait until every stream in `streams` is idle, or until the op has failed (a copy
-        lane may then stay held by a guarded copy until its peer leaves the op: see
-        watchdog.StreamWaiter.wait(guard=True)). True when they are all idle."""
+    def _drain(self, streams, bound_s: float | None = None, stop_on_failure: bool = True) -> bool:
+        """Wait until every stream in `streams` is idle (True), polling: until the op has failed
+        (a copy lane may then stay held by a guarded copy until its peer leaves the op: see
+        watchdog.StreamWaiter.wait(guard=True)) unless not stop_on_failure, and at most bound_s
+        seconds when given (False). Spins for the first millisecond (a healthy synchronize
+        costs no sleep granularity), then sleeps 0.1 ms a poll; sleep releases the GIL, which
+        the stream-wait watchdog's thread needs."""
+        t0 = time.monotonic()
         for st in streams:
             while not st.done:
-                if self.err.failed():
+                if stop_on_failure and self.err.failed():
                     return False
-                time.sleep(poll_s)
+                waited_s = time.monotonic() - t0
+                if bound_s is not None and waited_s > bound_s:
+                    return False
+                time.sleep(0 if waited_s < 1e-3 else 1e-4)
         return True
 
     def synchronize(self, stream=None) -> None:
@@ -377,11 +384,8 @@ class CommOp(Closeable):
         peer does not come (leaving a `with` block on CommTimeoutError aborts at once)."""
         try:
             self.comm.check_close(self.timeout_s)
-            # Every rank came: none starts a call any more. Leave first, so a peer's copy into
-            # our memory held back by a failed call (a guarded copy) can finish: its stream then
-            # drains while we drain ours (each rank waits for its own streams in _free).
+            self._free()  # an op with guarded copies leaves the op in there (CopyGather._quiet)
             self.err.leave()
-            self._free()
             with self.world.device_context():
                 if self.buf is not None:
                     self.buf.close()
