@@ -375,7 +375,13 @@ class CopyGather(CommOp):
         own streams; raise CommTimeoutError if a wait of this op failed (then at once: a
         stream holding a guard, or one sharing its hardware queue, may stay held until the
         guard's peer leaves the op)."""
-        self._drain(self._own_streams() + [stream_of(stream)])
+        s = stream_of(stream)
+        if not self._drain([s] + self._own_streams()):
+            # Failed (here, or told): the call stream's waits are being released; let them
+            # record whom they waited for, so the error names the late peer rather than the
+            # rank that told this one (bounded: the stream may share its hardware queue with a
+            # held guard).
+            self._drain([s], self.timeout_s, stop_on_failure=False)
         self.err.check()
 
     def _quiet(self) -> bool:
