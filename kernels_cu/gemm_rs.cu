@@ -10,7 +10,8 @@
 // raises the tile's flag there (one fence, relaxed stores); the owner finishes its own tiles
 // (visited last; its own partial goes through its own slot too) after waiting for every peer's
 // flag of the tile (bounded, ld.acquire.sys), summing in fp32 and adding the bias. Remote
-// buffers: the op's symmetric data[parity] and flags (rs_hooks.cuh).
+// buffers: the op's symmetric data[parity] and flags (rs_hooks.cuh). The call's epoch is read
+// from device memory (state) and advanced by the last CTA to finish: capturable in a graph.
 // Sync points: one per (tile, source) flag; nothing else, no grid-wide barrier.
 //
 // Entry points (grid: persistent, co-resident, see cuflux/ops/gemm_rs.py):
@@ -29,34 +30,39 @@
 using namespace cuflux;
 
 // The trailing kernel arguments (own_lo / own_hi: the first and last tile rows holding rows of
-// this rank, computed once on the host).
+// this rank, computed once on the host; data_off: data[0], data[1] parity_bytes further; state:
+// u64 [2] of this rank, rs_hooks.cuh's device epochs).
 template <typename T>
 struct RsArgs {
   void* out;
   int out_f32;
   const T* bias;
   const u64* bases;
-  u64 data_off, slot_bytes, flags_off;
+  u64 data_off, parity_bytes, slot_bytes, flags_off;
   int flag_stride, rows_per_rank, world_size, rank, own_lo, own_hi, group_m;
-  u32 epoch;
+  u64* state;
   u32* err;
   u32* err_claim;
   u64 timeout_ns;
   u32 op;
 };
 
-// The scheduler and epilogue of a core with kBM x kBN tiles.
+// The scheduler and epilogue of a core with kBM x kBN tiles. Every thread constructs them as
+// the CTA starts, reading the call's epoch (rs::call_epoch) before the CTA can count out.
 template <typename T, int kBM, int kBN, bool kAtomic, class Sync>
 struct RsHooks {
   rs::RsScheduler sched;
   rs::RsEpilogue<T, kBM, kBN, kAtomic, Sync> epi;
 
   __device__ RsHooks(int M, int N, const RsArgs<T>& a)
+      : RsHooks(M, N, a, rs::call_epoch(a.state)) {}
+  __device__ RsHooks(int M, int N, const RsArgs<T>& a, u64 e)
       : sched{(M + kBM - 1) / kBM, (N + kBN - 1) / kBN, a.group_m,
               (a.own_hi + 1) % ((M + kBM - 1) / kBM), a.own_hi - a.own_lo + 1},
-        epi{a.out, a.out_f32, a.bias, a.bases, a.data_off, a.slot_bytes, a.flags_off,
+        epi{a.out, a.out_f32, a.bias, a.bases, a.data_off + (e & 1) * a.parity_bytes,
+            a.slot_bytes, a.flags_off,
             a.flag_stride, M, N, (N + kBN - 1) / kBN, a.rows_per_rank, a.world_size, a.rank,
-            a.epoch,
+            e,
             WaitSite{a.err, a.err_claim, a.timeout_ns, a.op, static_cast<u32>(a.rank)},
             // one value for the whole CTA (every thread constructs the hooks, before the
             // core's warp roles): the epilogue's named barriers see all or none return
@@ -71,16 +77,17 @@ __global__ void __launch_bounds__(384, 1) CUFLUX_CLUSTER_DIMS(1)
     gemm_rs_sm90(const __grid_constant__ sm90::TmaDesc tma_a,
                  const __grid_constant__ sm90::TmaDesc tma_b, int M, int N, int K,
                  void* out, int out_f32, const T* bias, const u64* bases, u64 data_off,
-                 u64 slot_bytes, u64 flags_off, int flag_stride, int rows_per_rank,
-                 int world_size, int rank, int own_lo, int own_hi, int group_m, u32 epoch,
-                 u32* err, u32* err_claim, u64 timeout_ns, u32 op) {
+                 u64 parity_bytes, u64 slot_bytes, u64 flags_off, int flag_stride,
+                 int rows_per_rank, int world_size, int rank, int own_lo, int own_hi,
+                 int group_m, u64* state, u32* err, u32* err_claim, u64 timeout_ns, u32 op) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Cfg = sm90::Config<T, kBM, kBN, 4, 1, kBTransposed>;
-  const RsArgs<T> args{out, out_f32, bias, bases, data_off, slot_bytes, flags_off, flag_stride,
-                       rows_per_rank, world_size, rank, own_lo, own_hi, group_m, epoch, err,
-                       err_claim, timeout_ns, op};
+  const RsArgs<T> args{out, out_f32, bias, bases, data_off, parity_bytes, slot_bytes,
+                       flags_off, flag_stride, rows_per_rank, world_size, rank, own_lo, own_hi,
+                       group_m, state, err, err_claim, timeout_ns, op};
   const RsHooks<T, kBM, kBN, kAtomic, rs::ConsumerSync> h(M, N, args);
   sm90::gemm_tiles<Cfg>(&tma_a, &tma_b, M, N, K, h.sched, gemm::NoWait{}, h.epi);
+  rs::count_out(state, h.epi.epoch);  // every thread returns from the core: all 384 meet here
 #endif
 }
 
@@ -90,16 +97,17 @@ __global__ void __launch_bounds__(384, 1) CUFLUX_CLUSTER_DIMS(1)
 template <typename T, bool kBTransposed, bool kAtomic>
 __global__ void __launch_bounds__(sm80::kTileThreads, sm80::kTileCtasPerSm)
     gemm_rs_sm80(const T* a, const T* b, int M, int N, int K, void* out, int out_f32,
-                 const T* bias, const u64* bases, u64 data_off, u64 slot_bytes, u64 flags_off,
-                 int flag_stride, int rows_per_rank, int world_size, int rank, int own_lo,
-                 int own_hi, int group_m, u32 epoch, u32* err, u32* err_claim, u64 timeout_ns,
-                 u32 op) {
+                 const T* bias, const u64* bases, u64 data_off, u64 parity_bytes,
+                 u64 slot_bytes, u64 flags_off, int flag_stride, int rows_per_rank,
+                 int world_size, int rank, int own_lo, int own_hi, int group_m, u64* state,
+                 u32* err, u32* err_claim, u64 timeout_ns, u32 op) {
   using Cfg = sm80::TileConfig<T, kBTransposed>;
-  const RsArgs<T> args{out, out_f32, bias, bases, data_off, slot_bytes, flags_off, flag_stride,
-                       rows_per_rank, world_size, rank, own_lo, own_hi, group_m, epoch, err,
-                       err_claim, timeout_ns, op};
+  const RsArgs<T> args{out, out_f32, bias, bases, data_off, parity_bytes, slot_bytes,
+                       flags_off, flag_stride, rows_per_rank, world_size, rank, own_lo, own_hi,
+                       group_m, state, err, err_claim, timeout_ns, op};
   const RsHooks<T, Cfg::kBM, Cfg::kBN, kAtomic, rs::CtaSync> h(M, N, args);
   sm80::gemm_tiles<Cfg>(a, b, M, N, K, h.sched, gemm::NoWait{}, h.epi);
+  rs::count_out(state, h.epi.epoch);
 }
 
 // ---- comm-only reduce-scatter ------------------------------------------------------------------
@@ -111,13 +119,14 @@ __global__ void __launch_bounds__(sm80::kTileThreads, sm80::kTileCtasPerSm)
 template <typename T, typename OutT, bool kAtomic>
 __global__ void __launch_bounds__(512, 1)
     rs_tiles(const OutT* partial, int M, int N, void* out, int out_f32, const T* bias,
-             const u64* bases, u64 data_off, u64 slot_bytes, u64 flags_off, int flag_stride,
-             int rows_per_rank, int world_size, int rank, int own_lo, int own_hi, int group_m,
-             u32 epoch, u32* err, u32* err_claim, u64 timeout_ns, u32 op) {
+             const u64* bases, u64 data_off, u64 parity_bytes, u64 slot_bytes, u64 flags_off,
+             int flag_stride, int rows_per_rank, int world_size, int rank, int own_lo,
+             int own_hi, int group_m, u64* state, u32* err, u32* err_claim, u64 timeout_ns,
+             u32 op) {
   constexpr int kBM = 128, kBN = 128, kThreads = 512, kPairs = kBM * kBN / 2 / kThreads;
-  const RsArgs<T> args{out, out_f32, bias, bases, data_off, slot_bytes, flags_off, flag_stride,
-                       rows_per_rank, world_size, rank, own_lo, own_hi, group_m, epoch, err,
-                       err_claim, timeout_ns, op};
+  const RsArgs<T> args{out, out_f32, bias, bases, data_off, parity_bytes, slot_bytes,
+                       flags_off, flag_stride, rows_per_rank, world_size, rank, own_lo, own_hi,
+                       group_m, state, err, err_claim, timeout_ns, op};
   const RsHooks<T, kBM, kBN, kAtomic, rs::CtaSync> h(M, N, args);
   const int slots = h.sched.num_slots();
   for (int slot = blockIdx.x; slot < slots; slot += gridDim.x) {
@@ -142,4 +151,5 @@ __global__ void __launch_bounds__(512, 1)
     };
     h.epi.template run<OutT>(m0, n0, body);
   }
+  rs::count_out(state, h.epi.epoch);
 }

@@ -421,28 +421,29 @@ def test_back_to_back_calls_with_changing_m(W, reduce):
     assert issued == [1000] * W
 
 
-# ---- epochs near the 32-bit wrap -----------------------------------------------------------------
+# ---- device epochs past 2^32 ------------------------------------------------------------------
 @on_ranks
-def epoch_wrap(world, seed):
-    """An op whose count is past 2^31 (its flags still 0: never-written slots would compare as
-    reached there) re-arms before its next call, and an op crossing EPOCH_REARM_AT mid-run
-    re-arms between two calls: every result stays exact, the count restarts from 1."""
-    from cuflux.ops.base import EPOCH_REARM_AT
+def epochs_past_32_bits(world, seed):
+    """The call epoch lives on the device as a 64-bit count (rs_hooks.cuh) and is never re-armed:
+    seeded just below 2^32 on every rank (its flags still 0, which a 32-bit compare would read
+    as reached two calls later), calls crossing 2^32 stay exact on both buffer parities, and
+    the count goes on past it."""
+    import cupy as cp
 
     rows, n, k, dtype, out_dtype, _ = case = EXACT_CASES[3]
     W = world.size
     with _op(world, (rows + 2) * W, n, k, dtype, out_dtype=out_dtype, reduce="deterministic",
              route="fused") as op:
-        op.epoch = 2**31 + 8
-        _run_exact(world, op, case, seed)          # re-arm, then epochs 1 and 2
-        assert op.epoch == 2, op.epoch
-        op.epoch = EPOCH_REARM_AT - 1
-        _run_exact(world, op, case, seed + 1)      # epoch EPOCH_REARM_AT, re-arm, epoch 1
-        assert op.epoch == 1, op.epoch
+        start = 2**32 - 1
+        op.state[0] = start
+        cp.cuda.Device().synchronize()
+        _run_exact(world, op, case, seed)          # epochs 2^32 and 2^32 + 1
+        _run_exact(world, op, case, seed + 1)      # and two more
+        assert int(op.state[0]) == start + 4 and int(op.state[1]) == 0, op.state
     return True
 
 
-test_epochs_rearm_before_the_32_bit_wrap = epoch_wrap.test(
+test_device_epochs_cross_2_to_the_32 = epochs_past_32_bits.test(
     expect=True, sizes=[w for w in WS if w > 1], timeout_s=120, seed=fresh_seed)
 
 
@@ -523,7 +524,7 @@ def bad_input(world):
                 a_other = cp.zeros((64 * W, 24), st)
             cases.append((lambda: op(a_other, b), ValueError, f"a is on device {other}"))
         raises_each(cases, "GemmReduceScatter")
-        assert op.epoch == 0  # nothing was launched
+        assert int(op.state[0]) == 0  # nothing was launched (no call counted out)
         _run_exact(world, op, case, 3)  # still usable
     if W > 1:
         try:
@@ -573,18 +574,20 @@ def _ptx(arch: str, names) -> str:
 def test_hopper_kernels_use_the_protocol_instructions():
     det = _ptx("sm_90a", [R.sm90_kernel("__nv_bfloat16", R.SM90_RS_DEFAULT, False, False)])
     for instr in ("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16",
-                  "cp.async.bulk.tensor.2d", "st.relaxed.sys.global.u32",
-                  "ld.acquire.sys.global.u32", "fence.acq_rel.sys", "barrier.sync 6, 256",
-                  "%globaltimer", "nanosleep"):
+                  "cp.async.bulk.tensor.2d", "st.relaxed.sys.global.u64",
+                  "ld.acquire.sys.global.u64", "fence.acq_rel.sys", "barrier.sync 6, 256",
+                  "%globaltimer", "nanosleep", "atom.global.add.u64"):
         assert instr in det, instr
+    # 64-bit device epochs (rs_hooks.cuh): no 32-bit flag access is left
+    assert "st.relaxed.sys.global.u32" not in det and "ld.acquire.sys.global.u32" not in det
     # the tile flags are relaxed stores made release stores by the one fence before them
-    assert det.index("fence.acq_rel.sys") < det.index("st.relaxed.sys.global.u32")
+    assert det.index("fence.acq_rel.sys") < det.index("st.relaxed.sys.global.u64")
     assert not re.search(r"\sred\.", det)  # deterministic: plain stores only
     atomic = _ptx("sm_90a", [R.sm90_kernel("__nv_bfloat16", "128x256s4c1", True, True),
                              R.copy_kernel("__half", "float", True)])
     for instr in ("red.relaxed.sys.global.add.noftz.bf16x2", "red.relaxed.sys.global.add.v2.f32",
                   "wgmma.mma_async.sync.aligned.m64n256k16.f32.bf16.bf16",
-                  "fence.acq_rel.sys", "st.relaxed.sys.global.u32"):
+                  "fence.acq_rel.sys", "st.relaxed.sys.global.u64", "atom.global.add.u64"):
         assert instr in atomic, instr
 
 
@@ -595,7 +598,7 @@ def test_portable_kernels_below_sm90():
     assert "wgmma" not in ptx and "cp.async.bulk.tensor" not in ptx  # Hopper kernels: empty
     for instr in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "atom.sys.cas.b32",
                   "red.relaxed.sys.global.add.noftz.f16x2", "fence.acq_rel.sys",
-                  "st.relaxed.sys.global.u32"):
+                  "st.relaxed.sys.global.u64", "atom.global.add.u64"):
         assert instr in ptx, instr
 
 
@@ -707,9 +710,9 @@ def test_layout(W, reduce):
     rows = max_m // W
     assert data.shape == ((2, W, rows, n) if reduce == "deterministic" else (2, rows, n))
     assert data.dtype == dtype_info("bfloat16").storage and data.offset == 0
-    assert flags.offset % 128 == 0 and flags.dtype == np.uint32
+    assert flags.offset % 128 == 0 and flags.dtype == np.uint64  # device epochs: u64
     stride = flags.shape[1]
-    assert stride >= W and stride % 32 == 0  # one (or more) whole 128-byte lines per tile
+    assert stride >= W and stride % 16 == 0  # one (or more) whole 128-byte lines per tile
     for cfg in list(R.SM90_RS_CONFIGS):
         c = G.SM90_CONFIGS[cfg]
         assert flags.shape[0] >= -(-max_m // c.bm) * -(-n // c.bn)
@@ -923,7 +926,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     op._slot_bytes, op._parity_bytes = op.max_m // W * op.n * 2, lay.regions["data"].num_bytes // 2
     op.buf = SimpleNamespace(ptrs_dev=DeviceArray())
     op.err_args = (np.uint64(1 << 40), DeviceArray(), np.uint64(10**9), np.uint32(5))
-    op.epoch = 0
+    op.state = DeviceArray()
     arr = DeviceArray()
     arr.data = SimpleNamespace(ptr=1 << 30)
     op._launch_fused(arr, arr, None, arr, M, None)
@@ -933,9 +936,9 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     assert kernel == f"gemm_rs_{impl}" and ("true>" in name) == (reduce == "atomic")
     for _, _, _, a, _ in captured:
         check_args("gemm_rs.cu", kernel, a)
-    names = ["M", "N", "K", "out", "out_f32", "bias", "bases", "data_off", "slot_bytes",
-             "flags_off", "flag_stride", "rows_per_rank", "world_size", "rank", "own_lo",
-             "own_hi", "group_m", "epoch", "err", "err_claim", "timeout_ns", "op"]
+    names = ["M", "N", "K", "out", "out_f32", "bias", "bases", "data_off", "parity_bytes",
+             "slot_bytes", "flags_off", "flag_stride", "rows_per_rank", "world_size", "rank",
+             "own_lo", "own_hi", "group_m", "state", "err", "err_claim", "timeout_ns", "op"]
     assert kernel_names("gemm_rs.cu", kernel)[2:] == names
     calls = [dict(zip(names, c[3][2:])) for c in captured]
     bm = G.SM90_CONFIGS[R.SM90_RS_DEFAULT].bm if impl == "sm90" else G.SM80.bm
@@ -943,14 +946,16 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     assert (int(t["rows_per_rank"]), int(t["world_size"]), int(t["rank"])) == (250, W, me)
     assert (int(t["own_lo"]), int(t["own_hi"])) == own_tile_rows(M, W, me, bm)
     assert int(t["bias"]) == 0 and calls[1]["bias"] is arr
-    # epochs count calls; the data buffer alternates with the epoch's parity
-    assert [int(c["epoch"]) for c in calls] == [1, 2]
-    assert int(calls[0]["data_off"]) - int(calls[1]["data_off"]) == op._parity_bytes
+    # the epoch is the device's (op.state), so every call's arguments are the same: data[0]
+    # and the distance to data[1], the kernel picking by the epoch's parity
+    assert all(c["state"] is op.state for c in calls)
+    assert [int(c["data_off"]) for c in calls] == [op._data_off] * 2
+    assert all(int(c["parity_bytes"]) == op._parity_bytes for c in calls)
     assert block == ((384,) if impl == "sm90" else (256,)) and grid[0] <= op.max_ctas[impl]
     assert smem == (G.SM90_CONFIGS[R.SM90_RS_DEFAULT].smem_bytes if impl == "sm90"
                     else G.SM80.smem_bytes)
     # the comm-only kernel takes the same tail after (partial, M, N)
-    full = (arr, np.int32(M), np.int32(op.n)) + op._tail(arr, None, M, R.COPY_TILE[0], None)
+    full = (arr, np.int32(M), np.int32(op.n)) + op._tail(arr, None, M, R.COPY_TILE[0])
     check_args("gemm_rs.cu", "rs_tiles", full)
     assert kernel_names("gemm_rs.cu", "rs_tiles")[3:] == names[3:]
 

@@ -130,8 +130,10 @@ test_all2all_capture = all2all.test(expect=100, timeout_s=300)
 
 @on_ranks
 def gemm_rs(world, replays=100, M=512, n=264, k=136):
-    """GemmReduceScatter: W = 1 (the plain GEMM) captured and replayed; W > 1 refused with
-    CaptureError and correct afterwards."""
+    """GemmReduceScatter captured and replayed: W = 1 the plain GEMM; W > 1 the fused kernel
+    and the comm-only reduce_scatter in one graph (both read and advance the op's device
+    epoch: every replay must find fresh flags and the right buffer parity), new inputs every
+    replay, against the float64 reference."""
     import cupy as cp
 
     from cuflux.ops.gemm_rs import GemmReduceScatter, reference_gemm_rs
@@ -139,7 +141,7 @@ def gemm_rs(world, replays=100, M=512, n=264, k=136):
     st = dtype_info("bfloat16").storage
     s = cp.cuda.Stream(non_blocking=True)
     with GemmReduceScatter(world, M, n, k, "bfloat16", out_dtype="float32", b_layout="nk",
-                           timeout_s=60) as op, s:
+                           timeout_s=60, route="fused") as op, s:
         a = cp.zeros((M, k), st)
         b = cp.zeros((n, k), st)
         out = cp.zeros((M // W, n), np.float32)
@@ -159,24 +161,37 @@ def gemm_rs(world, replays=100, M=512, n=264, k=136):
                 err = np.abs(cp.asnumpy(out) - want).max() / np.abs(want).max()
                 assert err < 1e-2, f"replay {rep}: {err:.3g}"
             return replays
-        s.synchronize()
-        s.begin_capture()
-        try:
-            op(a, b, out=out, stream=s)
-            refused = False
-        except CaptureError:
-            refused = True
-        finally:
-            s.end_capture()
-        assert refused, "GemmReduceScatter at W > 1 must refuse capture"
-        ah = [_rand((5, p, 1), (M, k), st) for p in range(W)]
-        bh = [_rand((5, p, 2), (n, k), st) for p in range(W)]
-        a[...], b[...] = cp.asarray(ah[me]), cp.asarray(bh[me])
+        partial = cp.zeros((M, n), np.float32)
+        out2 = cp.zeros((M // W, n), np.float32)
+        # Outside the capture first: M compared across ranks, kernels loaded and prepared.
         op(a, b, out=out, stream=s)
+        op.reduce_scatter(partial, out=out2, stream=s)
         op.synchronize(stream=s)
-        want = reference_gemm_rs(ah, bh, b_layout="nk", rank=me)
-        err = np.abs(cp.asnumpy(out) - np.asarray(want)).max() / np.abs(want).max()
-        assert err < 1e-2, err
+        world.barrier()
+        s.begin_capture()
+        op(a, b, out=out, stream=s)
+        op.reduce_scatter(partial, out=out2, stream=s)
+        graph = s.end_capture()
+        for rep in range(replays):
+            ah = [_rand((rep, p, 1), (M, k), st) for p in range(W)]
+            bh = [_rand((rep, p, 2), (n, k), st) for p in range(W)]
+            ph = [np.random.default_rng([rep, p, 3]).standard_normal((M, n)).astype(np.float32)
+                  for p in range(W)]
+            a[...], b[...], partial[...] = cp.asarray(ah[me]), cp.asarray(bh[me]), cp.asarray(ph[me])
+            out.fill(np.nan)
+            out2.fill(np.nan)
+            s.synchronize()
+            world.barrier()  # every rank's inputs are in place before any replay starts
+            graph.launch(stream=s)
+            op.synchronize(stream=s)
+            want = reference_gemm_rs(ah, bh, b_layout="nk", rank=me)
+            err = np.abs(cp.asnumpy(out) - np.asarray(want)).max() / np.abs(want).max()
+            assert err < 1e-2, f"replay {rep}: fused {err:.3g}"
+            want2 = sum(p.astype(np.float64)[me * (M // W):(me + 1) * (M // W)] for p in ph)
+            err2 = np.abs(cp.asnumpy(out2) - want2).max() / np.abs(want2).max()
+            assert err2 < 1e-5, f"replay {rep}: reduce_scatter {err2:.3g}"
+            world.barrier()  # the next replay's host writes wait for every rank
+        assert int(op.state[0]) == 2 * (replays + 1)  # two calls a replay, two before
     return replays
 
 

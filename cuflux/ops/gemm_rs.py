@@ -116,15 +116,15 @@ def tile_order(M: int, N: int, world_size: int, rank: int, bm: int, bn: int,
 def make_layout(world_size: int, max_m: int, n: int, out_dtype, reduce: str) -> Layout:
     """The op's symmetric buffer: data[parity] (deterministic: a slot per source rank,
     [2, W, R_max, n]; atomic: one accumulator, [2, R_max, n]) in the output dtype, then the
-    per-tile flags [tiles, flag_stride] (flag_stride >= W words: one 128-byte line per tile for
-    W <= 32, word p written by source rank p)."""
+    per-tile flags, u64 epochs [tiles, flag_stride] (flag_stride >= W words: one 128-byte line
+    per tile for W <= 16, word p written by source rank p)."""
     odt = dtype_info(out_dtype)
     rows = max_m // world_size
     shape = (2, world_size, rows, n) if reduce == "deterministic" else (2, rows, n)
     lay = Layout()
     lay.add("data", shape, odt.storage)
     tiles = -(-max_m // MIN_TILE) * -(-n // MIN_TILE)
-    lay.add("flags", (tiles, -(-world_size // 32) * 32), np.uint32)
+    lay.add("flags", (tiles, -(-world_size // 16) * 16), np.uint64)
     return lay
 
 
@@ -162,10 +162,6 @@ def reference_gemm_rs(a_list, b_list, bias=None, b_layout: str = "kn", rank: int
 
 
 # ---- the op -------------------------------------------------------------------------------------
-_NO_CAPTURE = ("its call epoch is a launch argument counted on the host, so a replayed graph "
-               "would reuse spent epochs (at W = 1, w1='gemm' runs the plain GEMM: capturable)")
-
-
 class GemmReduceScatter(CommOp):
     """out [M / W, n] = rows [r * M / W, (r + 1) * M / W) of sum over ranks of a @ b (+ bias).
 
@@ -192,8 +188,10 @@ class GemmReduceScatter(CommOp):
         partial, then reduce_scatter). `plan(M)` says what a call with M rows runs.
 
     Calls of one op must be ordered on each rank (one stream, or streams the caller orders),
-    every rank must make the same calls with the same M, and the epoch is a launch argument,
-    so calls are not CUDA-graph capturable. The constructor is collective; close() too.
+    and every rank must make the same calls with the same M. The call epoch lives on the
+    device (rs_hooks.cuh), so calls can be captured in a CUDA graph and replayed (every rank
+    replaying its graph as it would make the calls); an M not seen before is compared across
+    ranks at capture time. The constructor is collective; close() too.
     """
 
     ACROSS = "GemmReduceScatterAcrossNodes"  # several nodes: CommOp.__new__
@@ -273,7 +271,16 @@ class GemmReduceScatter(CommOp):
         self.module = kernels.load(_SRC, world.device)
         if W == 1 or route != "fused":
             kernels.load("gemm.cu", world.device)
-        self._epoch_regions = ("flags",)  # the data slots need no reset: flags guard them
+        # The call epoch: [calls completed, CTAs finished this call] (rs_hooks.cuh), u64 epochs
+        # that never wrap (no re-arm). Zeroed on a private stream and waited for: a pooled
+        # block still holding a count would make the first call wait for an epoch never sent.
+        import cupy
+
+        with world.device_context():
+            zeroing = cupy.cuda.Stream(non_blocking=True)
+            with zeroing:
+                self.state = cupy.zeros(2, dtype=cupy.uint64)
+            zeroing.synchronize()
         self._closed = False
 
     def plan(self, M: int) -> str:
@@ -352,17 +359,17 @@ class GemmReduceScatter(CommOp):
         return partial, bias, out, M
 
     # ---- launches -------------------------------------------------------------------------------
-    def _tail(self, out, bias, M: int, bm: int, stream) -> tuple:
-        """The kernels' trailing arguments (gemm_rs.cu RsArgs) for the next call."""
+    def _tail(self, out, bias, M: int, bm: int) -> tuple:
+        """The kernels' trailing arguments (gemm_rs.cu RsArgs) for the next call: no epoch (the
+        kernel reads it from self.state)."""
         W, me = self.world.size, self.world.rank
-        e = self._next_epoch(stream)
         own_lo, own_hi = own_tile_rows(M, W, me, bm)
         return (out, np.int32(self.out_dtype.name == "float32"),
                 bias if bias is not None else np.uint64(0), self.buf.ptrs_dev,
-                np.uint64(self._data_off + (e & 1) * self._parity_bytes),
+                np.uint64(self._data_off), np.uint64(self._parity_bytes),
                 np.uint64(self._slot_bytes), np.uint64(self._flags_off),
                 np.int32(self.flag_stride), np.int32(M // W), np.int32(W), np.int32(me),
-                np.int32(own_lo), np.int32(own_hi), np.int32(GROUP_M), np.uint32(e)) \
+                np.int32(own_lo), np.int32(own_hi), np.int32(GROUP_M), self.state) \
             + self.err_args
 
     def _launch_fused(self, a, b, bias, out, M: int, stream) -> None:
@@ -378,7 +385,7 @@ class GemmReduceScatter(CommOp):
                      else core.tensor_map(b.data.ptr, n, k, 64, cfg.bn, dt))
             tiles = -(-M // cfg.bm) * -(-n // cfg.bn)
             args = (tma_a, tma_b, np.int32(M), np.int32(n), np.int32(k)) + \
-                self._tail(out, bias, M, cfg.bm, stream)
+                self._tail(out, bias, M, cfg.bm)
             kernels.launch(fn, (min(tiles, self.max_ctas["sm90"]),), (384,), args, stream,
                            op=_OP, name=name, shared_mem=cfg.smem_bytes)
         else:
@@ -388,7 +395,7 @@ class GemmReduceScatter(CommOp):
             core.prepare(fn, sm80.smem_bytes)
             tiles = -(-M // sm80.bm) * -(-n // sm80.bn)
             args = (a, b, np.int32(M), np.int32(n), np.int32(k)) + \
-                self._tail(out, bias, M, sm80.bm, stream)
+                self._tail(out, bias, M, sm80.bm)
             kernels.launch(fn, (min(tiles, self.max_ctas["sm80"]),), (sm80.threads,), args,
                            stream, op=_OP, name=name, shared_mem=sm80.smem_bytes)
 
@@ -417,7 +424,6 @@ class GemmReduceScatter(CommOp):
             gemm(a, b, bias=bias, out=out, b_layout=self.b_layout, impl=self.impl, stream=s,
                  config=self.config if self.impl == "sm90" and self._config_given else None)
             return to_caller(out, a_in, out_in)
-        self._no_capture(s, _NO_CAPTURE)
         if route == "fused":
             self._launch_fused(a, b, bias, out, M, s)
         else:  # cuflux.gemm's own choice (cuBLAS at small M), then the op's reduce-scatter
@@ -445,13 +451,12 @@ class GemmReduceScatter(CommOp):
         if M == 0:
             return to_caller(out, p_in, out_in)
         self._last_stream = s
-        self._no_capture(s, _NO_CAPTURE)
         self._reduce_scatter(partial, bias, out, M, s)
         return to_caller(out, p_in, out_in)
 
     def _reduce_scatter(self, partial, bias, out, M: int, s) -> None:
         name = copy_kernel(self.dtype.cuda_type, self.out_dtype.cuda_type, self.atomic)
         tiles = -(-M // COPY_TILE[0]) * -(-self.n // COPY_TILE[1])
-        args = (partial, np.int32(M), np.int32(self.n)) + self._tail(out, bias, M, COPY_TILE[0], s)
+        args = (partial, np.int32(M), np.int32(self.n)) + self._tail(out, bias, M, COPY_TILE[0])
         kernels.launch(self.module[name], (min(tiles, self.max_ctas["copy"]),), (COPY_THREADS,),
                        args, s, op=_OP, name=name)

@@ -31,9 +31,14 @@
 //          is the call's parity (epoch & 1): call e+2 can only start writing a buffer once
 //          every owner finished call e (each rank's call e+1 waited for every rank's tiles,
 //          so every rank had finished call e), hence no "buffer free" flag is needed.
-//   flags  u32 [tiles][flag_stride]: word p of tile t = epoch of call in which source rank p
+//   flags  u64 [tiles][flag_stride]: word p of tile t = epoch of call in which source rank p
 //          delivered its part of tile t (tile index tm * tiles_n + tn); lives in the owner's
 //          memory, written only by p.
+// Epochs live in device memory, as AllReduce's do: state[0] = calls of the op completed on
+// this rank; every thread reads it (+ 1: this call's epoch) as its CTA starts, and the last CTA
+// to finish (state[1] counts them out) stores the new count. A call's epoch and parity are
+// thus no launch arguments, so calls can be captured in a CUDA graph and replayed; 64-bit
+// epochs never wrap, so the flags are never re-armed.
 //
 // Tile order (RsScheduler): rank me visits tile rows starting after its own rows and wrapping
 // around (owner me+1 first, then me+2, ...: at any moment the ranks write into different
@@ -158,14 +163,14 @@ struct RsEpilogue {
   int out_f32;             // output (and data) dtype: float, else BiasT
   const BiasT* bias;       // [N] or nullptr
   const u64* bases;        // device [W]: base of the op's symmetric buffer on every rank
-  u64 data_off;            // byte offset of data[parity]
+  u64 data_off;            // byte offset of data[parity] (parity: epoch & 1)
   u64 slot_bytes;          // deterministic: bytes between the slots of two source ranks
   u64 flags_off;           // byte offset of the flag region
   int flag_stride;         // words per tile in the flag region (>= W)
   int M, N, tiles_n;
   int rows_per_rank;       // R
   int world_size, rank;
-  u32 epoch;
+  u64 epoch;               // this call's (state[0] + 1, read as the CTA started)
   WaitSite site;
   // A wait of this op on this rank gave up in an earlier call (sync.cuh op_gave_up), read once
   // at the kernel's start and agreed across the CTA (gemm_rs.cu RsHooks): no tile is sent (an
@@ -232,11 +237,11 @@ struct RsEpilogue {
     if (kAtomic || o_lo != rank || o_hi != rank) fence_acq_rel_sys();
     for (int o = o_lo; o <= o_hi; ++o) {
       if (o == rank) continue;
-      u32* flag = reinterpret_cast<u32*>(bases[o] + flags_off) + tile * flag_stride + rank;
+      u64* flag = reinterpret_cast<u64*>(bases[o] + flags_off) + tile * flag_stride + rank;
       st_relaxed_sys(flag, epoch);
     }
     if (o_lo <= rank && rank <= o_hi) {
-      const u32* flags = reinterpret_cast<const u32*>(bases[rank] + flags_off) + tile * flag_stride;
+      const u64* flags = reinterpret_cast<const u64*>(bases[rank] + flags_off) + tile * flag_stride;
       for (int p = 0; p < world_size; ++p)
         if (p != rank) wait_flag_acquire(flags + p, epoch, site, p, static_cast<u32>(tile));
       // On failure the error is recorded and the tile is finished with whatever is there; the
@@ -334,6 +339,23 @@ struct RsEpilogue {
     else run<BiasT>(m0, n0, body);
   }
 };
+
+// ---- device epochs -----------------------------------------------------------------------------
+// This call's epoch: the count of the op's calls completed (state[0], stored by the previous
+// kernel of the op, which the stream ordered before this one) + 1.
+__device__ __forceinline__ u64 call_epoch(const u64* state) {
+  return *reinterpret_cast<const volatile u64*>(state) + 1;
+}
+// Every CTA, failed or not, counts itself out once all its threads are done (every thread read
+// the epoch as the CTA started); the last one stores the new count, so no CTA of this call can
+// see it. Called by every thread of the CTA.
+__device__ __forceinline__ void count_out(u64* state, u64 epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0 && atomicAdd(state + 1, 1ull) == gridDim.x - 1) {
+    state[1] = 0;
+    state[0] = epoch;
+  }
+}
 
 }  // namespace rs
 }  // namespace cuflux
