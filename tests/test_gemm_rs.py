@@ -426,12 +426,13 @@ def test_back_to_back_calls_with_changing_m(W, reduce):
 def epochs_past_32_bits(world, seed):
     """The call epoch lives on the device as a 64-bit count (rs_hooks.cuh) and is never re-armed:
     seeded just below 2^32 on every rank (its flags still 0, which a 32-bit compare would read
-    as reached two calls later), calls crossing 2^32 stay exact on both buffer parities, and
-    the count goes on past it."""
+    as reached at once: 2^32 truncates to 0), calls crossing 2^32 stay exact on both buffer
+    parities, the count goes on past it, and every peer's flag of this rank's own tiles holds
+    the last call's full 64-bit epoch."""
     import cupy as cp
 
     rows, n, k, dtype, out_dtype, _ = case = EXACT_CASES[3]
-    W = world.size
+    W, me = world.size, world.rank
     with _op(world, (rows + 2) * W, n, k, dtype, out_dtype=out_dtype, reduce="deterministic",
              route="fused") as op:
         start = 2**32 - 1
@@ -440,10 +441,18 @@ def epochs_past_32_bits(world, seed):
         _run_exact(world, op, case, seed)          # epochs 2^32 and 2^32 + 1
         _run_exact(world, op, case, seed + 1)      # and two more
         assert int(op.state[0]) == start + 4 and int(op.state[1]) == 0, op.state
+        cfg = G.SM90_CONFIGS[op.config] if op.impl == "sm90" else G.SM80
+        tiles_n = -(-n // cfg.bn)
+        own_lo, own_hi = own_tile_rows(rows * W, W, me, cfg.bm)
+        flags = cp.asnumpy(op.buf.local("flags"))
+        for tm in range(own_lo, own_hi + 1):
+            for tn in range(tiles_n):
+                got = [int(flags[tm * tiles_n + tn, p]) for p in range(W) if p != me]
+                assert got == [start + 4] * (W - 1), (tm, tn, got)
     return True
 
 
-test_device_epochs_cross_2_to_the_32 = epochs_past_32_bits.test(
+test_epochs_past_32_bits_stay_exact = epochs_past_32_bits.test(
     expect=True, sizes=[w for w in WS if w > 1], timeout_s=120, seed=fresh_seed)
 
 

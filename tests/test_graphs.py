@@ -192,6 +192,36 @@ def gemm_rs(world, replays=100, M=512, n=264, k=136):
             assert err2 < 1e-5, f"replay {rep}: reduce_scatter {err2:.3g}"
             world.barrier()  # the next replay's host writes wait for every rank
         assert int(op.state[0]) == 2 * (replays + 1)  # two calls a replay, two before
+    # The unfused route (route="auto", M < 256: cuflux.gemm into a partial, then the comm-only
+    # kernel) captured too: its partial must be the op's own buffer, not a pool temporary that
+    # the graph would keep writing after the pool gave it away (`junk` would take it).
+    m = 24 * W
+    with GemmReduceScatter(world, m, n, k, "bfloat16", out_dtype="float32", b_layout="nk",
+                           timeout_s=60) as op, s:
+        assert op.plan(m) == "unfused"
+        a = cp.zeros((m, k), st)
+        out = cp.zeros((m // W, n), np.float32)
+        op(a, b, out=out, stream=s)
+        op.synchronize(stream=s)
+        world.barrier()
+        s.begin_capture()
+        op(a, b, out=out, stream=s)
+        graph = s.end_capture()
+        for rep in range(20):
+            junk = cp.full((m, n), 7.0, np.float32)  # the pool's next block of that size
+            ah = [_rand((rep, p, 4), (m, k), st) for p in range(W)]
+            bh = [_rand((rep, p, 5), (n, k), st) for p in range(W)]
+            a[...], b[...] = cp.asarray(ah[me]), cp.asarray(bh[me])
+            out.fill(np.nan)
+            s.synchronize()
+            world.barrier()
+            graph.launch(stream=s)
+            op.synchronize(stream=s)
+            want = reference_gemm_rs(ah, bh, b_layout="nk", rank=me)
+            err = np.abs(cp.asnumpy(out) - np.asarray(want)).max() / np.abs(want).max()
+            assert err < 1e-2, f"unfused replay {rep}: {err:.3g}"
+            assert bool((junk == 7.0).all()), f"unfused replay {rep} wrote into freed memory"
+            world.barrier()
     return replays
 
 

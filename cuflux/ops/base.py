@@ -59,7 +59,7 @@ _SM_COUNTS: dict[int, int] = {}
 # included (ops/ag_gemm.py).
 ROUTES = ("auto", "fused", "unfused")
 
-# Host-counted call epochs (GemmReduceScatter, AllGather, AllGatherGemm) reach the kernels as
+# Host-counted call epochs (AllGather, AllGatherGemm) reach the kernels (and stream waits) as
 # 32-bit flag values compared with wrap-around (sync.cuh epoch_reached): a slot left unwritten
 # for 2^31 calls (a tile or chunk beyond the M of every recent call) would read as reached. Long
 # before that the op re-arms (CommOp._next_epoch): each rank drains its work, zeroes its own

@@ -33,8 +33,9 @@ import numpy as np
 from cuflux import gemm_core as core
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_route,
-                             check_timeout, fused_route, on_op_device, require_world_device)
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, UNFUSED_BELOW_M, CommOp, check_no_alias,
+                             check_route, check_timeout, fused_route, on_op_device,
+                             require_world_device)
 from cuflux.ops.gemm import gemm
 from cuflux.sizes import count
 from cuflux.symmetric import Layout
@@ -191,7 +192,9 @@ class GemmReduceScatter(CommOp):
     and every rank must make the same calls with the same M. The call epoch lives on the
     device (rs_hooks.cuh), so calls can be captured in a CUDA graph and replayed (every rank
     replaying its graph as it would make the calls); an M not seen before is compared across
-    ranks at capture time. The constructor is collective; close() too.
+    ranks at capture time. A graph holds the op's buffers: replay it only while the op is open,
+    and on the stream it was captured on (close() and abort() look at that stream, not at one a
+    replay was launched on). The constructor is collective; close() too.
     """
 
     ACROSS = "GemmReduceScatterAcrossNodes"  # several nodes: CommOp.__new__
@@ -274,13 +277,22 @@ class GemmReduceScatter(CommOp):
         # The call epoch: [calls completed, CTAs finished this call] (rs_hooks.cuh), u64 epochs
         # that never wrap (no re-arm). Zeroed on a private stream and waited for: a pooled
         # block still holding a count would make the first call wait for an epoch never sent.
+        # The unfused route's partial: one buffer of the op's (calls are ordered on a rank, and
+        # only this rank reads it), never a per-call temporary, which a captured graph would
+        # keep using after the pool handed it to someone else. Rows: every M the route can
+        # take unfused (auto: below UNFUSED_BELOW_M).
         import cupy
 
+        partial_rows = 0
+        if W > 1 and route != "fused":
+            partial_rows = self.max_m if route == "unfused" else min(self.max_m,
+                                                                     UNFUSED_BELOW_M - 1)
         with world.device_context():
-            zeroing = cupy.cuda.Stream(non_blocking=True)
-            with zeroing:
+            private = cupy.cuda.Stream(non_blocking=True)
+            with private:
                 self.state = cupy.zeros(2, dtype=cupy.uint64)
-            zeroing.synchronize()
+                self._partial = cupy.empty((partial_rows, self.n), dtype=odt.storage)
+            private.synchronize()
         self._closed = False
 
     def plan(self, M: int) -> str:
@@ -427,9 +439,7 @@ class GemmReduceScatter(CommOp):
         if route == "fused":
             self._launch_fused(a, b, bias, out, M, s)
         else:  # cuflux.gemm's own choice (cuBLAS at small M), then the op's reduce-scatter
-            # The partial comes from the pool arena of s (gemm allocates on its stream), and
-            # only this rank reads it: freed when it goes out of scope, reused after the copy.
-            partial = gemm(a, b, out_dtype=self.out_dtype.name, b_layout=self.b_layout,
+            partial = gemm(a, b, out=self._partial[:M], b_layout=self.b_layout,
                            impl=self._impl_arg, stream=s)
             self._reduce_scatter(partial, bias, out, M, s)
         return to_caller(out, a_in, out_in)

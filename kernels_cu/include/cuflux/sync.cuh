@@ -7,8 +7,8 @@
 // nothing resets them between calls. Two widths: 32-bit flags for ops whose host counts the
 // calls (CommOp re-arms them every 2^30 calls, long before a stale slot could compare as
 // reached at 2^31), 64-bit flags for ops whose epoch lives in device memory (AllReduce,
-// All2AllHeads: a replayed CUDA graph calls them without the host, so nothing could re-arm;
-// 2^63 calls never come). A rank waits only on flags in its own memory; peers write
+// All2AllHeads, GemmReduceScatter: a replayed CUDA graph calls them without the host, so
+// nothing could re-arm; 2^63 calls never come). A rank waits only on flags in its own memory; peers write
 // them remotely through IPC pointers (no peer atomics: they fail over PCIe).
 //
 // Every wait is bounded by a wall-clock budget read from %globaltimer (nanoseconds; unlike
