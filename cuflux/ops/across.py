@@ -11,12 +11,12 @@ kernel, are checked as there and have nothing to choose here: its cross-node for
 (AllGather across nodes, then cuflux.gemm), correct first.
 
   AllReduceAcrossNodes  x (n elements): the node's AllReduce gives every rank its node's sum;
-                        node rank i all-reduces share i of the n elements (row_shards over the
-                        node's k ranks) across its rail, so each rank sends n / k elements
-                        between nodes (nodes.allreduce_plan); a second node AllReduce of every
-                        rank's share, zeros elsewhere, puts the whole sum on every rank (adding
-                        zeros is exact). Every rank holds the same bits. The node moves the data
-                        twice where an all-gather would move it once: later work.
+                        node rank i all-reduces share i of the n elements (c = ceil(n / k)
+                        elements from i * c, over the node's k ranks) across its rail, so each
+                        rank sends n / k elements between nodes; the node's AllGather of the
+                        shares (copy engines) puts the whole sum on every rank. Every rank
+                        holds the same bits. The first step is a whole AllReduce where a
+                        reduce-scatter would do: later work.
   AllGatherAcrossNodes  x [rows, cols]: the rail gathers the rows of this rank's rail-mates
                         (one per node), the node's AllGather brings every node rank's gather,
                         and one copy puts the blocks in World-rank order.
@@ -42,7 +42,6 @@ import numpy as np
 
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import CufluxError
-from cuflux.nodes import row_shards
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, on_op_device, on_world_device, require_world_device
 from cuflux.rail import make_rail
 from cuflux.resource import Closeable
@@ -64,6 +63,7 @@ class _AcrossNodes(Closeable):
         require_world_device(world, self.op)
         world.check_same(args, f"{self.op} arguments", timeout_s)
         self.world, self.timeout_s, self.inner = world, timeout_s, None
+        self.extra = None  # a second node op, where the op has one (AllReduce: its all-gather)
         self.comm = world.sub_comm(self.op, timeout_s)  # the calls' agreements: the op's own
         try:
             self.node, self.group = world.split_nodes(timeout_s)
@@ -142,15 +142,17 @@ class _AcrossNodes(Closeable):
         self._check_open()
         with self.world.device_context():
             self.rail.wait(stream_of(stream), f"{self.op} rail")
-            if self.inner is not None:
-                self.inner.synchronize(stream)
+            for op in (self.inner, self.extra):
+                if op is not None:
+                    op.synchronize(stream)
 
     def _release(self, abort: bool = False) -> None:
         """Collective close (the node op's), or with abort local and at once: the node op
         aborted, the rail dropped (a NCCL one aborted)."""
         try:
-            if self.inner is not None:
-                self.inner.abort() if abort else self.inner.close()
+            for op in (self.extra, self.inner):  # the reverse of their construction
+                if op is not None:
+                    op.abort() if abort else op.close()
         finally:
             self.rail.abort() if abort else self.rail.close()
             self.group.free()
@@ -191,11 +193,18 @@ class AllReduceAcrossNodes(_AcrossNodes):
             import cupy
 
             self.dtype, self.max_elems = self.inner.dtype, self.inner.max_elems
-            # The node's sum, then this rank's share of the whole sum; and that share alone
-            # (zeros elsewhere) for the second node AllReduce.
-            many = self.max_elems if self.node.size > 1 else 0  # one rank a node: unused
-            self._sum = cupy.zeros(many, self.dtype.storage)
-            self._own = cupy.zeros(many, self.dtype.storage)
+            k = self.node.size
+            if k > 1:  # one rank a node: the rail's all-reduce is the whole op
+                from cuflux.ops.allgather import AllGather
+
+                # Shares of c = ceil(n / k) elements, gathered as c rows of one element: the
+                # node's sum (the last share padded up to k * c), and the gathered shares where
+                # k * c > n (else they land in out directly).
+                share_max = -(-self.max_elems // k)
+                self.extra = AllGather(self.node, share_max, 1, self.dtype.name,
+                                       timeout_s=timeout_s)
+                self._sum = cupy.zeros(k * share_max, self.dtype.storage)
+                self._gathered = cupy.zeros(k * share_max, self.dtype.storage)
         except Exception as e:
             error = e
         self._built(error)
@@ -229,14 +238,19 @@ class AllReduceAcrossNodes(_AcrossNodes):
         if n and self.node.size == 1:  # nodes of one rank: the rail's all-reduce is the op
             self.rail.all_reduce(x.reshape(-1), out.reshape(-1), s)
         elif n:
-            lo, hi = row_shards(n, self.node.size)[self.node.rank]
-            whole, own = self._sum[:n], self._own[:n]
-            self.inner(x.reshape(-1), out=whole, stream=s, algo=algo)
-            self.rail.all_reduce(whole[lo:hi], whole[lo:hi], s)
-            with s:
-                own.fill(0)
-                own[lo:hi] = whole[lo:hi]
-            self.inner(own, out=out.reshape(-1), stream=s, algo=algo)
+            k = self.node.size
+            c = -(-n // k)
+            lo, hi = self.node.rank * c, min(n, (self.node.rank + 1) * c)
+            self.inner(x.reshape(-1), out=self._sum[:n], stream=s, algo=algo)
+            if hi > lo:  # (a share past n is empty on every node: the rail skips it alike)
+                self.rail.all_reduce(self._sum[lo:hi], self._sum[lo:hi], s)
+            share = self._sum[lo:lo + c].reshape(c, 1)  # past n: padding, never read back
+            if k * c == n:
+                self.extra(share, out=out.reshape(n, 1), stream=s)
+            else:
+                self.extra(share, out=self._gathered[:k * c].reshape(k * c, 1), stream=s)
+                with s:
+                    out.reshape(-1)[...] = self._gathered[:n]
         return to_caller(out, x_in, out_in)
 
 
