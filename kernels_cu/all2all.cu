@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
   // the slot this call would write (its call of two before). Nothing is written; the host raises.
   // Both loads are issued before either is used: the check adds no round trip.
   const bool gave_up = world > 1 && op_gave_up(err_claim);
-  const u64 epoch = *reinterpret_cast<const volatile u64*>(state) + 1;
+  const u64 epoch = call_epoch(state);
   if (gave_up) return;
   const u32 t = blockIdx.x % world, worker = blockIdx.x / world;
   const bool odd = epoch & 1u;
@@ -198,7 +198,7 @@ extern "C" __global__ void a2a_wait(const u32* flags0, const u32* flags1, u64* s
   __shared__ u64 s_epoch;
   __shared__ volatile int s_failed;
   if (threadIdx.x == 0) {
-    s_epoch = *reinterpret_cast<const volatile u64*>(state) + 1;
+    s_epoch = call_epoch(state);
     s_failed = 0;
   }
   __syncthreads();

@@ -261,7 +261,7 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
     // A wait of this op gave up in an earlier call (sync.cuh op_gave_up): a late peer may
     // still read our stage of two calls ago, so this call stages nothing (the host raises).
     const bool gave_up = W > 1 && op_gave_up(err_claim);  // in flight with the epoch's load
-    s_epoch = *reinterpret_cast<volatile u64*>(state) + 1;
+    s_epoch = call_epoch(state);
     s_failed = gave_up ? 1 : 0;
   }
   for (int p = threadIdx.x; p < W; p += blockDim.x) s_base[p] = bases[p];
@@ -307,13 +307,7 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
     }
   }
 
-  // Every block, failed or not, counts itself out; the last one advances the epoch. Each block
-  // read the epoch before counting, so no block of this call can see the new value.
-  __syncthreads();
-  if (threadIdx.x == 0 && atomicAdd(state + 1, 1ull) == gridDim.x - 1) {
-    state[1] = 0;
-    state[0] = e;
-  }
+  count_out(state, e);  // sync.cuh: the last block advances the epoch
 }
 
 // W = 1 (and the unfused baseline's norm): residual <- x + residual; out = RMSNorm(residual) *

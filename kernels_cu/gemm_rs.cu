@@ -31,7 +31,7 @@ using namespace cuflux;
 
 // The trailing kernel arguments (own_lo / own_hi: the first and last tile rows holding rows of
 // this rank, computed once on the host; data_off: data[0], data[1] parity_bytes further; state:
-// u64 [2] of this rank, rs_hooks.cuh's device epochs).
+// u64 [2] of this rank, sync.cuh's device-counted epochs).
 template <typename T>
 struct RsArgs {
   void* out;
@@ -48,14 +48,14 @@ struct RsArgs {
 };
 
 // The scheduler and epilogue of a core with kBM x kBN tiles. Every thread constructs them as
-// the CTA starts, reading the call's epoch (rs::call_epoch) before the CTA can count out.
+// the CTA starts, reading the call's epoch (call_epoch) before the CTA can count out.
 template <typename T, int kBM, int kBN, bool kAtomic, class Sync>
 struct RsHooks {
   rs::RsScheduler sched;
   rs::RsEpilogue<T, kBM, kBN, kAtomic, Sync> epi;
 
   __device__ RsHooks(int M, int N, const RsArgs<T>& a)
-      : RsHooks(M, N, a, rs::call_epoch(a.state)) {}
+      : RsHooks(M, N, a, call_epoch(a.state)) {}
   __device__ RsHooks(int M, int N, const RsArgs<T>& a, u64 e)
       : sched{(M + kBM - 1) / kBM, (N + kBN - 1) / kBN, a.group_m,
               (a.own_hi + 1) % ((M + kBM - 1) / kBM), a.own_hi - a.own_lo + 1},
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(384, 1) CUFLUX_CLUSTER_DIMS(1)
                        group_m, state, err, err_claim, timeout_ns, op};
   const RsHooks<T, kBM, kBN, kAtomic, rs::ConsumerSync> h(M, N, args);
   sm90::gemm_tiles<Cfg>(&tma_a, &tma_b, M, N, K, h.sched, gemm::NoWait{}, h.epi);
-  rs::count_out(state, h.epi.epoch);  // every thread returns from the core: all 384 meet here
+  count_out(state, h.epi.epoch);  // every thread returns from the core: all 384 meet here
 #endif
 }
 
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(sm80::kTileThreads, sm80::kTileCtasPerSm)
                        group_m, state, err, err_claim, timeout_ns, op};
   const RsHooks<T, Cfg::kBM, Cfg::kBN, kAtomic, rs::CtaSync> h(M, N, args);
   sm80::gemm_tiles<Cfg>(a, b, M, N, K, h.sched, gemm::NoWait{}, h.epi);
-  rs::count_out(state, h.epi.epoch);
+  count_out(state, h.epi.epoch);
 }
 
 // ---- comm-only reduce-scatter ------------------------------------------------------------------
@@ -151,5 +151,5 @@ __global__ void __launch_bounds__(512, 1)
     };
     h.epi.template run<OutT>(m0, n0, body);
   }
-  rs::count_out(state, h.epi.epoch);
+  count_out(state, h.epi.epoch);
 }

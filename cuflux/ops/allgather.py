@@ -18,8 +18,8 @@ Symmetric layout (one IPC allocation per op, 128-byte aligned regions):
   done    uint32 [W] (pull): done[p] = e when rank p finished reading our staged shard
   free    uint32 [W] (push): free[p] = e when rank p consumed its gathered rows of call e,
           so our shard of call e+1 may overwrite them
-  joined  uint32 [W + 1]: joined[l] = e when copy lane l (joined[W]: the pull stager) has
-          queued nothing more of call e; the call's stream waits for them
+  joined  uint32 [W]: joined[i] = e when guard-holding stream i (push: lane i; pull: the
+          stager) has run its part of call e; the call's stream waits for the last one
 
 Pull, call e:  stager: guard done[*] >= e-1; stage x; ready[me] -> every peer.
                S: copy own rows. lane(p): wait ready[p] >= e; copy chunks from p's staging,
@@ -33,7 +33,8 @@ rows, our staged shard): they are stream waits that a timeout never releases, on
 own word or its leaving the op (watchdog.StreamWaiter.wait(guard=True)), so a late but alive
 peer never has a call in flight overwritten. A stream holding a guard (push lanes, the pull
 stager) may therefore stay held after a failure; S joins it through its `joined` word with a
-wait that a timeout does release (x, the copies' source, then belongs to a void call).
+follower wait, released once the op has failed (x, the copies' source, then belongs to a void
+call).
 
 Inside a stage of the transfer order the lanes' copies are queued chunk-major (chunk 0 of every
 peer of the stage, then chunk 1, ...), so chunks land in the order `arrival_order` lists; the
@@ -76,7 +77,7 @@ def gather_layout(world_size: int, max_rows: int, row_bytes: int, max_chunks: in
     layout.add("chunk", (world_size, max_chunks), np.uint32)
     for region in ("ready", "done", "free"):
         layout.add(region, (world_size,), np.uint32)
-    layout.add("joined", (world_size + 1,), np.uint32)
+    layout.add("joined", (world_size,), np.uint32)
     return layout
 
 
@@ -206,21 +207,21 @@ class CopyGather(CommOp):
             ev.record(st)
             s.wait_event(ev)
 
-    def _join_guarded(self, s, streams, first_slot: int) -> None:
+    def _join_guarded(self, s, streams) -> None:
         """`s` waits for what `streams` (which may hold a guard) queued so far, through a
         follower wait (watchdog: no clock of its own, released once the op failed, so a held
-        guard never holds `s` and the error names the late peer). The streams end in a chain: stream i raises joined[first_slot
-        + i] = epoch once stream i-1 raised its word (a plain stream wait, bounded as the guards
-        before it are), so `s` waits for the last word only: one watched wait per call."""
+        guard never holds `s` and the error names the late peer). The streams end in a chain:
+        stream i raises joined[i] = epoch once stream i-1 raised its word (a plain stream wait,
+        bounded as the guards before it are), so `s` waits for the last word only: one watched
+        wait per call."""
         me, e = self.world.rank, self.epoch
-        slot = None
         for i, st in enumerate(streams):
-            if slot is not None:
-                driver.stream_wait_value32(st, self._flag(me, "joined", slot), e, "geq")
-            slot = first_slot + i
-            driver.stream_write_value32(st, self._flag(me, "joined", slot), e)
-        if slot is not None:  # a follower (either wait mode): the lanes' waits name the peer
-            self.waiter.wait(s, self._flag(me, "joined", slot), e, me, slot, follow=True)
+            if i > 0:
+                driver.stream_wait_value32(st, self._flag(me, "joined", i - 1), e, "geq")
+            driver.stream_write_value32(st, self._flag(me, "joined", i), e)
+        if streams:  # a follower (either wait mode): the lanes' waits name the peer
+            last = len(streams) - 1
+            self.waiter.wait(s, self._flag(me, "joined", last), e, me, last, follow=True)
 
     # ---- the halves of a call (AllGatherGemm queues its GEMM between them) --------------------
     # A consumer that reads the gathered rows as they land calls begin(), queues its kernel on
@@ -325,11 +326,9 @@ class CopyGather(CommOp):
                                             x.data.ptr + off, n * self.row_bytes,
                                             _MEMCPY_DEFAULT, lane.ptr)
                         driver.stream_write_value32(lane, self._chunk_flag(p, me, c), e)
-        if self.mode == "pull":
-            self._join(stream, self.lanes)
-            self._join_guarded(stream, [self.stager], W)
-        else:
-            self._join_guarded(stream, self.lanes, 0)
+        holders = self._guard_holders()
+        self._join(stream, [lane for lane in self.lanes if lane not in holders])
+        self._join_guarded(stream, holders)
 
     def release(self, stream) -> None:
         """Push mode: once `stream` has run everything that reads this call's gathered rows,

@@ -340,28 +340,5 @@ struct RsEpilogue {
   }
 };
 
-// ---- device epochs -----------------------------------------------------------------------------
-// This call's epoch: the count of the op's calls completed (state[0], stored by the previous
-// kernel of the op, which the stream ordered before this one) + 1.
-__device__ __forceinline__ u64 call_epoch(const u64* state) {
-  return *reinterpret_cast<const volatile u64*>(state) + 1;
-}
-// Every CTA, failed or not, counts itself out once all its threads are done (every thread read
-// the epoch as the CTA started); the last one stores the new count, so no CTA of this call can
-// see it. The fences make the count a release / acquire chain: every CTA's reads of state[0]
-// happen before the last CTA's store, by the memory model and not only in practice. Called by
-// every thread of the CTA.
-__device__ __forceinline__ void count_out(u64* state, u64 epoch) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (atomicAdd(state + 1, 1ull) == gridDim.x - 1) {
-      __threadfence();
-      state[1] = 0;
-      state[0] = epoch;
-    }
-  }
-}
-
 }  // namespace rs
 }  // namespace cuflux
