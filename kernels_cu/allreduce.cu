@@ -9,6 +9,12 @@
 //     kShardedResidual   out [T, H] for every row; residual [T, H] read and written only on this
 //                        rank's slice rows (TokenWeave);
 //     kSequenceParallel  out and residual [n_slice, H]: this rank's slice only (Megatron SP).
+//   The two halves of a two-shot kPlain call, for an op that works on the reduced slice in
+//   between (AllReduceAcrossNodes: a rail all-reduce across nodes, cuflux/ops/across.py):
+//     kReduceScatter     tmp_out holds this rank's slice of the sum (out is not written);
+//     kAllGather         out [T] = every rank's tmp_out slice, this rank's included (x unused).
+//   The second half runs with the first's epoch (no count of its own), so a call of the op is
+//   one epoch whether it runs whole or in halves.
 // Token slices: rank r owns rows [r*base + min(r, rem), that + base + (r < rem)), base = T / W,
 // rem = T % W (cuflux/ops/allreduce.py token_slice is the same formula).
 // Sums run in fp32 in rank order 0..W-1 on every rank, and a row is normalised by one block of
@@ -43,6 +49,10 @@
 //     peer's kernel e-1 is complete. Hence, in call e: writing stage[e & 1] is safe (its last
 //     readers were in call e-2, complete because this rank's kernel e-1 met every peer) and
 //     writing tmp after START(e) is safe (its readers were in call e-1). No end barrier.
+//   * Halves: the same with "kernel e" read as "the first half of call e". A peer's first half
+//     of call e is queued after its second half of e-1, so once this rank's first half passed
+//     START(e), nothing reads its tmp until the peers pass MID(e), which this rank raises in
+//     its second half: between the halves its stream may rewrite its slice of tmp in place.
 // Epochs live in device memory (state[0] = calls completed; the last block to finish bumps
 // it), so calls can be captured in a CUDA graph and replayed. Every wait is bounded
 // (cuflux/sync.cuh); on timeout the block records who it waited for and skips to the end.
@@ -56,7 +66,10 @@
 namespace cuflux {
 namespace ar {
 
-enum : int { kPlain = 0, kReplicated = 1, kShardedResidual = 2, kSequenceParallel = 3 };
+enum : int { kPlain = 0, kReplicated = 1, kShardedResidual = 2, kSequenceParallel = 3,
+             kReduceScatter = 4, kAllGather = 5 };
+// Modes that add a residual and normalise (the others only sum).
+constexpr bool is_norm(int mode) { return mode >= kReplicated && mode <= kSequenceParallel; }
 constexpr int kLoadBatch = 8;  // rank loads of one vector issued before any is added (W > 1)
 constexpr int kCopyBatch = 4;  // vectors per thread in flight in row copies
 
@@ -168,7 +181,7 @@ __device__ __forceinline__ void reduce_rows(
     bool publish, Slice s, int cols, long long num_elems, int W, int me, float eps, float* s_h,
     float* s_scratch) {
   constexpr int kElems = kVecBytes / sizeof(T);
-  constexpr bool kNorm = kMode != kPlain;
+  constexpr bool kNorm = is_norm(kMode);
   for (int t = s.start + blockIdx.x; t < s.stop; t += gridDim.x) {
     const long long row = static_cast<long long>(t) * cols;
     const int nvec = static_cast<int>(min(static_cast<long long>(cols), num_elems - row) / kElems);
@@ -246,9 +259,11 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
     u64 stage_parity_bytes, u64 tmp_out_off, u64 tmp_res_off, u64 start_off, u64 mid_off,
     int flag_stride, u64* state, int rows, int cols, long long num_elems, int world_size,
     int rank, float eps, u32* err, u32* err_claim, u64 timeout_ns, u32 op) {
-  constexpr bool kNorm = kMode != kPlain;
+  constexpr bool kNorm = is_norm(kMode);
+  constexpr bool kHalf2 = kMode == kAllGather;  // no x, no reduction: the epoch's second half
   static_assert(kTwoShot || kMode == kPlain || kMode == kReplicated,
-                "sharded residual and sequence parallel outputs need the two-shot slice owner");
+                "sharded residual, sequence parallel and the halves need the two-shot slice "
+                "owner");
   extern __shared__ float4 smem4[];
   float* s_h = reinterpret_cast<float*>(smem4);  // [kElems][cols / kElems] (norm modes)
   u64* s_base = reinterpret_cast<u64*>(smem4 + (kNorm ? (cols + 3) / 4 : 0));
@@ -261,7 +276,7 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
     // A wait of this op gave up in an earlier call (sync.cuh op_gave_up): a late peer may
     // still read our stage of two calls ago, so this call stages nothing (the host raises).
     const bool gave_up = W > 1 && op_gave_up(err_claim);  // in flight with the epoch's load
-    s_epoch = call_epoch(state);
+    s_epoch = call_epoch(state) - (kHalf2 ? 1 : 0);  // the first half counted the call
     s_failed = gave_up ? 1 : 0;
   }
   for (int p = threadIdx.x; p < W; p += blockDim.x) s_base[p] = bases[p];
@@ -271,10 +286,10 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
   const Slice all{0, rows};
   const Slice mine = kTwoShot ? token_slice(rows, W, me) : all;
   const u64 stage_now = stage_off + (e & 1u) * stage_parity_bytes;
-  const bool publish = kTwoShot && kMode != kSequenceParallel && W > 1;
+  const bool publish = kTwoShot && kMode != kSequenceParallel && kMode != kReduceScatter && W > 1;
 
   bool ok = s_failed == 0;
-  if (W > 1 && ok) {
+  if (!kHalf2 && W > 1 && ok) {
     // Phase 0: publish x. Stage the rows that block b of each rank will reduce.
     T* my_stage = reinterpret_cast<T*>(s_base[me] + stage_now);
     if (kTwoShot) {
@@ -285,17 +300,19 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
     }
     ok = block_barrier(s_base, start_off, flag_stride, W, me, e, site, 0, &s_failed);
   }
-  if (ok) {
+  if (!kHalf2 && ok) {  // kReduceScatter: the op passes this rank's tmp_out as out
     reduce_rows<T, kVecBytes, kMode, kLoadBatch>(
         x, out, residual, weight, s_base, stage_now, reinterpret_cast<T*>(s_base[me] + tmp_out_off),
         reinterpret_cast<T*>(s_base[me] + tmp_res_off), publish, mine, cols, num_elems, W, me, eps,
         s_h, s_scratch);
   }
-  // Phase 2 (two-shot all-gather): pull the finished rows of every peer's slice.
-  if (ok && publish) {
+  // Phase 2 (two-shot all-gather): pull the finished rows of every peer's slice (kAllGather:
+  // this rank's too, rewritten in tmp_out after the first half). A peer's MID(e) of kAllGather
+  // comes after its first half and whatever its stream ran in between.
+  if (ok && (publish || kHalf2)) {
     ok = block_barrier(s_base, mid_off, flag_stride, W, me, e, site, 1, &s_failed);
     if (ok) {
-      for (int i = 1; i < W; ++i) {  // start from rank+1 so peers are not all hit at once
+      for (int i = kHalf2 ? 0 : 1; i < W; ++i) {  // from rank+1: peers are not all hit at once
         const int q = (me + i) % W;
         const Slice sq = token_slice(rows, W, q);
         copy_rows<T, kVecBytes, false>(out, reinterpret_cast<const T*>(s_base[q] + tmp_out_off),
@@ -307,7 +324,7 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
     }
   }
 
-  count_out(state, e);  // sync.cuh: the last block advances the epoch
+  if (!kHalf2) count_out(state, e);  // sync.cuh: the last block advances the epoch
 }
 
 // W = 1 (and the unfused baseline's norm): residual <- x + residual; out = RMSNorm(residual) *

@@ -31,7 +31,7 @@ from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, choose_algo, plan
 from tests.checks import poisoned, raises_each, seeded_epoch_calls
 from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
-from tests.mpi import on_ranks, world_sizes
+from tests.mpi import fresh_seed, on_ranks, world_sizes
 
 
 TOL = {"bfloat16": (2e-2, 2e-2), "float16": (3e-3, 3e-3), "float32": (2e-5, 2e-5)}
@@ -429,6 +429,62 @@ test_epochs_past_32_bits_never_pass_an_unwritten_flag = epochs_past_32_bits.test
     expect=8, sizes=[w for w in WS if w > 1], timeout_s=300)
 
 
+@on_ranks
+def halves(world, seed):
+    """A two-shot call in its halves (AllReduce.reduce_scatter, all_gather: what
+    AllReduceAcrossNodes runs around its rail). Each rank's share is plain_share of the float64
+    reference sum; each rank rewrites its share in place on the stream between the halves
+    (flips low bits by rank: the rail's all-reduce stands there), and all_gather gives every rank
+    exactly every rewritten share. Sizes: under a row, odd, several rows, uneven shares, shares
+    empty past n; float32 and bfloat16; out poisoned; a whole call and an all_gather of the
+    wrong size between the halves are refused (locally: the call goes on)."""
+    import cupy as cp
+
+    W, me = world.size, world.rank
+    done = 0
+    s = cp.cuda.Stream(non_blocking=True)
+    for dtype in ("float32", "bfloat16"):
+        d = dtype_info(dtype)
+        bits = np.uint32 if d.itemsize == 4 else np.uint16
+        cols = ar._plain_cols(d)
+        with AllReduce(world, 7 * cols + 3, dtype, timeout_s=60) as op:
+            for n in (1, 5, cols - 1, cols + 1, 3 * cols, 7 * cols + 3):
+                base = np.random.default_rng([seed, n]).standard_normal(n, dtype=np.float32)
+                xs = [_q(_rank_x(base, r), dtype) for r in range(W)]
+                share = op.reduce_scatter(cp.asarray(xs[me]), s)
+                lo, hi = ar.plain_share(n, dtype, W, me)
+                assert share.size == hi - lo, (n, share.size, lo, hi)
+                with s:
+                    summed = share.copy()  # in stream order: after the first half
+                    share.view(bits)[...] ^= bits(me + 1)  # in place, before the second half
+                    mine = share.copy()
+                with pytest.raises(CufluxError, match="between its halves"):
+                    op(cp.asarray(xs[me]))
+                with pytest.raises(ValueError, match="must follow reduce_scatter"):
+                    op.all_gather(poisoned((n + 1,), dtype), s)
+                out = poisoned((n,), dtype)
+                op.all_gather(out, s)
+                s.synchronize()
+                label = f"W={W} rank={me} {dtype} n={n}"
+                _close(_stored_float(cp.asnumpy(summed), dtype), reference_allreduce(xs)[lo:hi],
+                       dtype, f"{label}: share")
+                every = np.concatenate(world.allgather(cp.asnumpy(mine)))
+                assert np.array_equal(cp.asnumpy(out).view(bits), every.view(bits)), label
+                done += 1
+    return done
+
+
+def _stored_float(host, dtype):
+    """Stored values as float64 (bfloat16 is stored as uint16)."""
+    from cuflux.rail import to_float
+
+    return to_float(host, dtype).astype(np.float64)
+
+
+test_a_call_in_halves_rewritten_between_them = halves.test(
+    expect=12, sizes=[w for w in WS if w > 1], timeout_s=300, seed=fresh_seed)
+
+
 # ==== CPU tests (no GPU needed) ===================================================================
 # ---- token slices ---------------------------------------------------------------------------
 @pytest.mark.parametrize("W", [1, 2, 3, 4, 7, 8])
@@ -447,6 +503,53 @@ def test_token_slices_with_fewer_tokens_than_ranks():
     assert [token_slice(3, 8, r) for r in range(8)] == \
         [(0, 1), (1, 2), (2, 3), (3, 3), (3, 3), (3, 3), (3, 3), (3, 3)]
     assert [token_slice(10, 4, r) for r in range(4)] == [(0, 3), (3, 6), (6, 8), (8, 10)]
+
+
+# ---- a call in halves (AllReduce.reduce_scatter / all_gather) --------------------------------
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+def test_plain_shares_cover_every_element_once_on_whole_rows(dtype, W):
+    cols = ar._plain_cols(dtype_info(dtype))
+    for n in (1, 5, cols - 1, cols, cols + 1, 3 * cols, 7 * cols + 3, 100 * cols - 1):
+        shares = [ar.plain_share(n, dtype, W, r) for r in range(W)]
+        assert shares[0][0] == 0 and shares[-1][1] == n, (n, shares)
+        for (a0, b0), (a1, b1) in zip(shares, shares[1:]):
+            assert b0 == a1 and a1 <= b1  # contiguous, in rank order
+        rows = [token_slice(-(-n // cols), W, r) for r in range(W)]
+        # a share is the rows the two-shot kernel's rank reduces: whole rows, cut at n (the
+        # last row short; past n, empty)
+        assert all(a == min(n, r0 * cols) and b == min(n, r1 * cols)
+                   for (a, b), (r0, r1) in zip(shares, rows)), (n, shares, rows)
+
+
+def test_the_halves_plan_as_a_plain_two_shot_call():
+    for n in (7, 5000, 3 * 8192 + 1):
+        whole = plan_launch("plain", "bfloat16", n, None, 4, "two_shot", True, 16, 132)
+        for mode, code in (("reduce_scatter", 4), ("all_gather", 5)):
+            half = plan_launch(mode, "bfloat16", n, None, 4, "two_shot", True, 16, 132)
+            assert (half.grid, half.block, half.rows, half.cols, half.vec_bytes,
+                    half.shared_mem) == (whole.grid, whole.block, whole.rows, whole.cols,
+                                         whole.vec_bytes, whole.shared_mem)
+            assert half.kernel == whole.kernel.replace(", 0, true>", f", {code}, true>")
+            assert half.kernel in ar.FAMILY.names
+
+
+def test_halves_are_refused_where_there_is_no_two_shot(monkeypatch):
+    op = object.__new__(AllReduce)
+    op.op, op._closed, op._half = "AllReduce", False, None
+    monkeypatch.setattr(op, "_check_open", lambda: None, raising=False)
+    for W, algo in ((1, "auto"), (4, "one_shot")):
+        op.world, op.algo, op.two_shot_ok = SimpleNamespace(size=W, rank=0), algo, False
+        with pytest.raises(ValueError, match="reduce_scatter needs W > 1"):
+            op.reduce_scatter(A((100,), "float32"), None)
+    with pytest.raises(ValueError, match="all_gather must follow reduce_scatter"):
+        op.all_gather(A((100,), "float32"), None)
+    op._half = 100
+    with pytest.raises(ValueError, match=r"out of its x.size \(100\), got 99"):
+        op.all_gather(A((99,), "float32"), None)
+    assert op._half == 100  # refused before anything changed
+    with pytest.raises(CufluxError, match="between its halves"):
+        op.reduce_scatter(A((100,), "float32"), None)
 
 
 # ---- golden models ----------------------------------------------------------------------------

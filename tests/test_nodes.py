@@ -230,9 +230,12 @@ def across_nodes(world, node_size, seed):
     with w.device_context():
         for dtype, unit in (("float32", 2.0 ** -24), ("bfloat16", 2.0 ** -8)):
             st = dtype_info(dtype).storage
-            with AllReduceAcrossNodes(w, 5000, dtype, timeout_s=60) as ar, \
+            with AllReduceAcrossNodes(w, 45_001, dtype, timeout_s=60) as ar, \
                     AllGatherAcrossNodes(w, 8, 24, dtype, timeout_s=60) as ag:
-                for n in (1, 7, 4999, 1000, 5000):
+                # under a plain row (8192 bfloat16, 4096 float32 elements) the node's first
+                # rank holds the only share; the last two give every node rank a share of
+                # whole rows, uneven, the last row short
+                for n in (1, 7, 4999, 1000, 5000, 3 * 8192 + 5, 45_001):
                     rng = [np.random.default_rng((seed, p, n)) for p in range(W)]
                     # bfloat16: random bits with the exponent's top bit clear (finite, |x| < 2)
                     # and its lowest set (normal: kernels flush float32 subnormals, the
@@ -284,7 +287,7 @@ def across_test(body, expect):
     return check
 
 
-test_allreduce_and_allgather_run_across_emulated_nodes = across_test(across_nodes, 16)
+test_allreduce_and_allgather_run_across_emulated_nodes = across_test(across_nodes, 20)
 
 
 @on_ranks

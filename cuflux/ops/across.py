@@ -10,13 +10,14 @@ node's kernel as they do on one node); AllGatherGemm's config and route, which c
 kernel, are checked as there and have nothing to choose here: its cross-node form is composed
 (AllGather across nodes, then cuflux.gemm), correct first.
 
-  AllReduceAcrossNodes  x (n elements): the node's AllReduce gives every rank its node's sum;
-                        node rank i all-reduces share i of the n elements (c = ceil(n / k)
-                        elements from i * c, over the node's k ranks) across its rail, so each
-                        rank sends n / k elements between nodes; the node's AllGather of the
-                        shares (copy engines) puts the whole sum on every rank. Every rank
-                        holds the same bits. The first step is a whole AllReduce where a
-                        reduce-scatter would do: later work.
+  AllReduceAcrossNodes  x (n elements): the node's AllReduce runs a two-shot call in its two
+                        halves (AllReduce.reduce_scatter, all_gather). The first leaves node
+                        rank i the node's sum of its share i (allreduce.plain_share: about
+                        n / k elements of the node's k ranks); rank i all-reduces that share
+                        in place across its rail, so each rank sends n / k elements between
+                        nodes; the second half gathers every share of the node. The node
+                        moves what one two-shot AllReduce moves; every rank holds the same
+                        bits.
   AllGatherAcrossNodes  x [rows, cols]: the rail gathers the rows of this rank's rail-mates
                         (one per node), the node's AllGather brings every node rank's gather,
                         and one copy puts the blocks in World-rank order.
@@ -63,7 +64,6 @@ class _AcrossNodes(Closeable):
         require_world_device(world, self.op)
         world.check_same(args, f"{self.op} arguments", timeout_s)
         self.world, self.timeout_s, self.inner = world, timeout_s, None
-        self.extra = None  # a second node op, where the op has one (AllReduce: its all-gather)
         self.comm = world.sub_comm(self.op, timeout_s)  # the calls' agreements: the op's own
         try:
             self.node, self.group = world.split_nodes(timeout_s)
@@ -142,17 +142,15 @@ class _AcrossNodes(Closeable):
         self._check_open()
         with self.world.device_context():
             self.rail.wait(stream_of(stream), f"{self.op} rail")
-            for op in (self.inner, self.extra):
-                if op is not None:
-                    op.synchronize(stream)
+            if self.inner is not None:
+                self.inner.synchronize(stream)
 
     def _release(self, abort: bool = False) -> None:
         """Collective close (the node op's), or with abort local and at once: the node op
         aborted, the rail dropped (a NCCL one aborted)."""
         try:
-            for op in (self.extra, self.inner):  # the reverse of their construction
-                if op is not None:
-                    op.abort() if abort else op.close()
+            if self.inner is not None:
+                self.inner.abort() if abort else self.inner.close()
         finally:
             self.rail.abort() if abort else self.rail.close()
             self.group.free()
@@ -167,7 +165,9 @@ class _AcrossNodes(Closeable):
 
 class AllReduceAcrossNodes(_AcrossNodes):
     """cuflux.AllReduce on a World of several nodes (see the module's docstring); the same
-    arguments, plus rail ("auto", "nccl" or "host": cuflux.rail.make_rail)."""
+    arguments, plus rail ("auto", "nccl" or "host": cuflux.rail.make_rail). algo is checked
+    but has nothing to choose where a node has several ranks: the node's step is always the
+    two-shot call's halves (one_shot builds the node op two-shot capable all the same)."""
 
     op = "AllReduce"
 
@@ -189,22 +189,10 @@ class AllReduceAcrossNodes(_AcrossNodes):
             cap = min(max_blocks or DEFAULT_MAX_BLOCKS,
                       max(1, sm_count(world.device) // ranks_on_my_gpu(world)))
             cap = min(self.comm.allgather(cap, timeout_s, "grid cap"))
-            self.inner = AllReduce(self.node, max_elems, dtype, algo, timeout_s, cap)
-            import cupy
-
+            # (one rank a node: the node op is never called, the rail's all-reduce is the op)
+            self.inner = AllReduce(self.node, max_elems, dtype,
+                                   "auto" if algo == "one_shot" else algo, timeout_s, cap)
             self.dtype, self.max_elems = self.inner.dtype, self.inner.max_elems
-            k = self.node.size
-            if k > 1:  # one rank a node: the rail's all-reduce is the whole op
-                from cuflux.ops.allgather import AllGather
-
-                # Shares of c = ceil(n / k) elements, gathered as c rows of one element: the
-                # node's sum (the last share padded up to k * c), and the gathered shares where
-                # k * c > n (else they land in out directly).
-                share_max = -(-self.max_elems // k)
-                self.extra = AllGather(self.node, share_max, 1, self.dtype.name,
-                                       timeout_s=timeout_s)
-                self._sum = cupy.zeros(k * share_max, self.dtype.storage)
-                self._gathered = cupy.zeros(k * share_max, self.dtype.storage)
         except Exception as e:
             error = e
         self._built(error)
@@ -238,19 +226,10 @@ class AllReduceAcrossNodes(_AcrossNodes):
         if n and self.node.size == 1:  # nodes of one rank: the rail's all-reduce is the op
             self.rail.all_reduce(x.reshape(-1), out.reshape(-1), s)
         elif n:
-            k = self.node.size
-            c = -(-n // k)
-            lo, hi = self.node.rank * c, min(n, (self.node.rank + 1) * c)
-            self.inner(x.reshape(-1), out=self._sum[:n], stream=s, algo=algo)
-            if hi > lo:  # (a share past n is empty on every node: the rail skips it alike)
-                self.rail.all_reduce(self._sum[lo:hi], self._sum[lo:hi], s)
-            share = self._sum[lo:lo + c].reshape(c, 1)  # past n: padding, never read back
-            if k * c == n:
-                self.extra(share, out=out.reshape(n, 1), stream=s)
-            else:
-                self.extra(share, out=self._gathered[:k * c].reshape(k * c, 1), stream=s)
-                with s:
-                    out.reshape(-1)[...] = self._gathered[:n]
+            share = self.inner.reduce_scatter(x.reshape(-1), s)  # the node's sum of our share
+            if share.size:  # (a share past n is empty on every node: the rail skips it alike)
+                self.rail.all_reduce(share, share, s)
+            self.inner.all_gather(out.reshape(-1), s)
         return to_caller(out, x_in, out_in)
 
 

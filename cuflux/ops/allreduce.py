@@ -22,17 +22,22 @@ import numpy as np
 from cuflux import kernels
 from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torch, stream_of,
                            to_caller)
+from cuflux.errors import CufluxError
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
                              on_op_device, sm_count)
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
 __all__ = ["AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "choose_algo", "token_slice",
-           "plan_launch", "reference_allreduce", "reference_allreduce_rmsnorm", "MODES"]
+           "plan_launch", "plain_share", "reference_allreduce", "reference_allreduce_rmsnorm",
+           "MODES"]
 
 _SRC = "allreduce.cu"
 DTYPES = ("bfloat16", "float16", "float32")
-MODES = {"plain": 0, "replicated": 1, "sharded_residual": 2, "sequence_parallel": 3}
+# The kernel's modes (kernels_cu/allreduce.cu); the last two are a plain two-shot call's halves.
+MODES = {"plain": 0, "replicated": 1, "sharded_residual": 2, "sequence_parallel": 3,
+         "reduce_scatter": 4, "all_gather": 5}
+_SUM_MODES = ("plain", "reduce_scatter", "all_gather")  # no residual, no norm: flat rows
 OUTPUTS = ("replicated", "sharded_residual", "sequence_parallel")
 ALGOS = ("auto", "one_shot", "two_shot")
 MAX_THREADS = 1024
@@ -42,8 +47,9 @@ MAX_ELEMS = 2**31 - 1       # the kernel's copy loops index vectors with 32-bit 
 
 
 def _two_shot_only(mode: str) -> bool:
-    # Sharded residual / sequence parallel: only a slice's owner has its residual rows.
-    return mode in ("sharded_residual", "sequence_parallel")
+    # Sharded residual / sequence parallel: only a slice's owner has its residual rows; the
+    # halves are a two-shot call's.
+    return mode not in ("plain", "replicated")
 
 
 def _kernel_name(cuda_type: str, vec_bytes: int, mode: str, two_shot: bool) -> str:
@@ -142,16 +148,17 @@ def plan_launch(mode: str, dtype, num_elems: int, cols: int | None, world_size: 
     when ranks share a GPU), and two-shot no more than the rows of the largest slice.
     """
     d = dtype_info(dtype)
-    wide = aligned and (num_elems if mode == "plain" else cols) * d.itemsize % 16 == 0
+    flat = mode in _SUM_MODES
+    wide = aligned and (num_elems if flat else cols) * d.itemsize % 16 == 0
     vec_bytes = 16 if wide else d.itemsize
     elems_per_vec = vec_bytes // d.itemsize
-    if mode == "plain":  # rows of a fixed element count, whatever this rank's vector width:
-        cols = PLAIN_ROW_VECS * (16 // d.itemsize)  # ranks must agree on which rows are whose
+    if flat:  # rows of a fixed element count, whatever this rank's vector width:
+        cols = _plain_cols(d)  # ranks must agree on which rows are whose
     rows = -(-num_elems // cols)
     nvec = cols // elems_per_vec
     block = min(MAX_THREADS, max(32, -(-nvec // 32) * 32))
-    h_bytes = 0 if mode == "plain" else -(-cols * 4 // 16) * 16
-    if world_size == 1 and mode != "plain":
+    h_bytes = 0 if flat else -(-cols * 4 // 16) * 16
+    if world_size == 1 and not flat:
         in_registers = nvec <= LOCAL_REG_VECS * LOCAL_REG_THREADS
         if in_registers:  # a row's vectors spread over the block, LOCAL_REG_VECS per thread
             block = max(32, -(-nvec // (32 * LOCAL_REG_VECS)) * 32)
@@ -167,6 +174,18 @@ def plan_launch(mode: str, dtype, num_elems: int, cols: int | None, world_size: 
     two_shot = algo == "two_shot"
     return LaunchPlan(_kernel_name(d.cuda_type, vec_bytes, mode, two_shot), False, vec_bytes,
                       rows, cols, num_elems, grid, block, h_bytes + 8 * world_size, two_shot)
+
+
+def _plain_cols(d) -> int:
+    return PLAIN_ROW_VECS * (16 // d.itemsize)
+
+
+def plain_share(num_elems: int, dtype, world_size: int, rank: int) -> tuple[int, int]:
+    """Elements [lo, hi) of a flat num_elems-element AllReduce that rank reduces in two-shot:
+    its token slice of the plain rows (plan_launch), cut at num_elems (empty past it)."""
+    cols = _plain_cols(dtype_info(dtype))
+    start, stop = token_slice(-(-num_elems // cols), world_size, rank)
+    return min(num_elems, start * cols), min(num_elems, stop * cols)
 
 
 def _aligned(*arrays) -> bool:
@@ -232,19 +251,21 @@ class _P2PReduce(CommOp):
                           np.uint64(o["mid"]), np.int32(self.flag_stride), self.state)
         self._args_tail = (np.int32(self.world.size), np.int32(self.world.rank))
 
-    def _plan(self, num_elems, cols, algo, aligned: bool) -> tuple:
-        """(LaunchPlan, the kernel function, the plan's own arguments), cached per call shape."""
-        key = (num_elems, algo, aligned)
+    def _plan(self, num_elems, cols, algo, aligned: bool, mode: str | None = None) -> tuple:
+        """(LaunchPlan, the kernel function, the plan's own arguments), cached per call shape;
+        mode: the op's, or one of a plain call's halves (AllReduce.reduce_scatter)."""
+        mode = mode or self.mode
+        key = (num_elems, algo, aligned, mode)
         hit = self._plans.get(key)
         if hit is not None:
             return hit
         chosen = algo
         if algo == "auto":
-            chosen = choose_algo(num_elems * self.dtype.itemsize, self.world.size, self.mode)
+            chosen = choose_algo(num_elems * self.dtype.itemsize, self.world.size, mode)
         if chosen == "two_shot" and not self.two_shot_ok and self.world.size > 1:
             raise ValueError(f"{self.op}: this op was built with algo='one_shot'; "
                              f"build it with algo='auto' or 'two_shot' to run two-shot")
-        plan = plan_launch(self.mode, self.dtype, num_elems, cols, self.world.size, chosen,
+        plan = plan_launch(mode, self.dtype, num_elems, cols, self.world.size, chosen,
                            aligned, self.max_blocks, self.num_sms)
         hit = self._entry(plan)
         if len(self._plans) < 4096:
@@ -306,12 +327,14 @@ class AllReduce(_P2PReduce):
                          f"{op} arguments (max_elems, dtype, algo, max_blocks)")
         super().__init__(world, op, "plain", max_elems, d, algo, timeout_s, max_blocks)
         self._eps = _EPS0
+        self._half: int | None = None  # x.size of a call between its halves (reduce_scatter)
 
     @on_op_device
     def __call__(self, x, out=None, stream=None, algo: str | None = None):
         """x: any shape, C-contiguous, x.size <= max_elems, the same on every rank ->
         out (same shape) = sum over ranks. `algo` overrides the op's choice for this call."""
         self._check_open()
+        self._check_no_half()
         x_in, out_in = x, out  # the caller's: torch in, torch out
         x = as_cupy(x, "x", self.op)
         check_array(x, name="x", op=self.op, dtype=self.dtype, device=self.world.device)
@@ -334,6 +357,46 @@ class AllReduce(_P2PReduce):
                               not (x.data.ptr | out.data.ptr) & 15)
             self._launch(plan, x, out, None, None, self._eps, s)
         return to_caller(out, x_in, out_in)
+
+
+    # ---- a two-shot call in halves (AllReduceAcrossNodes works on this rank's share between) ---
+    def reduce_scatter(self, x, stream):
+        """First half of a two-shot call on x (flat, C-contiguous, this op's dtype and device,
+        1 <= x.size <= max_elems, the same size on every rank; W > 1; the caller checked it):
+        returns this rank's share of the sum, elements plain_share(x.size, ...) of it, as a
+        flat view of its symmetric memory, once `stream` has run what this queues. `stream`
+        may rewrite the share in place; the op's next call must be all_gather(out, stream)."""
+        self._check_open()
+        self._check_no_half()
+        n, W = x.size, self.world.size
+        if W == 1 or not self.two_shot_ok:
+            raise ValueError(f"{self.op}: reduce_scatter needs W > 1 and an op built with "
+                             f"algo 'auto' or 'two_shot' (W = {W}, algo = {self.algo!r})")
+        if (n, "halves") not in self._agreed:
+            self._agree((n, "halves"), "x.size of a call in halves")
+        tmp = self.buf.local("tmp_out")
+        plan = self._plan(n, None, "two_shot", not x.data.ptr & 15, "reduce_scatter")
+        self._launch(plan, x, tmp, None, None, self._eps, stream)
+        self._half = n
+        lo, hi = plain_share(n, self.dtype, W, self.world.rank)
+        return tmp[lo:hi]
+
+    def all_gather(self, out, stream) -> None:
+        """Second half of the call reduce_scatter started: out (flat, C-contiguous, its x.size
+        elements) = every rank's share, in place, once `stream` has run what this queues."""
+        self._check_open()
+        n = self._half
+        if n is None or out.size != n:  # (refused before anything changes: the call stays open)
+            raise ValueError(f"{self.op}: all_gather must follow reduce_scatter with out of "
+                             f"its x.size ({n}), got {out.size} elements")
+        self._half = None
+        plan = self._plan(n, None, "two_shot", not out.data.ptr & 15, "all_gather")
+        self._launch(plan, out, out, None, None, self._eps, stream)
+
+    def _check_no_half(self) -> None:
+        if self._half is not None:
+            raise CufluxError(f"{self.op}: a call is between its halves (reduce_scatter ran, "
+                              "all_gather did not)")
 
 
 class AllReduceRMSNorm(_P2PReduce):
