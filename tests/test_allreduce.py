@@ -442,6 +442,8 @@ def halves(world, seed):
 
     W, me = world.size, world.rank
     done = 0
+    # A stream of the test's own: everything of a call is queued on it (inputs, poison and all:
+    # it does not wait for the legacy default stream).
     s = cp.cuda.Stream(non_blocking=True)
     for dtype in ("float32", "bfloat16"):
         d = dtype_info(dtype)
@@ -451,19 +453,20 @@ def halves(world, seed):
             for n in (1, 5, cols - 1, cols + 1, 3 * cols, 7 * cols + 3):
                 base = np.random.default_rng([seed, n]).standard_normal(n, dtype=np.float32)
                 xs = [_q(_rank_x(base, r), dtype) for r in range(W)]
-                share = op.reduce_scatter(cp.asarray(xs[me]), s)
-                lo, hi = ar.plain_share(n, dtype, W, me)
-                assert share.size == hi - lo, (n, share.size, lo, hi)
                 with s:
+                    x = cp.asarray(xs[me])
+                    share = op.reduce_scatter(x, s)
+                    lo, hi = ar.plain_share(n, dtype, W, me)
+                    assert share.size == hi - lo, (n, share.size, lo, hi)
                     summed = share.copy()  # in stream order: after the first half
                     share.view(bits)[...] ^= bits(me + 1)  # in place, before the second half
                     mine = share.copy()
-                with pytest.raises(CufluxError, match="between its halves"):
-                    op(cp.asarray(xs[me]))
-                with pytest.raises(ValueError, match="must follow reduce_scatter"):
-                    op.all_gather(poisoned((n + 1,), dtype), s)
-                out = poisoned((n,), dtype)
-                op.all_gather(out, s)
+                    with pytest.raises(CufluxError, match="between its halves"):
+                        op(x)
+                    with pytest.raises(ValueError, match="must follow reduce_scatter"):
+                        op.all_gather(poisoned((n + 1,), dtype), s)
+                    out = poisoned((n,), dtype)
+                    op.all_gather(out, s)
                 s.synchronize()
                 label = f"W={W} rank={me} {dtype} n={n}"
                 _close(_stored_float(cp.asnumpy(summed), dtype), reference_allreduce(xs)[lo:hi],
