@@ -91,6 +91,7 @@ class KernelFamily:
 _FAMILY_MODULES = {
     "signal.cu": "cuflux.signal",
     "allreduce.cu": "cuflux.ops.allreduce",
+    "allgather.cu": "cuflux.ops.allgather",
     "all2all.cu": "cuflux.ops.all2all",
     "gemm.cu": "cuflux.gemm_core",
     "ag_gemm.cu": "cuflux.ops.ag_gemm",

@@ -1297,7 +1297,7 @@ def test_route_is_compared_across_ranks(route):
     with pytest.raises(KeyboardInterrupt):
         AllGatherGemm(world, 64, 64, 64, "bfloat16", route=route)
     (value, what), = seen
-    assert value[-1] == route and what.endswith("group_m, route)")
+    assert value[-2:] == (route, "copy") and what.endswith("group_m, route, path)")
 
 
 def test_auto_plan_follows_gemm_plan_once_per_m(monkeypatch):

@@ -31,17 +31,24 @@ def _input(rank, call, rows, cols, dtype_name):
 
 @on_ranks
 def allgather_exact(world, mode, chunk_rows, dtype, cols=777, max_rows=100, calls=6,
-                    wait="stream"):
+                    wait="stream", path="copy"):
+    """path "sm": rank 0's shard is a view one element off its allocation (its kernel copies
+    bytewise where the others' may move 16-byte vectors: a block must own the same bytes on
+    every rank)."""
     import cupy
 
     W, me = world.size, world.rank
     info = cuflux.arrays.dtype_info(dtype)
     with cuflux.AllGather(world, max_rows, cols, dtype, mode=mode, chunk_rows=chunk_rows,
-                          timeout_s=15, wait=wait) as ag:
+                          timeout_s=15, wait=wait, path=path) as ag:
         rows_seq = [max_rows, 1, max_rows * 3 // 8 + 1, max_rows - 1, 0,
                     min(64, max_rows)][:calls]
         for call, rows in enumerate(rows_seq):
             x = cupy.asarray(_input(me, call, rows, cols, dtype))
+            if path == "sm" and me == 0:
+                off = cupy.empty(x.size + 1, dtype=x.dtype)
+                off[1:] = x.reshape(-1)
+                x = off[1:].reshape(x.shape)
             out = cupy.empty((W * rows, cols), dtype=info.storage)
             out.view(np.uint8)[...] = 0xFF  # poison: every byte must be written
             got = ag(x, out=out)
@@ -69,6 +76,14 @@ def allgather_exact(world, mode, chunk_rows, dtype, cols=777, max_rows=100, call
                                                    (13, "float16", "stream")])
 def test_allgather_exact(W, mode, chunk_rows, dtype, wait):
     allgather_exact.run(W, mode=mode, chunk_rows=chunk_rows, dtype=dtype, wait=wait)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", WS)
+@pytest.mark.parametrize("dtype,cols", [("bfloat16", 777), ("float8_e4m3fn", 4096),
+                                        ("float32", 64)])
+def test_allgather_sm_path_exact(W, dtype, cols):
+    allgather_exact.run(W, mode="pull", chunk_rows=None, dtype=dtype, cols=cols, path="sm")
 
 
 # ---- torch arrays -------------------------------------------------------------------------------
@@ -100,14 +115,15 @@ def test_allgather_torch_arrays(W):
 # ---- back to back -------------------------------------------------------------------------------
 
 @on_ranks
-def allgather_back_to_back(world, mode, wait, calls=1000):
+def allgather_back_to_back(world, mode, wait, calls=1000, path="copy"):
     """Many calls with changing row counts and no host sync between them; verify every one."""
     import cupy
 
     W, me = world.size, world.rank
     cols = 256
     outs, rows_seq = [], []
-    with cuflux.AllGather(world, 64, cols, "float32", mode=mode, timeout_s=60, wait=wait) as ag:
+    with cuflux.AllGather(world, 64, cols, "float32", mode=mode, timeout_s=60, wait=wait,
+                          path=path) as ag:
         for i in range(calls):
             rows = 1 + (i * 37) % 64
             x = (me * 1_000_000 + i * 1000) \
@@ -124,16 +140,16 @@ def allgather_back_to_back(world, mode, wait, calls=1000):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("W", WS)
-@pytest.mark.parametrize("mode,wait", [("pull", "stream"), ("push", "stream"),
-                                       ("pull", "kernel")])
-def test_allgather_back_to_back(W, mode, wait):
-    allgather_back_to_back.run(W, mode=mode, wait=wait, timeout_s=600)
+@pytest.mark.parametrize("mode,wait,path", [("pull", "stream", "copy"), ("push", "stream", "copy"),
+                                            ("pull", "kernel", "copy"), ("pull", "stream", "sm")])
+def test_allgather_back_to_back(W, mode, wait, path):
+    allgather_back_to_back.run(W, mode=mode, wait=wait, path=path, timeout_s=600)
 
 
 # ---- timeout, then usable -----------------------------------------------------------------------
 
 @on_ranks
-def allgather_timeout(world, mode, wait, timeout_s=2.0):
+def allgather_timeout(world, mode, wait, timeout_s=2.0, path="copy"):
     """After one good call everywhere, the last rank never calls again: the others' stream or
     kernel waits raise CommTimeoutError naming it within the timeout plus a second; afterwards
     the op closes and a new op runs correctly."""
@@ -141,7 +157,8 @@ def allgather_timeout(world, mode, wait, timeout_s=2.0):
 
     W, me = world.size, world.rank
     late = W - 1
-    ag = cuflux.AllGather(world, 16, 128, "float32", mode=mode, timeout_s=timeout_s, wait=wait)
+    ag = cuflux.AllGather(world, 16, 128, "float32", mode=mode, timeout_s=timeout_s, wait=wait,
+                          path=path)
     waited = None
     x = cupy.ones((16, 128), dtype=cupy.float32)
     ag(x)  # every rank: the row count is now agreed, so the next call reaches the waits at once
@@ -165,15 +182,89 @@ def allgather_timeout(world, mode, wait, timeout_s=2.0):
     world.barrier()
     ag.close()
     # The CUDA context is not poisoned: a new op works.
-    res = allgather_exact(world, mode, None, "float32", cols=33, max_rows=9, calls=3, wait=wait)
+    res = allgather_exact(world, mode, None, "float32", cols=33, max_rows=9, calls=3, wait=wait,
+                          path=path)
     return {"waited": waited, "after": res}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("W", [w for w in WS if w > 1])
-@pytest.mark.parametrize("mode,wait", [("pull", "stream"), ("push", "stream"),
-                                       ("pull", "kernel"), ("push", "kernel")])
-def test_allgather_timeout_then_usable(W, mode, wait):
-    res = allgather_timeout.run(W, mode=mode, wait=wait)
+@pytest.mark.parametrize("mode,wait,path", [("pull", "stream", "copy"), ("push", "stream", "copy"),
+                                            ("pull", "kernel", "copy"), ("push", "kernel", "copy"),
+                                            ("pull", "stream", "sm")])
+def test_allgather_timeout_then_usable(W, mode, wait, path):
+    res = allgather_timeout.run(W, mode=mode, wait=wait, path=path)
     assert all(r["after"] for r in res)
     assert all(r["waited"] is not None for r in res[:-1])
+
+
+# ==== CPU tests (no GPU needed): path="sm" ========================================================
+from types import SimpleNamespace  # noqa: E402
+
+from cuflux import kernels  # noqa: E402
+from cuflux.ops import allgather as AG  # noqa: E402
+from tests.kernel_args import DeviceArray, check_args  # noqa: E402
+
+
+@pytest.mark.parametrize("max_blocks", [1, 3, 8, 32])
+def test_sm_plan_gives_each_block_the_same_bytes_on_every_rank(max_blocks):
+    for nbytes in (1, 15, 16, 17, 4095, 4096, 4097, 14800, 777 * 2 * 37, 1 << 20, (1 << 27) + 3):
+        grid, span = AG.sm_plan(nbytes, max_blocks)
+        # from nbytes alone (never a rank's alignment); 16-byte spans: a 16-byte-vector rank
+        # and a bytewise rank cut the same bytes per block
+        assert span % 16 == 0 and span >= AG.SM_MIN_BLOCK_BYTES, (nbytes, span)
+        assert 1 <= grid <= max_blocks, (nbytes, grid)
+        assert (grid - 1) * span < nbytes <= grid * span, (nbytes, grid, span)
+
+
+def test_sm_layout_holds_two_stages_and_a_flag_line_per_block():
+    lay = AG.sm_gather_layout(world_size=3, max_rows=37, row_bytes=400, max_blocks=5)
+    assert set(lay.regions) == {"stage", "start"}
+    assert lay.regions["stage"].shape == (2, 37 * 400 // 128 * 128 + 128)  # 128-byte parities
+    assert lay.regions["start"].shape == (5, 16) and lay.regions["start"].dtype == np.uint64
+    assert all(r.offset % 128 == 0 for r in lay.regions.values())
+
+
+def test_path_is_checked_and_sm_runs_allgather_gemm_unfused():
+    AG.check_path("AllGather", "copy")
+    AG.check_path("AllGather", "sm")
+    with pytest.raises(ValueError, match=r"AllGather: path must be one of \('copy', 'sm'\)"):
+        AG.check_path("AllGather", "dma")
+    from cuflux.ops.ag_gemm import check_build_args
+
+    args = (4, 512, 256, 128, "bfloat16", None, "kn", "pull", None, 30.0, "auto", None, 8)
+    check_build_args(*args, path="sm", route="unfused")
+    with pytest.raises(ValueError, match="path='sm' runs unfused"):
+        check_build_args(*args, path="sm", route="fused")
+    with pytest.raises(ValueError, match="path must be one of"):
+        check_build_args(*args, path="nvlink")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90a"])
+def test_allgather_sm_kernels_compile(arch):
+    cubin, lowered = kernels.compile_source("allgather.cu", AG.FAMILY.names, arch)
+    assert cubin[:4] == b"\x7fELF" and set(lowered) == set(AG.FAMILY.names)
+
+
+@pytest.mark.parametrize("x_ptr,vec", [(1 << 20, 16), ((1 << 20) + 2, 1)])
+def test_sm_launch_arguments_match_the_kernel(monkeypatch, x_ptr, vec):
+    captured = []
+    monkeypatch.setattr(AG.kernels, "launch",
+                        lambda fn, grid, block, args, stream, **kw: captured.append(
+                            (fn, grid, block, args, kw)))
+    op = object.__new__(AG.CopyGather)
+    op.op, op.world, op.row_bytes, op.sm_max_blocks = "AllGather", \
+        SimpleNamespace(size=4, rank=1), 400, 8
+    op.sm_module = {name: name for name in AG.SM_KERNELS.values()}
+    op._sm_args_mid = (DeviceArray(), np.uint64(0), np.uint64(1 << 16), np.uint64(1 << 17),
+                       np.int32(16), DeviceArray())
+    op._sm_args_tail = (np.int32(4), np.int32(1), np.uint64(1 << 40), DeviceArray(),
+                        np.uint64(10**9), np.uint32(3))
+    x = SimpleNamespace(shape=(37, 200), data=SimpleNamespace(ptr=x_ptr))  # bf16 rows
+    op._sm_gather(x, 1 << 22, None)
+    fn, grid, block, args, kw = captured[-1]
+    assert fn == AG.SM_KERNELS[vec] and kw["shared_mem"] == 8 * 4
+    assert grid == (AG.sm_plan(37 * 400, 8)[0],) and block == (AG.SM_THREADS,)
+    assert args[0] is x  # the array itself: a device pointer
+    check_args("allgather.cu", "allgather_sm", (DeviceArray(),) + args[1:])
+    assert args[-8:-6] == (np.int64(37 * 400), np.int64(AG.sm_plan(37 * 400, 8)[1]))

@@ -116,7 +116,7 @@ def test_allgather_numpy_sizes_reach_check_same_as_ints():
     with pytest.raises(_Stop):
         AllGather(world, np.int64(128), np.int32(64), "bfloat16", chunk_rows=np.uint16(32))
     (value, what), = world.seen
-    assert value == (128, 64, "bfloat16", "pull", 32)
+    assert value == (128, 64, "bfloat16", "pull", 32, "copy")
     assert all(type(v) is int for v in (value[0], value[1], value[4]))  # same pickle everywhere
 
 

@@ -229,6 +229,68 @@ test_gemm_rs_capture = gemm_rs.test(expect=100, timeout_s=300)
 
 
 @on_ranks
+def sm_gather(world, replays=100, rows=37, cols=200, n=136, k=128):
+    """AllGather and AllGatherGemm built with path="sm" (the gather is one kernel, its epoch on
+    the device) captured in one graph and replayed with new inputs: the gather exact every
+    replay, the GEMM against the float64 reference; AllGatherGemm's gathered A is the op's own
+    buffer (a pool temporary would be taken by `junk` after the capture). Rank 0's shard is a
+    view 2 bytes off 16-byte alignment (its copies go bytewise, the others' in 16-byte
+    vectors: a block must still own the same bytes on every rank)."""
+    import cupy as cp
+
+    from cuflux.ops.ag_gemm import AllGatherGemm, reference_ag_gemm
+    from cuflux.ops.allgather import AllGather
+    W, me = world.size, world.rank
+    st = dtype_info("bfloat16").storage
+    s = cp.cuda.Stream(non_blocking=True)
+    with AllGather(world, rows, cols, "bfloat16", timeout_s=60, path="sm") as ag, \
+            AllGatherGemm(world, W * rows, n, k, "bfloat16", out_dtype="float32", b_layout="nk",
+                          timeout_s=60, path="sm") as agm, s:
+        base = cp.zeros(rows * cols + 1, st)
+        x = base[1:].reshape(rows, cols) if me == 0 else cp.zeros((rows, cols), st)
+        y = cp.zeros((W * rows, cols), st)
+        a = cp.zeros((rows, k), st)
+        b = cp.zeros((n, k), st)
+        out = cp.zeros((W * rows, n), np.float32)
+        ag(x, out=y, stream=s)  # outside the capture: rows agreed, the GEMM's choice made
+        agm(a, b, out=out, stream=s)
+        ag.synchronize(stream=s)
+        agm.synchronize(stream=s)
+        if W > 1:
+            assert agm.plan(W * rows) == "unfused"
+        world.barrier()
+        s.begin_capture()
+        ag(x, out=y, stream=s)
+        agm(a, b, out=out, stream=s)
+        graph = s.end_capture()
+        for rep in range(replays):
+            junk = cp.full((W * rows, k), 7, np.uint16)  # the pool's next block of that size
+            xh = [_rand((rep, p, 1), (rows, cols), st) for p in range(W)]
+            ah = [_rand((rep, p, 2), (rows, k), st) for p in range(W)]
+            bh = [_rand((rep, p, 3), (n, k), st) for p in range(W)]
+            x[...], a[...], b[...] = cp.asarray(xh[me]), cp.asarray(ah[me]), cp.asarray(bh[me])
+            poison(y, out)
+            s.synchronize()
+            world.barrier()  # every rank's inputs are in place before any replay starts
+            graph.launch(stream=s)
+            ag.synchronize(stream=s)
+            agm.synchronize(stream=s)
+            assert np.array_equal(cp.asnumpy(y).view(np.uint16),
+                                  np.concatenate(xh).view(np.uint16)), f"replay {rep}: gather"
+            want = reference_ag_gemm(ah, bh, b_layout="nk")[me]
+            err = np.abs(cp.asnumpy(out) - want).max() / np.abs(want).max()
+            assert err < 1e-2, f"replay {rep}: gemm {err:.3g}"
+            assert bool((junk == 7).all()), f"replay {rep} wrote into freed memory"
+            world.barrier()  # the next replay's host writes wait for every rank
+        if W > 1:
+            assert int(ag.state[0]) == replays + 1 and int(agm.state[0]) == replays + 1
+    return replays
+
+
+test_sm_gather_capture = sm_gather.test(expect=100, timeout_s=300)
+
+
+@on_ranks
 def host_driven(world):
     """AllGather (W > 1) and AllGatherGemm refuse capture with CaptureError, naming why."""
     import cupy as cp

@@ -242,17 +242,19 @@ class AllGatherAcrossNodes(_AcrossNodes):
     @on_world_device
     def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
                  chunk_rows: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 wait: str = "stream", name: str = "AllGather", rail: str = "auto"):
-        from cuflux.ops.allgather import AllGather
+                 wait: str = "stream", name: str = "AllGather", path: str = "copy",
+                 rail: str = "auto"):
+        from cuflux.ops.allgather import AllGather, check_path
 
         self.op = name
+        check_path(name, path)
         self._split(world, timeout_s, rail, (max_rows, cols, dtype_info(dtype, op=name).name,
-                                             mode, chunk_rows, wait, rail))
+                                             mode, chunk_rows, wait, path, rail))
         error = None
         try:
             nodes = world.nodes.num_nodes
             self.inner = AllGather(self.node, nodes * max_rows, cols, dtype, mode, chunk_rows,
-                                   timeout_s, wait, name)
+                                   timeout_s, wait, name, path)
             import cupy
 
             self.dtype, self.cols, self.max_rows = self.inner.dtype, cols, max_rows
@@ -714,10 +716,12 @@ class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
                  timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto",
                  config: str | None = None, group_m: int = 8, *,
                  max_rows_per_rank: int | None = None, route: str = "auto",
-                 rail: str = "auto"):
+                 path: str = "copy", rail: str = "auto"):
         self.world = world
         from cuflux.ops.ag_gemm import AG_SM90_CONFIGS
+        from cuflux.ops.allgather import check_path
 
+        check_path(self.op, path)
         if config is not None and config not in AG_SM90_CONFIGS:  # the fused kernel's: unused
             raise ValueError(f"{self.op}: config must be one of {sorted(AG_SM90_CONFIGS)} or "
                              f"None, got {config!r}")
@@ -735,7 +739,7 @@ class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
                          timeout_s)
         self.inner = AllGatherAcrossNodes(world, max_rows_per_rank, self.k, self.dtype.name,
                                           mode, chunk_rows, timeout_s=timeout_s, name=self.op,
-                                          rail=rail)
+                                          path=path, rail=rail)
 
     @on_op_device
     def __call__(self, a_shard, b, bias=None, return_gathered: bool = False, stream=None,

@@ -42,7 +42,7 @@ from cuflux import gemm_tuner as tuner
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, check_rows, dtype_info, stream_of, to_caller
 from cuflux.ops import gemm as gemm_op
-from cuflux.ops.allgather import _MEMCPY_DEFAULT, CopyGather, arrival_order
+from cuflux.ops.allgather import _MEMCPY_DEFAULT, CopyGather, arrival_order, check_path
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, check_route, check_timeout, on_op_device,
                              on_world_device, require_world_device)
 from cuflux.sizes import count, optional_count
@@ -157,7 +157,7 @@ _MAX_DIM = 2**31 - 1  # M, n and k travel to the kernel as int32
 
 def check_build_args(world_size: int, max_m, n, k, dtype, out_dtype, b_layout, mode, chunk_rows,
                      timeout_s, impl, config, group_m, *, max_rows_per_rank=None,
-                     route: str = "auto"):
+                     route: str = "auto", path: str = "copy"):
     """Constructor checks that need no GPU; returns (dtype, out dtype, max rows per rank).
 
     The row bound comes as exactly one of max_m (the largest gathered M, the GEMM's M: rows
@@ -168,6 +168,10 @@ def check_build_args(world_size: int, max_m, n, k, dtype, out_dtype, b_layout, m
     if mode not in ("pull", "push"):
         raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
     check_route(_OP, route)
+    check_path(_OP, path)
+    if path == "sm" and route == "fused":
+        raise ValueError(f"{_OP}: path='sm' runs unfused at W > 1 (the fused kernel reads the "
+                         "copy engines' chunk flags): route must be 'auto' or 'unfused'")
     why8 = "rows move in 16-byte pieces"
     count(_OP, "n", n, 8, _MAX_DIM // 8 * 8, f"this rank's output columns; {why8}", 8)
     count(_OP, "k", k, 8, _MAX_DIM // 8 * 8, f"the inner dimension; {why8}", 8)
@@ -262,14 +266,18 @@ class AllGatherGemm(CopyGather):
         then cuflux.gemm(impl="auto") on it; impl and config do not apply). At W = 1 every
         route runs the fused kernel (nothing is gathered). Both routes run the same gather
         protocol, so ranks whose tuner tables differ may take different routes.
+      path (keyword): the gather's, as AllGather's: "copy" (copy engines, default) or "sm"
+        (one SM kernel a call, its epoch on the device: the op can be captured in a CUDA graph;
+        at W > 1 every call runs unfused, its gathered A in a buffer the op holds, [max_m, k];
+        route must then be "auto" or "unfused"; mode and chunk_rows do nothing).
     Sizes (max_m / max_rows_per_rank, n, k, chunk_rows, group_m) are ints (Python or NumPy
     integers; no bools, floats or strings), checked by cuflux.sizes.count with one message:
     "AllGatherGemm: max_m must be an integer in [2, 2147483647] (...), got 4096.0 (float)".
 
     `plan(M)` is "fused" or "unfused": the route of a call whose gathered A has M rows
     (decided once per M and kept). Every rank must make the same calls with the same rows
-    (compared across ranks, bounded, the first time a row count is seen). Neither route can
-    be captured in a CUDA graph (CaptureError).
+    (compared across ranks, bounded, the first time a row count is seen). With path="copy"
+    neither route can be captured in a CUDA graph at W > 1 (CaptureError); path="sm" can.
     """
 
     ACROSS = "AllGatherGemmAcrossNodes"  # several nodes: CommOp.__new__
@@ -280,14 +288,16 @@ class AllGatherGemm(CopyGather):
                  mode: str = "pull", chunk_rows: int | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto",
                  config: str | None = None, group_m: int = 8, *,
-                 max_rows_per_rank: int | None = None, route: str = "auto"):
+                 max_rows_per_rank: int | None = None, route: str = "auto",
+                 path: str = "copy"):
         require_world_device(world, _OP)  # first: without a GPU, this is the one error to see
         missing = [name for name, v in (("n", n), ("k", k), ("dtype", dtype)) if v is None]
         if missing:  # None defaults only so that max_m may be left out for max_rows_per_rank
             raise TypeError(f"{_OP}: missing required argument(s): {', '.join(missing)}")
         dt, odt, max_rows = check_build_args(world.size, max_m, n, k, dtype, out_dtype, b_layout,
                                              mode, chunk_rows, timeout_s, impl, config, group_m,
-                                             max_rows_per_rank=max_rows_per_rank, route=route)
+                                             max_rows_per_rank=max_rows_per_rank, route=route,
+                                             path=path)
         import cupy
 
         n, k, group_m = int(n), int(k), int(group_m)
@@ -295,9 +305,9 @@ class AllGatherGemm(CopyGather):
             default_chunk_rows(max_rows, k * dt.itemsize, world.size)
         # Per rank: max_m = 515 on one rank and max_rows_per_rank = 128 on another agree (W = 4).
         world.check_same((max_rows, n, k, dt.name, odt.name, b_layout, mode, chunk_rows,
-                          float(timeout_s), impl, config, group_m, route),
+                          float(timeout_s), impl, config, group_m, route, path),
                          f"{_OP} arguments (max_rows_per_rank, n, k, dtype, out_dtype, b_layout, "
-                         f"mode, chunk_rows, timeout_s, impl, config, group_m, route)")
+                         f"mode, chunk_rows, timeout_s, impl, config, group_m, route, path)")
         arch = kernels.device_arch(world.device)
         if impl == "sm90" and arch != "sm_90a":
             raise RuntimeError(f"{_OP}: impl='sm90' needs an sm_90a device (Hopper), device "
@@ -308,7 +318,7 @@ class AllGatherGemm(CopyGather):
             kernels.load("gemm.cu", world.device)
         self._closed = True  # until the buffers exist
         # The collective part: the op's communicator, error record, buffer, flags, copy lanes.
-        super().__init__(world, _OP, timeout_s, max_rows, k, dt, mode, chunk_rows, "stream")
+        super().__init__(world, _OP, timeout_s, max_rows, k, dt, mode, chunk_rows, "stream", path)
         self.n, self.k, self.out_dtype, self.b_layout = n, k, odt, b_layout
         self.group_m, self.config, self.route, self.arch = group_m, config, route, arch
         self.max_m = world.size * max_rows  # the largest M a call can have
@@ -322,6 +332,12 @@ class AllGatherGemm(CopyGather):
         self._plans: dict[int, _Plan] = {}
         self._orders: dict[tuple, object] = {}
         self._routes: dict[int, str] = {}
+        # path "sm": the unfused route's gathered A is the op's own (a CUDA graph keeps the
+        # address it captured: a per-call temporary would go back to the pool under it)
+        self._gathered = None
+        if path == "sm" and world.size > 1:
+            with world.device_context():
+                self._gathered = cupy.empty((self.max_m, k), dtype=dt.storage)
         self._closed = False
 
     # ---- planning --------------------------------------------------------------------------------
@@ -339,7 +355,7 @@ class AllGatherGemm(CopyGather):
             return route
         if self.world.size == 1 or self.route == "fused":
             route = "fused"
-        elif self.route == "unfused":
+        elif self.route == "unfused" or self.path == "sm":
             route = "unfused"
         else:  # where cuflux.gemm takes cuBLAS, our core (the fused kernel's) loses to it
             gemm_choice = gemm_op.plan(M, self.n, self.k, self.dtype.name, self.b_layout)
@@ -437,7 +453,8 @@ class AllGatherGemm(CopyGather):
         a, b, bias, out, rows = self._check_call(a_shard, b, bias, out)
         s = stream_of(stream, a_in)
         W, M = self.world.size, self.world.size * rows
-        self._no_capture(s, _NO_CAPTURE_AG)
+        if self.path == "copy":
+            self._no_capture(s, _NO_CAPTURE_AG)
         if W > 1 and rows not in self._agreed:
             self._agree(rows, "rows of the call")
         route = self._route(M) if rows else "fused"
@@ -449,7 +466,8 @@ class AllGatherGemm(CopyGather):
                 out = cupy.empty((M, self.n), dtype=self.out_dtype.storage)
             gathered = None
             if return_gathered or (W > 1 and (pull or route == "unfused")):
-                gathered = cupy.empty((M, self.k), dtype=self.dtype.storage)
+                gathered = (self._gathered[:M] if self._gathered is not None and not
+                            return_gathered else cupy.empty((M, self.k), dtype=self.dtype.storage))
         if rows:  # 0 rows on every rank (rows agree): nothing to do, no epoch
             if route == "unfused":
                 self._issue_unfused(a, gathered, b, bias, out, s)

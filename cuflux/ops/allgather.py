@@ -45,6 +45,12 @@ in place (pull: the caller's gathered array; push: this rank's data region).
 `CopyGather` (a CommOp) holds the buffer, flags, copy lanes, stream-wait watchdog and the
 protocol; `AllGather` and `AllGatherGemm` are built on it, each one op with one communicator,
 one error record and one symmetric buffer.
+
+path="sm" (a constructor argument of both ops) replaces all of the above by one kernel
+(kernels_cu/allgather.cu): SMs load the peers' staged rows over P2P, one barrier a call, the
+epoch counted on the device, so a CUDA graph can capture the op and replay it (the copy-engine
+path cannot: its epochs and waits live on the host). It takes SMs (at most `max_blocks` CTAs)
+and a stage of 2 * max_rows rows; AllGatherGemm on it runs unfused (the gather, then the GEMM).
 """
 from __future__ import annotations
 
@@ -62,10 +68,19 @@ from cuflux.symmetric import Layout
 from cuflux.topology import transfer_order
 from cuflux.watchdog import StreamWaiter
 
-__all__ = ["AllGather", "CopyGather", "arrival_order", "arrival_stages", "gather_layout"]
+__all__ = ["AllGather", "CopyGather", "arrival_order", "arrival_stages", "gather_layout",
+           "sm_gather_layout", "sm_plan", "check_path", "PATHS"]
 
 _OP = "AllGather"
 _MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: UVA decides the direction (peer pointers included)
+PATHS = ("copy", "sm")  # copy engines driven from the host; SM loads (capturable)
+
+_SRC = "allgather.cu"
+SM_KERNELS = {16: "allgather_sm<16>", 1: "allgather_sm<1>"}  # by vector bytes
+FAMILY = kernels.register(_SRC, list(SM_KERNELS.values()))
+SM_MAX_BLOCKS = 32        # spinning grid: enough loads in flight, few flags per barrier
+SM_THREADS = 512
+SM_MIN_BLOCK_BYTES = 4096  # a block's span is at least this (small calls: few blocks, flags)
 
 
 def gather_layout(world_size: int, max_rows: int, row_bytes: int, max_chunks: int,
@@ -79,6 +94,32 @@ def gather_layout(world_size: int, max_rows: int, row_bytes: int, max_chunks: in
         layout.add(region, (world_size,), np.uint32)
     layout.add("joined", (world_size,), np.uint32)
     return layout
+
+
+def sm_gather_layout(world_size: int, max_rows: int, row_bytes: int, max_blocks: int) -> Layout:
+    """path="sm": stage [2, max_rows * row_bytes] (by call parity), start u64 [max_blocks,
+    stride] (kernels_cu/allgather.cu)."""
+    layout = Layout()
+    layout.add("stage", (2, _stage_bytes(max_rows, row_bytes)), np.uint8)
+    layout.add("start", (max_blocks, _flag_stride(world_size)), np.uint64)
+    return layout
+
+
+def _stage_bytes(max_rows: int, row_bytes: int) -> int:
+    return -(-max_rows * row_bytes // 128) * 128  # each parity's stage 128-byte aligned
+
+
+def _flag_stride(world_size: int) -> int:
+    return -(-world_size // 16) * 16  # u64 slots: a 128-byte line per block
+
+
+def sm_plan(nbytes: int, max_blocks: int) -> tuple[int, int]:
+    """(grid, span_bytes) of a path="sm" call moving nbytes per rank: block b owns bytes
+    [b * span, (b + 1) * span). From nbytes alone, never from a rank's alignment, so every rank
+    stages and reads the same bytes per block; span is a multiple of 16 (a block's vectors)."""
+    span = max(SM_MIN_BLOCK_BYTES, -(-nbytes // max_blocks))
+    span = -(-span // 16) * 16
+    return -(-nbytes // span), span
 
 
 def arrival_stages(rank: int, orders, mode: str) -> list[list[int]]:
@@ -111,9 +152,14 @@ def arrival_order(rank: int, stages, num_chunks: int) -> list[tuple[int, int]]:
 
 # Why the host-driven copy path cannot be captured: its waits are stream memory operations
 # whose deadlines a host watchdog tracks per call; a replayed graph would wait with no watchdog.
-_NO_CAPTURE = ("its peer waits are bounded by a host watchdog per call (cuStreamWaitValue32), "
-               "which a graph replay would bypass; call it outside the capture (W = 1 is "
-               "capturable)")
+_NO_CAPTURE = ("its copy-engine path's peer waits are bounded by a host watchdog per call "
+               "(cuStreamWaitValue32), which a graph replay would bypass; build the op with "
+               "path='sm' to capture it (W = 1 is capturable on either path)")
+
+
+def check_path(op: str, path) -> None:
+    if path not in PATHS:
+        raise ValueError(f"{op}: path must be one of {PATHS}, got {path!r}")
 
 
 class CopyGather(CommOp):
@@ -126,33 +172,52 @@ class CopyGather(CommOp):
     Collective; the op checks its arguments (and agrees them with check_same) first: max_rows,
     cols and chunk_rows are ints >= 1, dtype a dtype_info, mode "pull" or "push", wait "stream"
     (cuStreamWaitValue32 watched by a host thread: no SM used) or "kernel" (a one-block bounded
-    spin kernel per wait, cuflux.signal).
+    spin kernel per wait, cuflux.signal); path "copy" (all of the above) or "sm" (the module
+    docstring's last paragraph: one kernel a call; mode, chunk_rows and wait then do nothing).
     """
 
     def __init__(self, world, op: str, timeout_s: float, max_rows: int, cols: int, dtype,
-                 mode: str, chunk_rows: int, wait: str):
+                 mode: str, chunk_rows: int, wait: str, path: str = "copy"):
         import cupy
 
         super().__init__(world, op, timeout_s)
         W = world.size
         self.mode, self.cols, self.max_rows, self.dtype = mode, cols, max_rows, dtype
-        self.chunk_rows = chunk_rows
+        self.chunk_rows, self.path = chunk_rows, path
         self.max_chunks = -(-max_rows // chunk_rows)
         self.row_bytes = cols * dtype.itemsize
-        self.layout = gather_layout(W, max_rows, self.row_bytes, self.max_chunks, mode)
+        if path == "sm":
+            # Ranks sharing this GPU all spin at once: split the SMs, one grid for every rank.
+            cap = min(SM_MAX_BLOCKS, max(1, self.num_sms // self.sharers))
+            self.sm_max_blocks = min(self.comm.allgather(cap, what=f"{op} grid cap"))
+            self.layout = sm_gather_layout(W, max_rows, self.row_bytes, self.sm_max_blocks)
+        else:
+            self.layout = gather_layout(W, max_rows, self.row_bytes, self.max_chunks, mode)
         self._alloc(self.layout)
-        self._epoch_regions = ("chunk", "ready", "done", "free", "joined")  # zeroed on a re-arm
+        # zeroed on a re-arm (path "sm": epochs on the device, u64, never re-armed)
+        self._epoch_regions = () if path == "sm" else ("chunk", "ready", "done", "free", "joined")
         self.wait_mode = wait
         self.waiter = StreamWaiter(self.err, world.device, OP_CODES[op])
         self.order = transfer_order(world.topology, W)
         # Where the chunks come from, stage by stage (push: as the senders' orders deliver).
         self.arrival_stages = arrival_stages(
             world.rank, self.comm.allgather(self.order, what=f"{op} transfer orders"), mode)
-        num_lanes = max([len(stage) for stage in self.order], default=0)
+        num_lanes = max([len(stage) for stage in self.order], default=0) if path == "copy" else 0
         self.lanes = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_lanes)]
         # Pull: the staging copy and its guard run here, so a held guard holds no caller stream.
-        self.stager = cupy.cuda.Stream(non_blocking=True) if mode == "pull" and W > 1 else None
+        self.stager = (cupy.cuda.Stream(non_blocking=True)
+                       if mode == "pull" and W > 1 and path == "copy" else None)
         kernels.load("signal.cu", world.device)  # eager: nothing may load while a stream spins
+        if path == "sm":
+            self.sm_module = kernels.load(_SRC, world.device)
+            with world.device_context():
+                self.state = cupy.zeros(2, dtype=cupy.uint64)  # [epoch, blocks finished]
+            o = {n: r.offset for n, r in self.layout.regions.items()}
+            # Kernel arguments that never change, built once (small calls are host-bound).
+            self._sm_args_mid = (self.buf.ptrs_dev, np.uint64(o["stage"]),
+                                 np.uint64(self.layout.regions["stage"].shape[1]),
+                                 np.uint64(o["start"]), np.int32(_flag_stride(W)), self.state)
+            self._sm_args_tail = (np.int32(W), np.int32(world.rank)) + self.err_args
 
     # ---- addresses ---------------------------------------------------------------------------
     def _flag(self, rank: int, name: str, index: int = 0) -> int:
@@ -343,9 +408,13 @@ class CopyGather(CommOp):
     def gather_into(self, x, out_ptr: int, stream) -> int:
         """One whole gather (x validated, rows >= 1, the same on every rank): every rank's rows
         at out_ptr in rank order once `stream` has run what this queues; returns the call's
-        epoch. AllGather's call, and AllGatherGemm's unfused route."""
+        epoch (path "sm": 0, the epoch is on the device). AllGather's call, and
+        AllGatherGemm's unfused route."""
         from cupy.cuda import runtime
 
+        if self.path == "sm" and self.world.size > 1:
+            self._sm_gather(x, out_ptr, stream)
+            return 0
         e = self.begin(x, out_ptr, stream)
         self.send_peers(x, out_ptr, stream)
         W = self.world.size
@@ -357,6 +426,18 @@ class CopyGather(CommOp):
                                 _MEMCPY_DEFAULT, stream.ptr)
             self.release(stream)
         return e
+
+    def _sm_gather(self, x, out_ptr: int, stream) -> None:
+        """path "sm", W > 1: one allgather_sm kernel (kernels_cu/allgather.cu) on `stream`."""
+        nbytes = x.shape[0] * self.row_bytes
+        grid, span = sm_plan(nbytes, self.sm_max_blocks)
+        vec = 16 if (x.data.ptr | out_ptr | nbytes) % 16 == 0 else 1
+        name = SM_KERNELS[vec]
+        self._last_stream = stream  # abort() and close() look at it
+        args = ((x, np.uint64(out_ptr)) + self._sm_args_mid + (np.int64(nbytes), np.int64(span))
+                + self._sm_args_tail)
+        kernels.launch(self.sm_module[name], (grid,), (SM_THREADS,), args, stream, op=self.op,
+                       name=name, shared_mem=8 * self.world.size)
 
     # ---- lifetime (CommOp: close, abort; here: the op's own streams and its watchdog) ---------
     def _own_streams(self) -> list:
@@ -406,8 +487,9 @@ class CopyGather(CommOp):
         return all(st.done for st in streams)
 
     def _guard_holders(self) -> list:
-        """The streams whose guards wait for peers: push lanes, the pull stager."""
-        if self.world.size == 1:
+        """The streams whose guards wait for peers: push lanes, the pull stager (path "sm": none,
+        its kernel's waits are bounded and give up)."""
+        if self.world.size == 1 or self.path == "sm":
             return []
         return list(self.lanes) if self.mode == "push" else [self.stager]
 
@@ -445,11 +527,15 @@ class AllGather(CopyGather):
       wait: "stream" (cuStreamWaitValue32 watched by a host thread: no SM used) or "kernel"
         (a one-block bounded spin kernel per wait).
       name: the op named in errors and timeouts (a key of cuflux.errors.OP_CODES).
+      path: "copy" (copy engines driven from the host: no SM used; CUDA-graph capture refused
+        at W > 1, CaptureError) or "sm" (one kernel a call, SMs loading the peers' staged rows
+        over P2P, its epoch on the device: capturable; mode, chunk_rows and wait do nothing;
+        the op holds a stage of 2 * max_rows rows).
 
     Every rank must make the same calls with the same rows (compared across ranks, bounded,
     the first time a row count is seen). Errors of device-side waits surface at the next call
     or at `synchronize()`; a failed op refuses to run: close() or abort() it and build a new
-    one. CUDA-graph capturable at W = 1 only (CaptureError at W > 1).
+    one. CUDA-graph capturable at W = 1, and at any W with path="sm".
     """
 
     ACROSS = "AllGatherAcrossNodes"  # several nodes: CommOp.__new__
@@ -457,7 +543,7 @@ class AllGather(CopyGather):
     @on_world_device
     def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
                  chunk_rows: int | None = None, timeout_s: float = DEFAULT_TIMEOUT_S, wait: str = "stream",
-                 name: str = _OP):
+                 name: str = _OP, path: str = "copy"):
         require_world_device(world, name)  # first: without a GPU, this is the one error to see
         if mode not in ("pull", "push"):
             raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
@@ -468,12 +554,14 @@ class AllGather(CopyGather):
         check_timeout(_OP, timeout_s)
         if wait not in ("stream", "kernel"):
             raise ValueError(f"{_OP}: wait must be 'stream' or 'kernel', got {wait!r}")
+        check_path(_OP, path)
         info = dtype_info(dtype, op=_OP)
         chunk_rows = chunk_rows if chunk_rows is not None else max_rows
-        world.check_same((max_rows, cols, info.name, mode, chunk_rows),
-                         f"{_OP} arguments (max_rows, cols, dtype, mode, chunk_rows)")
+        world.check_same((max_rows, cols, info.name, mode, chunk_rows, path),
+                         f"{_OP} arguments (max_rows, cols, dtype, mode, chunk_rows, path)")
         self._closed = True  # until the buffers exist
-        super().__init__(world, name, timeout_s, max_rows, cols, info, mode, chunk_rows, wait)
+        super().__init__(world, name, timeout_s, max_rows, cols, info, mode, chunk_rows, wait,
+                         path)
         self._closed = False
 
     @on_op_device
@@ -486,7 +574,8 @@ class AllGather(CopyGather):
         x, rows, s = self._check_call(x, stream)
         W = self.world.size
         if W > 1:
-            self._no_capture(s, _NO_CAPTURE)
+            if self.path == "copy":
+                self._no_capture(s, _NO_CAPTURE)
             if rows not in self._agreed:
                 self._agree(rows, "rows of the call")
         if out is None:
