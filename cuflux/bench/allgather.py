@@ -10,7 +10,8 @@ back between CUDA events, GPU time per call, the slowest rank's median); baselin
 call but the copy ceiling's time for the same bytes. Beside them, for the op:
   user_loop_ms   back-to-back calls from Python, nothing held, wall time per call
   host_us        host time per call alone
-  graph_ms       a graph of N calls replayed (None at W > 1: AllGather refuses capture there)
+  graph_ms       a graph of N calls replayed (None at W > 1 on the copy path, which refuses
+                 capture there; the "sm" rows, path="sm", are captured)
 The baseline's regime columns are None (a ceiling has no host path; "notes" says so).
 With ranks sharing one GPU the ops run for correctness only ("speed_measured": false).
 """
@@ -37,10 +38,11 @@ def run(world, args):
     rows = []
     cols = 8192
     shard_rows_list = [1024, 8192] if args.quick else [128, 1024, 4096, 8192]
-    for mode, wait in (("pull", "stream"), ("push", "stream"), ("pull", "kernel")):
+    for mode, wait, path in (("pull", "stream", "copy"), ("push", "stream", "copy"),
+                             ("pull", "kernel", "copy"), ("pull", "-", "sm")):
         for shard_rows in shard_rows_list:
             with cuflux.AllGather(world, shard_rows, cols, "bfloat16", mode=mode,
-                                  wait=wait) as ag:
+                                  wait="stream" if wait == "-" else wait, path=path) as ag:
                 x = cupy.random.standard_normal((shard_rows, cols), dtype=cupy.float32).astype(
                     ag.dtype.storage)
                 out = cupy.empty((W * shard_rows, cols), dtype=x.dtype)
@@ -58,7 +60,8 @@ def run(world, args):
                 ag.synchronize()
                 if me == 0:
                     total_rw = 2 * W * W * shard_bytes / (max(all_ms) * 1e-3) / 1e9
-                    rows.append({"case": f"{mode}/{wait}-wait shard {shard_rows}x{cols} bf16",
+                    how = "sm path" if path == "sm" else f"{mode}/{wait}-wait"
+                    rows.append({"case": f"{how} shard {shard_rows}x{cols} bf16",
                                  "cuflux_ms": max(all_ms), "baseline": "d2d copy ceiling",
                                  "baseline_ms": 2 * W * W * shard_bytes / (ceiling * 1e9) * 1e3,
                                  "gbps_per_rank": per_rank_gbps,
