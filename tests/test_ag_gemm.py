@@ -515,6 +515,44 @@ test_bad_input_raises_before_anything_is_queued = bad_input.test(
     sizes=[w for w in WS if w > 1][:1] or [1], timeout_s=300)
 
 
+@on_ranks
+def sm_path(world, seed, n=136, k=128):
+    """AllGatherGemm(path="sm"): the gather is allgather.cu's kernel, then the GEMM (unfused at
+    W > 1, the fused kernel at W = 1). Calls back to back with no host sync between them, rows
+    changing (0 included), every other call with return_gathered; each checked afterwards:
+    the gathered A exact, out against the float64 reference."""
+    import cupy as cp
+
+    from cuflux.ops.ag_gemm import reference_ag_gemm
+    W, me = world.size, world.rank
+    st = dtype_info("bfloat16").storage
+    rng = np.random.default_rng([seed, 7])
+    bh = [rng.standard_normal((n, k)).astype(np.float32).astype(st) for _ in range(W)]
+    calls = []
+    with AllGatherGemm(world, 64 * W, n, k, "bfloat16", out_dtype="float32", b_layout="nk",
+                       timeout_s=60, path="sm") as agm:
+        assert W == 1 or agm.plan(64 * W) == "unfused"
+        b = cp.asarray(bh[me])
+        for i, rows in enumerate((64, 1, 37, 0, 64, 5, 64, 33)):
+            ah = [np.random.default_rng([seed, i, p]).standard_normal((rows, k)).astype(
+                np.float32).astype(st) for p in range(W)]
+            got = agm(cp.asarray(ah[me]), b, return_gathered=bool(i % 2))
+            calls.append((ah, got))
+        agm.synchronize()
+        for i, (ah, got) in enumerate(calls):
+            out, gathered = got if i % 2 else (got, None)
+            want = reference_ag_gemm(ah, bh, b_layout="nk")[me]
+            if want.size:
+                check_close(cp.asnumpy(out), want, "float32", f"call {i}")
+            if gathered is not None:
+                assert np.array_equal(cp.asnumpy(gathered).view(np.uint16),
+                                      np.concatenate(ah).view(np.uint16)), f"call {i}"
+    return len(calls)
+
+
+test_sm_path_back_to_back = sm_path.test(expect=8, timeout_s=300, seed=fresh_seed)
+
+
 # ==== CPU tests ===================================================================================
 
 # ---- kernels -------------------------------------------------------------------------------------

@@ -474,6 +474,31 @@ def halves(world, seed):
                 every = np.concatenate(world.allgather(cp.asnumpy(mine)))
                 assert np.array_equal(cp.asnumpy(out).view(bits), every.view(bits)), label
                 done += 1
+        # Calls in halves back to back, no host sync between them: a first half's tmp write
+        # must wait for the slowest peer's second half of the call before.
+        with AllReduce(world, 3 * cols + 5, dtype, timeout_s=60) as op:
+            runs = []
+            for i in range(40):
+                n = 3 * cols + 5 - 7 * (i % 3)
+                base = np.random.default_rng([seed, i, 9]).standard_normal(n, dtype=np.float32)
+                xs = [_q(_rank_x(base, r), dtype) for r in range(W)]
+                with s:
+                    share = op.reduce_scatter(cp.asarray(xs[me]), s)
+                    summed = share.copy()
+                    share.view(bits)[...] ^= bits(i + me + 1)
+                    mine = share.copy()
+                    out = poisoned((n,), dtype)
+                    op.all_gather(out, s)
+                runs.append((xs, ar.plain_share(n, dtype, W, me), summed, mine, out))
+            s.synchronize()
+            everyone = world.allgather([cp.asnumpy(m) for _, _, _, m, _ in runs])
+            for i, (xs, (lo, hi), summed, _, out) in enumerate(runs):
+                label = f"W={W} rank={me} {dtype} back-to-back call {i}"
+                _close(_stored_float(cp.asnumpy(summed), dtype), reference_allreduce(xs)[lo:hi],
+                       dtype, f"{label}: share")
+                every = np.concatenate([everyone[r][i] for r in range(W)])
+                assert np.array_equal(cp.asnumpy(out).view(bits), every.view(bits)), label
+            done += 1
     return done
 
 
@@ -485,7 +510,7 @@ def _stored_float(host, dtype):
 
 
 test_a_call_in_halves_rewritten_between_them = halves.test(
-    expect=12, sizes=[w for w in WS if w > 1], timeout_s=300, seed=fresh_seed)
+    expect=14, sizes=[w for w in WS if w > 1], timeout_s=300, seed=fresh_seed)
 
 
 # ==== CPU tests (no GPU needed) ===================================================================
@@ -537,22 +562,35 @@ def test_the_halves_plan_as_a_plain_two_shot_call():
             assert half.kernel in ar.FAMILY.names
 
 
-def test_halves_are_refused_where_there_is_no_two_shot(monkeypatch):
+def test_halves_are_refused_before_any_launch(monkeypatch):
+    for mod in (ar, arrays):
+        monkeypatch.setattr(mod, "as_cupy", lambda a, name, op: a)
     op = object.__new__(AllReduce)
     op.op, op._closed, op._half = "AllReduce", False, None
+    op.dtype, op.max_elems = dtype_info("float32"), 1000
     monkeypatch.setattr(op, "_check_open", lambda: None, raising=False)
+    s1, s2 = SimpleNamespace(ptr=1), SimpleNamespace(ptr=2)
     for W, algo in ((1, "auto"), (4, "one_shot")):
-        op.world, op.algo, op.two_shot_ok = SimpleNamespace(size=W, rank=0), algo, False
+        op.world, op.algo, op.two_shot_ok = SimpleNamespace(size=W, rank=0, device=0), algo, False
         with pytest.raises(ValueError, match="reduce_scatter needs W > 1"):
-            op.reduce_scatter(A((100,), "float32"), None)
+            op.reduce_scatter(A((100,), "float32"), s1)
+    op.two_shot_ok = True
+    for x, err, text in ((A((1001,), "float32"), ValueError, "1 to max_elems=1000"),
+                         (A((0,), "float32"), ValueError, "1 to max_elems=1000"),
+                         (A((100,), "bfloat16"), TypeError, "x must be float32"),
+                         (A((100,), "float32", device=1), ValueError, "x is on device 1")):
+        with pytest.raises(err, match=text):
+            op.reduce_scatter(x, s1)
     with pytest.raises(ValueError, match="all_gather must follow reduce_scatter"):
-        op.all_gather(A((100,), "float32"), None)
-    op._half = 100
+        op.all_gather(A((100,), "float32"), s1)
+    op._half = (100, s1.ptr)
     with pytest.raises(ValueError, match=r"out of its x.size \(100\), got 99"):
-        op.all_gather(A((99,), "float32"), None)
-    assert op._half == 100  # refused before anything changed
+        op.all_gather(A((99,), "float32"), s1)
+    with pytest.raises(ValueError, match="on reduce_scatter's stream"):
+        op.all_gather(A((100,), "float32"), s2)
+    assert op._half == (100, s1.ptr)  # refused before anything changed
     with pytest.raises(CufluxError, match="between its halves"):
-        op.reduce_scatter(A((100,), "float32"), None)
+        op.reduce_scatter(A((100,), "float32"), s1)
 
 
 # ---- golden models ----------------------------------------------------------------------------

@@ -169,7 +169,7 @@ def check_build_args(world_size: int, max_m, n, k, dtype, out_dtype, b_layout, m
         raise ValueError(f"{_OP}: mode must be 'pull' or 'push', got {mode!r}")
     check_route(_OP, route)
     check_path(_OP, path)
-    if path == "sm" and route == "fused":
+    if path == "sm" and route == "fused" and world_size > 1:
         raise ValueError(f"{_OP}: path='sm' runs unfused at W > 1 (the fused kernel reads the "
                          "copy engines' chunk flags): route must be 'auto' or 'unfused'")
     why8 = "rows move in 16-byte pieces"
@@ -277,7 +277,8 @@ class AllGatherGemm(CopyGather):
     `plan(M)` is "fused" or "unfused": the route of a call whose gathered A has M rows
     (decided once per M and kept). Every rank must make the same calls with the same rows
     (compared across ranks, bounded, the first time a row count is seen). With path="copy"
-    neither route can be captured in a CUDA graph at W > 1 (CaptureError); path="sm" can.
+    the op cannot be captured in a CUDA graph (CaptureError); with path="sm" it can (calls
+    then ordered on each rank: one stream, or streams the caller orders).
     """
 
     ACROSS = "AllGatherGemmAcrossNodes"  # several nodes: CommOp.__new__

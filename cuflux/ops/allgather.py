@@ -60,8 +60,8 @@ from cuflux import driver, kernels
 from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torch, stream_of,
                            to_caller)
 from cuflux.errors import ABORT, OP_CODES, CufluxError
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_timeout, on_op_device,
-                             on_world_device, require_world_device)
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_timeout, device_state,
+                             on_op_device, on_world_device, require_world_device)
 from cuflux.signal import wait_flags
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
@@ -184,9 +184,12 @@ class CopyGather(CommOp):
         W = world.size
         self.mode, self.cols, self.max_rows, self.dtype = mode, cols, max_rows, dtype
         self.chunk_rows, self.path = chunk_rows, path
+        # W = 1 gathers nothing: one local copy on either path (AllGatherGemm's fused kernel
+        # then reads the copy path's chunk flags, all at epoch 0)
+        self._sm = path == "sm" and W > 1
         self.max_chunks = -(-max_rows // chunk_rows)
         self.row_bytes = cols * dtype.itemsize
-        if path == "sm":
+        if self._sm:
             # Ranks sharing this GPU all spin at once: split the SMs, one grid for every rank.
             cap = min(SM_MAX_BLOCKS, max(1, self.num_sms // self.sharers))
             self.sm_max_blocks = min(self.comm.allgather(cap, what=f"{op} grid cap"))
@@ -195,23 +198,23 @@ class CopyGather(CommOp):
             self.layout = gather_layout(W, max_rows, self.row_bytes, self.max_chunks, mode)
         self._alloc(self.layout)
         # zeroed on a re-arm (path "sm": epochs on the device, u64, never re-armed)
-        self._epoch_regions = () if path == "sm" else ("chunk", "ready", "done", "free", "joined")
+        self._epoch_regions = () if self._sm else ("chunk", "ready", "done", "free", "joined")
         self.wait_mode = wait
         self.waiter = StreamWaiter(self.err, world.device, OP_CODES[op])
         self.order = transfer_order(world.topology, W)
         # Where the chunks come from, stage by stage (push: as the senders' orders deliver).
         self.arrival_stages = arrival_stages(
             world.rank, self.comm.allgather(self.order, what=f"{op} transfer orders"), mode)
-        num_lanes = max([len(stage) for stage in self.order], default=0) if path == "copy" else 0
+        num_lanes = 0 if self._sm else max([len(stage) for stage in self.order], default=0)
         self.lanes = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_lanes)]
         # Pull: the staging copy and its guard run here, so a held guard holds no caller stream.
         self.stager = (cupy.cuda.Stream(non_blocking=True)
-                       if mode == "pull" and W > 1 and path == "copy" else None)
+                       if mode == "pull" and W > 1 and not self._sm else None)
         kernels.load("signal.cu", world.device)  # eager: nothing may load while a stream spins
-        if path == "sm":
+        if self._sm:
             self.sm_module = kernels.load(_SRC, world.device)
             with world.device_context():
-                self.state = cupy.zeros(2, dtype=cupy.uint64)  # [epoch, blocks finished]
+                self.state = device_state(2)  # [epoch, blocks finished]
             o = {n: r.offset for n, r in self.layout.regions.items()}
             # Kernel arguments that never change, built once (small calls are host-bound).
             self._sm_args_mid = (self.buf.ptrs_dev, np.uint64(o["stage"]),
@@ -412,7 +415,7 @@ class CopyGather(CommOp):
         AllGatherGemm's unfused route."""
         from cupy.cuda import runtime
 
-        if self.path == "sm" and self.world.size > 1:
+        if self._sm:
             self._sm_gather(x, out_ptr, stream)
             return 0
         e = self.begin(x, out_ptr, stream)
@@ -489,7 +492,7 @@ class CopyGather(CommOp):
     def _guard_holders(self) -> list:
         """The streams whose guards wait for peers: push lanes, the pull stager (path "sm": none,
         its kernel's waits are bounded and give up)."""
-        if self.world.size == 1 or self.path == "sm":
+        if self.world.size == 1 or self._sm:
             return []
         return list(self.lanes) if self.mode == "push" else [self.stager]
 
@@ -530,7 +533,8 @@ class AllGather(CopyGather):
       path: "copy" (copy engines driven from the host: no SM used; CUDA-graph capture refused
         at W > 1, CaptureError) or "sm" (one kernel a call, SMs loading the peers' staged rows
         over P2P, its epoch on the device: capturable; mode, chunk_rows and wait do nothing;
-        the op holds a stage of 2 * max_rows rows).
+        the op holds a stage of 2 * max_rows rows at W > 1). Its calls must be ordered on each
+        rank (one stream, or streams the caller orders): their epochs and stages are the op's.
 
     Every rank must make the same calls with the same rows (compared across ranks, bounded,
     the first time a row count is seen). Errors of device-side waits surface at the next call

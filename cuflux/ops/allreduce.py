@@ -24,7 +24,7 @@ from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torc
                            to_caller)
 from cuflux.errors import CufluxError
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
-                             on_op_device, sm_count)
+                             device_state, on_op_device, sm_count)
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
@@ -235,7 +235,7 @@ class _P2PReduce(CommOp):
         self._stage_parity_bytes = padded * self.dtype.itemsize
         self._alloc(layout)
         with world.device_context():
-            self.state = cupy.zeros(2, dtype=cupy.uint64)  # [epoch, blocks finished this call]
+            self.state = device_state(2)  # [epoch, blocks finished this call]
         # eager: nothing may load a module while peers spin
         self.module = kernels.load(_SRC, world.device)
         self._static_args()
@@ -327,7 +327,7 @@ class AllReduce(_P2PReduce):
                          f"{op} arguments (max_elems, dtype, algo, max_blocks)")
         super().__init__(world, op, "plain", max_elems, d, algo, timeout_s, max_blocks)
         self._eps = _EPS0
-        self._half: int | None = None  # x.size of a call between its halves (reduce_scatter)
+        self._half = None  # (x.size, stream) of a call between its halves (reduce_scatter)
 
     @on_op_device
     def __call__(self, x, out=None, stream=None, algo: str | None = None):
@@ -360,6 +360,7 @@ class AllReduce(_P2PReduce):
 
 
     # ---- a two-shot call in halves (AllReduceAcrossNodes works on this rank's share between) ---
+    @on_op_device
     def reduce_scatter(self, x, stream):
         """First half of a two-shot call on x (flat, C-contiguous, this op's dtype and device,
         1 <= x.size <= max_elems, the same size on every rank; W > 1; the caller checked it):
@@ -368,7 +369,12 @@ class AllReduce(_P2PReduce):
         may rewrite the share in place; the op's next call must be all_gather(out, stream)."""
         self._check_open()
         self._check_no_half()
+        x = check_array(as_cupy(x, "x", self.op), name="x", op=self.op, dtype=self.dtype,
+                        device=self.world.device)
         n, W = x.size, self.world.size
+        if not 1 <= n <= self.max_elems:
+            raise ValueError(f"{self.op}: reduce_scatter takes 1 to max_elems={self.max_elems} "
+                             f"elements, got {n}")
         if W == 1 or not self.two_shot_ok:
             raise ValueError(f"{self.op}: reduce_scatter needs W > 1 and an op built with "
                              f"algo 'auto' or 'two_shot' (W = {W}, algo = {self.algo!r})")
@@ -377,18 +383,23 @@ class AllReduce(_P2PReduce):
         tmp = self.buf.local("tmp_out")
         plan = self._plan(n, None, "two_shot", not x.data.ptr & 15, "reduce_scatter")
         self._launch(plan, x, tmp, None, None, self._eps, stream)
-        self._half = n
+        self._half = (n, stream.ptr)
         lo, hi = plain_share(n, self.dtype, W, self.world.rank)
         return tmp[lo:hi]
 
+    @on_op_device
     def all_gather(self, out, stream) -> None:
-        """Second half of the call reduce_scatter started: out (flat, C-contiguous, its x.size
-        elements) = every rank's share, in place, once `stream` has run what this queues."""
+        """Second half of the call reduce_scatter started, on the same stream: out (C-contiguous,
+        its x.size elements) = every rank's share, once `stream` has run what this queues."""
         self._check_open()
-        n = self._half
+        out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
+                          dtype=self.dtype, device=self.world.device)
+        n, first = self._half or (None, None)
         if n is None or out.size != n:  # (refused before anything changes: the call stays open)
             raise ValueError(f"{self.op}: all_gather must follow reduce_scatter with out of "
                              f"its x.size ({n}), got {out.size} elements")
+        if stream.ptr != first:  # the second half reads the epoch the first half counted
+            raise ValueError(f"{self.op}: all_gather must run on reduce_scatter's stream")
         self._half = None
         plan = self._plan(n, None, "two_shot", not out.data.ptr & 15, "all_gather")
         self._launch(plan, out, out, None, None, self._eps, stream)
@@ -396,7 +407,7 @@ class AllReduce(_P2PReduce):
     def _check_no_half(self) -> None:
         if self._half is not None:
             raise CufluxError(f"{self.op}: a call is between its halves (reduce_scatter ran, "
-                              "all_gather did not)")
+                              "all_gather did not; after an error between them, close the op)")
 
 
 class AllReduceRMSNorm(_P2PReduce):

@@ -70,6 +70,19 @@ UNFUSED_BELOW_M = 256  # = cuflux.gemm_tuner.CUBLAS_BELOW_M (tests/test_base.py 
 
 
 
+def device_state(words: int):
+    """A new uint64 [words] array of zeros on the current device, zeroed before this returns:
+    an op's device epoch, which its first kernel may read from any stream (a non-blocking one
+    does not wait for the stream the zeros were queued on)."""
+    import cupy
+
+    private = cupy.cuda.Stream(non_blocking=True)
+    with private:
+        state = cupy.zeros(words, dtype=cupy.uint64)
+    private.synchronize()
+    return state
+
+
 def sm_count(device: int) -> int:
     """Multiprocessors of a device (cached: the attribute query costs microseconds)."""
     n = _SM_COUNTS.get(device)

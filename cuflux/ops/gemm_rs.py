@@ -34,8 +34,8 @@ from cuflux import gemm_core as core
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, UNFUSED_BELOW_M, CommOp, check_no_alias,
-                             check_route, check_timeout, fused_route, on_op_device,
-                             require_world_device)
+                             check_route, check_timeout, device_state, fused_route,
+                             on_op_device, require_world_device)
 from cuflux.ops.gemm import gemm
 from cuflux.sizes import count
 from cuflux.symmetric import Layout
@@ -288,11 +288,8 @@ class GemmReduceScatter(CommOp):
             partial_rows = self.max_m if route == "unfused" else min(self.max_m,
                                                                      UNFUSED_BELOW_M - 1)
         with world.device_context():
-            private = cupy.cuda.Stream(non_blocking=True)
-            with private:
-                self.state = cupy.zeros(2, dtype=cupy.uint64)
-                self._partial = cupy.empty((partial_rows, self.n), dtype=odt.storage)
-            private.synchronize()
+            self.state = device_state(2)
+            self._partial = cupy.empty((partial_rows, self.n), dtype=odt.storage)
         self._closed = False
 
     def plan(self, M: int) -> str:
