@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 __all__ = ["DType", "dtype_info", "as_cupy", "check_array", "check_rows", "stream_of",
-           "framework_of", "is_torch", "to_caller"]
+           "framework_of", "is_torch", "to_caller", "zeros_settled"]
 
 
 class DType:
@@ -220,6 +220,19 @@ def _torch_current_stream(like):
             _TORCH_STREAMS.clear()
         s = _TORCH_STREAMS[handle, dev] = cupy.cuda.ExternalStream(handle, dev)
     return s
+
+
+def zeros_settled(shape, dtype):
+    """A new CuPy array of zeros on the current device, zeroed before this returns: a word a
+    kernel on any stream may read first (a non-blocking stream does not wait for the stream
+    the zeros were queued on; a private stream's pool arena holds no caller's queued work)."""
+    import cupy
+
+    private = cupy.cuda.Stream(non_blocking=True)
+    with private:
+        a = cupy.zeros(shape, dtype=dtype)
+    private.synchronize()
+    return a
 
 
 def stream_of(stream, like=None):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 
 import numpy as np
@@ -83,19 +84,14 @@ class PeerFailedError(CommTimeoutError):
                                    f"void (outputs may be partial): close or abort the op")
 
 
-_PID_NAMESPACE: int | None = None
-
-
+@functools.cache
 def _pid_namespace() -> int:
     """This process's pid namespace (low 32 bits of its inode; 0 where /proc has none): pids
     compare only within one namespace."""
-    global _PID_NAMESPACE
-    if _PID_NAMESPACE is None:
-        try:
-            _PID_NAMESPACE = os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
-        except OSError:
-            _PID_NAMESPACE = 0
-    return _PID_NAMESPACE
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino & 0xFFFFFFFF
+    except OSError:
+        return 0
 
 
 def process_alive(pid: int) -> bool:
@@ -202,8 +198,9 @@ class ErrorRecord:
     board: FailureBoard | None = None   # the op's failure board (W > 1), attach_board()
 
     def __init__(self, op: str, rank: int, timeout_s: float):
-        import cupy
         from cupy.cuda import runtime
+
+        from cuflux.arrays import zeros_settled
 
         self.op, self.rank, self.timeout_s = op, rank, float(timeout_s)
         nbytes = NUM_WORDS * 4
@@ -216,12 +213,8 @@ class ErrorRecord:
         self._status = ctypes.c_uint32.from_address(self._host_ptr + 4 * STATUS)
         # The claim word also says "a wait of this op gave up" (sync.cuh op_gave_up), which
         # makes kernels skip their stores: it must read 0 before any stream of the op can read
-        # it. From a private stream's pool arena (no caller's queued work still holds the
-        # block), zeroed there and waited for.
-        s = cupy.cuda.Stream(non_blocking=True)
-        with s:
-            self.claim = cupy.zeros(1, dtype=cupy.uint32)
-        s.synchronize()
+        # it (zeros_settled).
+        self.claim = zeros_settled(1, np.uint32)
 
     @property
     def ptr(self) -> int:

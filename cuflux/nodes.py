@@ -250,4 +250,4 @@ def all2all_rows(rails, tokens, batch: int):
     S = int(prefix[-1])
     parts = [(np.arange(batch)[:, None] * S + prefix[w] + np.arange(tokens[w])[None, :]).ravel()
              for members in rails for w in members]
-    return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -847,15 +847,12 @@ class _Sim:
         return bool(runnable)
 
     def run(self):
-        while True:
-            live = [st for st in self.streams if st.q]
-            if not live:
-                return
-            runnable = [st for st in live if self._ready(st.q[0])]
-            if not runnable:
-                heads = [(st.ptr, st.q[0][0], st.q[0][1:3]) for st in live]
-                raise AssertionError(f"deadlock: every stream waits; heads {heads}")
-            self._execute(self.rng.choice(runnable))
+        while self.step():
+            pass
+        live = [st for st in self.streams if st.q]
+        if live:
+            heads = [(st.ptr, st.q[0][0], st.q[0][1:3]) for st in live]
+            raise AssertionError(f"deadlock: every stream waits; heads {heads}")
 
 
 def AGM_epoch_reached(observed, expected):

@@ -7,12 +7,16 @@ them on W ranks sharing the GPU under mpiexec (@on_ranks, tests/mpi.py); inputs 
 rank and the call, so a check proves who sent what.
 """
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import cuflux
+from cuflux import kernels
 from cuflux.errors import CommTimeoutError
+from cuflux.ops import allgather as AG
+from tests.kernel_args import DeviceArray, check_args
 from tests.mpi import on_ranks, world_sizes
 
 WS = world_sizes()
@@ -199,11 +203,6 @@ def test_allgather_timeout_then_usable(W, mode, wait, path):
 
 
 # ==== CPU tests (no GPU needed): path="sm" ========================================================
-from types import SimpleNamespace  # noqa: E402
-
-from cuflux import kernels  # noqa: E402
-from cuflux.ops import allgather as AG  # noqa: E402
-from tests.kernel_args import DeviceArray, check_args  # noqa: E402
 
 
 @pytest.mark.parametrize("max_blocks", [1, 3, 8, 32])

@@ -449,64 +449,59 @@ def halves(world, seed):
         d = dtype_info(dtype)
         bits = np.uint32 if d.itemsize == 4 else np.uint16
         cols = ar._plain_cols(d)
+
+        def in_halves(op, xs, flip, between=None):
+            """Queue one call in halves on s, this rank's share rewritten (bits ^ flip) between
+            them; returns what check() needs."""
+            n = xs[me].size
+            lo, hi = ar.plain_share(n, dtype, W, me)
+            with s:
+                x = cp.asarray(xs[me])
+                share = op.reduce_scatter(x, s)
+                assert share.size == hi - lo, (n, share.size, lo, hi)
+                summed = share.copy()  # in stream order: after the first half
+                share.view(bits)[...] ^= bits(flip)  # in place, before the second half
+                mine = share.copy()
+                if between is not None:
+                    between(op, x, n)
+                out = poisoned((n,), dtype)
+                op.all_gather(out, s)
+            return xs, (lo, hi), summed, mine, out
+
+        def check(runs, label):
+            """Each run's share against the float64 sum; its out, bit for bit, against every
+            rank's rewritten share."""
+            s.synchronize()
+            everyone = world.allgather([cp.asnumpy(mine) for _, _, _, mine, _ in runs])
+            for i, (xs, (lo, hi), summed, _, out) in enumerate(runs):
+                _close(cp.asnumpy(summed), reference_allreduce(xs)[lo:hi], dtype,
+                       f"{label(i)}: share")
+                every = np.concatenate([everyone[r][i] for r in range(W)])
+                assert np.array_equal(cp.asnumpy(out).view(bits), every.view(bits)), label(i)
+
+        def refused(op, x, n):
+            with pytest.raises(CufluxError, match="between its halves"):
+                op(x)
+            with pytest.raises(ValueError, match="must follow reduce_scatter"):
+                op.all_gather(poisoned((n + 1,), dtype), s)
+
+        def draw(key, n):
+            base = np.random.default_rng(key).standard_normal(n, dtype=np.float32)
+            return [_q(_rank_x(base, r), dtype) for r in range(W)]
+
         with AllReduce(world, 7 * cols + 3, dtype, timeout_s=60) as op:
             for n in (1, 5, cols - 1, cols + 1, 3 * cols, 7 * cols + 3):
-                base = np.random.default_rng([seed, n]).standard_normal(n, dtype=np.float32)
-                xs = [_q(_rank_x(base, r), dtype) for r in range(W)]
-                with s:
-                    x = cp.asarray(xs[me])
-                    share = op.reduce_scatter(x, s)
-                    lo, hi = ar.plain_share(n, dtype, W, me)
-                    assert share.size == hi - lo, (n, share.size, lo, hi)
-                    summed = share.copy()  # in stream order: after the first half
-                    share.view(bits)[...] ^= bits(me + 1)  # in place, before the second half
-                    mine = share.copy()
-                    with pytest.raises(CufluxError, match="between its halves"):
-                        op(x)
-                    with pytest.raises(ValueError, match="must follow reduce_scatter"):
-                        op.all_gather(poisoned((n + 1,), dtype), s)
-                    out = poisoned((n,), dtype)
-                    op.all_gather(out, s)
-                s.synchronize()
-                label = f"W={W} rank={me} {dtype} n={n}"
-                _close(_stored_float(cp.asnumpy(summed), dtype), reference_allreduce(xs)[lo:hi],
-                       dtype, f"{label}: share")
-                every = np.concatenate(world.allgather(cp.asnumpy(mine)))
-                assert np.array_equal(cp.asnumpy(out).view(bits), every.view(bits)), label
+                check([in_halves(op, draw([seed, n], n), me + 1, refused)],
+                      lambda i: f"W={W} rank={me} {dtype} n={n}")
                 done += 1
         # Calls in halves back to back, no host sync between them: a first half's tmp write
         # must wait for the slowest peer's second half of the call before.
         with AllReduce(world, 3 * cols + 5, dtype, timeout_s=60) as op:
-            runs = []
-            for i in range(40):
-                n = 3 * cols + 5 - 7 * (i % 3)
-                base = np.random.default_rng([seed, i, 9]).standard_normal(n, dtype=np.float32)
-                xs = [_q(_rank_x(base, r), dtype) for r in range(W)]
-                with s:
-                    share = op.reduce_scatter(cp.asarray(xs[me]), s)
-                    summed = share.copy()
-                    share.view(bits)[...] ^= bits(i + me + 1)
-                    mine = share.copy()
-                    out = poisoned((n,), dtype)
-                    op.all_gather(out, s)
-                runs.append((xs, ar.plain_share(n, dtype, W, me), summed, mine, out))
-            s.synchronize()
-            everyone = world.allgather([cp.asnumpy(m) for _, _, _, m, _ in runs])
-            for i, (xs, (lo, hi), summed, _, out) in enumerate(runs):
-                label = f"W={W} rank={me} {dtype} back-to-back call {i}"
-                _close(_stored_float(cp.asnumpy(summed), dtype), reference_allreduce(xs)[lo:hi],
-                       dtype, f"{label}: share")
-                every = np.concatenate([everyone[r][i] for r in range(W)])
-                assert np.array_equal(cp.asnumpy(out).view(bits), every.view(bits)), label
+            runs = [in_halves(op, draw([seed, i, 9], 3 * cols + 5 - 7 * (i % 3)), i + me + 1)
+                    for i in range(40)]
+            check(runs, lambda i: f"W={W} rank={me} {dtype} back-to-back call {i}")
             done += 1
     return done
-
-
-def _stored_float(host, dtype):
-    """Stored values as float64 (bfloat16 is stored as uint16)."""
-    from cuflux.rail import to_float
-
-    return to_float(host, dtype).astype(np.float64)
 
 
 test_a_call_in_halves_rewritten_between_them = halves.test(

@@ -936,6 +936,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, impl, reduce):
     op.buf = SimpleNamespace(ptrs_dev=DeviceArray())
     op.err_args = (np.uint64(1 << 40), DeviceArray(), np.uint64(10**9), np.uint32(5))
     op.state = DeviceArray()
+    op._static_args()
     arr = DeviceArray()
     arr.data = SimpleNamespace(ptr=1 << 30)
     op._launch_fused(arr, arr, None, arr, M, None)

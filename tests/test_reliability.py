@@ -228,26 +228,11 @@ def test_watchdog_releases_by_cpu_with_one_hardware_queue(monkeypatch):
 
 # ---- the failure board (#19 item 1) -------------------------------------------------------------
 def _told_op(world, kind, bound_s):
-    """(op, call) of a small op of `kind` whose call makes every rank wait for every other."""
-    import cupy
-
-    W = world.size
-    if kind == "allreduce":
-        op = cuflux.AllReduce(world, 1 << 14, "float32", timeout_s=bound_s)
-        x = cupy.ones(1 << 14, cupy.float32)
-        return op, lambda: op(x)
-    if kind == "all2all":
-        op = cuflux.All2AllHeads(world, 16, 2 * W, 64, "float16", timeout_s=bound_s)
-        x = cupy.ones((1, 16, 2 * W, 64), cupy.float16)
-        return op, lambda: op.scatter_heads(x, [16] * W)
-    if kind == "allgather":  # copy engines behind stream waits: the watchdog tells
-        op = cuflux.AllGather(world, 16, 128, "float32", mode="push", timeout_s=bound_s)
-        x = cupy.ones((16, 128), cupy.float32)
-        return op, lambda: op(x)
-    op = cuflux.GemmReduceScatter(world, 256 * W, 256, 64, "float16", timeout_s=bound_s,
-                                  route="fused")  # the fused kernel's tile waits
-    a, b = cupy.ones((256 * W, 64), cupy.float16), cupy.ones((64, 256), cupy.float16)
-    return op, lambda: op(a, b)
+    """(op, call) of a small op of `kind` whose call makes every rank wait for every other:
+    _queued_case's op and its first call (AllGather in push mode)."""
+    op, call, _, _ = _queued_case(world, "allgather_push" if kind == "allgather" else kind,
+                                  bound_s)
+    return op, lambda: call(0, None, None)
 
 
 def _queued_case(world, kind, bound_s):

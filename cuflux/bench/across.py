@@ -176,7 +176,7 @@ def run(world, args):
     node_size = knobs.node_size() or 1  # CUFLUX_NODE_SIZE; unset: every rank its own node
     shared_gpu = ranks_share_gpu(world)
     measured = speed_measured(W, shared_gpu)
-    nccl = _nccl(world) if W > 1 and not shared_gpu else None
+    nccl = None if shared_gpu else _nccl(world)
     nodes = cuflux.World(MPI.COMM_WORLD, device=world.device, timeout_s=60, node_size=node_size)
     stream = cupy.cuda.Stream(non_blocking=True)
     iters = args.iters if measured else 2

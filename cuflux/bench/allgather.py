@@ -39,10 +39,10 @@ def run(world, args):
     cols = 8192
     shard_rows_list = [1024, 8192] if args.quick else [128, 1024, 4096, 8192]
     for mode, wait, path in (("pull", "stream", "copy"), ("push", "stream", "copy"),
-                             ("pull", "kernel", "copy"), ("pull", "-", "sm")):
+                             ("pull", "kernel", "copy"), ("pull", "stream", "sm")):
         for shard_rows in shard_rows_list:
-            with cuflux.AllGather(world, shard_rows, cols, "bfloat16", mode=mode,
-                                  wait="stream" if wait == "-" else wait, path=path) as ag:
+            with cuflux.AllGather(world, shard_rows, cols, "bfloat16", mode=mode, wait=wait,
+                                  path=path) as ag:
                 x = cupy.random.standard_normal((shard_rows, cols), dtype=cupy.float32).astype(
                     ag.dtype.storage)
                 out = cupy.empty((W * shard_rows, cols), dtype=x.dtype)

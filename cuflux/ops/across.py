@@ -181,17 +181,12 @@ class AllReduceAcrossNodes(_AcrossNodes):
                     (max_elems, dtype_info(dtype, op=self.op).name, algo, max_blocks, rail))
         error = None
         try:
-            from cuflux.ops.allreduce import DEFAULT_MAX_BLOCKS
-            from cuflux.ops.base import ranks_on_my_gpu, sm_count
-
-            # The node op's grid shares this GPU with every rank of the World on it, not only
-            # the node's (emulated nodes on one GPU): the same cap on every rank.
-            cap = min(max_blocks or DEFAULT_MAX_BLOCKS,
-                      max(1, sm_count(world.device) // ranks_on_my_gpu(world)))
-            cap = min(self.comm.allgather(cap, timeout_s, "grid cap"))
-            # (one rank a node: the node op is never called, the rail's all-reduce is the op)
+            # The node op's grid counts every rank of the World on this GPU, emulated nodes
+            # included (the node World carries its parent's gpu_sharers). One rank a node: the
+            # node op is never called, the rail's all-reduce is the op.
             self.inner = AllReduce(self.node, max_elems, dtype,
-                                   "auto" if algo == "one_shot" else algo, timeout_s, cap)
+                                   "auto" if algo == "one_shot" else algo, timeout_s,
+                                   max_blocks)
             self.dtype, self.max_elems = self.inner.dtype, self.inner.max_elems
         except Exception as e:
             error = e

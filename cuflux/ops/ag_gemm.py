@@ -336,7 +336,7 @@ class AllGatherGemm(CopyGather):
         # path "sm": the unfused route's gathered A is the op's own (a CUDA graph keeps the
         # address it captured: a per-call temporary would go back to the pool under it)
         self._gathered = None
-        if path == "sm" and world.size > 1:
+        if self._sm:
             with world.device_context():
                 self._gathered = cupy.empty((self.max_m, k), dtype=dt.storage)
         self._closed = False
@@ -356,7 +356,7 @@ class AllGatherGemm(CopyGather):
             return route
         if self.world.size == 1 or self.route == "fused":
             route = "fused"
-        elif self.route == "unfused" or self.path == "sm":
+        elif self.route == "unfused" or self._sm:
             route = "unfused"
         else:  # where cuflux.gemm takes cuBLAS, our core (the fused kernel's) loses to it
             gemm_choice = gemm_op.plan(M, self.n, self.k, self.dtype.name, self.b_layout)

@@ -22,12 +22,12 @@ import operator
 import numpy as np
 
 from cuflux import kernels
-from cuflux.arrays import DType, as_cupy, check_array, dtype_info, stream_of, to_caller
+from cuflux.arrays import (DType, as_cupy, check_array, dtype_info, stream_of, to_caller,
+                           zeros_settled)
 from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, CaptureError,
                            CommTimeoutError, CufluxError)
 from cuflux.launch import capturing as _capturing
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, device_state,
-                             on_op_device)
+from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, on_op_device
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
@@ -308,7 +308,7 @@ class All2AllHeads(CommOp):
         self._copy_slots = ((u64(base + off["data0"]), u64(base + off["data1"])),
                             (u64(base + off["scale0"]), u64(base + off["scale1"])))
         with world.device_context():
-            self.state = device_state(1)  # [epoch of the last completed call]
+            self.state = zeros_settled(1, np.uint64)  # [epoch of the last completed call]
         self._captured = False  # once captured, the host no longer knows the device's epoch
         self._row_bytes = self.spec.row_bytes
         self._plans: collections.OrderedDict = collections.OrderedDict()

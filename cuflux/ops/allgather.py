@@ -58,10 +58,10 @@ import numpy as np
 
 from cuflux import driver, kernels
 from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torch, stream_of,
-                           to_caller)
+                           to_caller, zeros_settled)
 from cuflux.errors import ABORT, OP_CODES, CufluxError
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_timeout, device_state,
-                             on_op_device, on_world_device, require_world_device)
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_timeout, on_op_device,
+                             on_world_device, require_world_device)
 from cuflux.signal import wait_flags
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
@@ -190,9 +190,7 @@ class CopyGather(CommOp):
         self.max_chunks = -(-max_rows // chunk_rows)
         self.row_bytes = cols * dtype.itemsize
         if self._sm:
-            # Ranks sharing this GPU all spin at once: split the SMs, one grid for every rank.
-            cap = min(SM_MAX_BLOCKS, max(1, self.num_sms // self.sharers))
-            self.sm_max_blocks = min(self.comm.allgather(cap, what=f"{op} grid cap"))
+            self.sm_max_blocks = self._grid_cap(SM_MAX_BLOCKS)
             self.layout = sm_gather_layout(W, max_rows, self.row_bytes, self.sm_max_blocks)
         else:
             self.layout = gather_layout(W, max_rows, self.row_bytes, self.max_chunks, mode)
@@ -201,11 +199,12 @@ class CopyGather(CommOp):
         self._epoch_regions = () if self._sm else ("chunk", "ready", "done", "free", "joined")
         self.wait_mode = wait
         self.waiter = StreamWaiter(self.err, world.device, OP_CODES[op])
-        self.order = transfer_order(world.topology, W)
-        # Where the chunks come from, stage by stage (push: as the senders' orders deliver).
-        self.arrival_stages = arrival_stages(
+        # The copy path's transfer order, and where the chunks come from, stage by stage (push:
+        # as the senders' orders deliver); path "sm" has neither (and so no copy lanes).
+        self.order = [] if self._sm else transfer_order(world.topology, W)
+        self.arrival_stages = [] if self._sm else arrival_stages(
             world.rank, self.comm.allgather(self.order, what=f"{op} transfer orders"), mode)
-        num_lanes = 0 if self._sm else max([len(stage) for stage in self.order], default=0)
+        num_lanes = max([len(stage) for stage in self.order], default=0)
         self.lanes = [cupy.cuda.Stream(non_blocking=True) for _ in range(num_lanes)]
         # Pull: the staging copy and its guard run here, so a held guard holds no caller stream.
         self.stager = (cupy.cuda.Stream(non_blocking=True)
@@ -214,7 +213,7 @@ class CopyGather(CommOp):
         if self._sm:
             self.sm_module = kernels.load(_SRC, world.device)
             with world.device_context():
-                self.state = device_state(2)  # [epoch, blocks finished]
+                self.state = zeros_settled(2, np.uint64)  # [epoch, blocks finished]
             o = {n: r.offset for n, r in self.layout.regions.items()}
             # Kernel arguments that never change, built once (small calls are host-bound).
             self._sm_args_mid = (self.buf.ptrs_dev, np.uint64(o["stage"]),

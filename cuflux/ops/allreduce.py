@@ -21,10 +21,10 @@ import numpy as np
 
 from cuflux import kernels
 from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torch, stream_of,
-                           to_caller)
+                           to_caller, zeros_settled)
 from cuflux.errors import CufluxError
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
-                             device_state, on_op_device, sm_count)
+                             on_op_device, sm_count)
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
@@ -213,9 +213,7 @@ class _P2PReduce(CommOp):
             if need > self.smem_optin:
                 raise ValueError(f"{op}: hidden={hidden} needs {need} bytes of shared memory "
                                  f"per block, the device allows {self.smem_optin}")
-        # Ranks sharing this GPU all spin at once (under MPS side by side): split the SMs.
-        cap = min(max_blocks or DEFAULT_MAX_BLOCKS, max(1, self.num_sms // self.sharers))
-        self.max_blocks = min(world.allgather(cap))  # one grid for every rank
+        self.max_blocks = self._grid_cap(max_blocks or DEFAULT_MAX_BLOCKS)
         self.two_shot_ok = algo != "one_shot" and W > 1
         layout = Layout()
         padded = -(-self.max_elems * self.dtype.itemsize // 128) * 128 // self.dtype.itemsize
@@ -235,7 +233,7 @@ class _P2PReduce(CommOp):
         self._stage_parity_bytes = padded * self.dtype.itemsize
         self._alloc(layout)
         with world.device_context():
-            self.state = device_state(2)  # [epoch, blocks finished this call]
+            self.state = zeros_settled(2, np.uint64)  # [epoch, blocks finished this call]
         # eager: nothing may load a module while peers spin
         self.module = kernels.load(_SRC, world.device)
         self._static_args()

@@ -38,7 +38,8 @@ from cuflux.world import check_timeout  # one check for every timeout_s (ops and
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
-           "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route"]
+           "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route",
+           "max_unfused_m"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
 # peer that is compiling kernels on first use (up to ~40 s a file, once per machine) to be
@@ -68,19 +69,6 @@ ROUTES = ("auto", "fused", "unfused")
 EPOCH_REARM_AT = 1 << 30
 UNFUSED_BELOW_M = 256  # = cuflux.gemm_tuner.CUBLAS_BELOW_M (tests/test_base.py checks it)
 
-
-
-def device_state(words: int):
-    """A new uint64 [words] array of zeros on the current device, zeroed before this returns:
-    an op's device epoch, which its first kernel may read from any stream (a non-blocking one
-    does not wait for the stream the zeros were queued on)."""
-    import cupy
-
-    private = cupy.cuda.Stream(non_blocking=True)
-    with private:
-        state = cupy.zeros(words, dtype=cupy.uint64)
-    private.synchronize()
-    return state
 
 
 def sm_count(device: int) -> int:
@@ -117,6 +105,13 @@ def fused_route(route: str, M: int) -> str:
     if route != "auto":
         return route
     return "unfused" if M < UNFUSED_BELOW_M else "fused"
+
+
+def max_unfused_m(route: str, max_m: int) -> int:
+    """The largest M (<= max_m) for which fused_route(route, M) is "unfused"; 0 if none."""
+    if route == "fused":
+        return 0
+    return max_m if route == "unfused" else min(max_m, UNFUSED_BELOW_M - 1)
 
 
 def refuse_capture(op: str, stream, why: str) -> None:
@@ -355,6 +350,14 @@ class CommOp(Closeable):
         except CommTimeoutError as e:
             self._host_failure(e, what)
         self.epoch = 0
+
+    def _grid_cap(self, limit: int) -> int:
+        """Blocks a grid that spins on its peers may have: `limit`, and no more than this GPU's
+        SMs split among the ranks on it (their grids run side by side and must all stay
+        resident); the smallest over the op's ranks, so that every rank launches the same grid
+        (collective, bounded)."""
+        cap = min(limit, max(1, self.num_sms // self.sharers))
+        return min(self.comm.allgather(cap, what=f"{self.op} grid cap"))
 
     def _no_capture(self, stream, why: str) -> None:
         refuse_capture(self.op, stream, why)

@@ -32,9 +32,9 @@ import numpy as np
 
 from cuflux import gemm_core as core
 from cuflux import kernels
-from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, UNFUSED_BELOW_M, CommOp, check_no_alias,
-                             check_route, check_timeout, device_state, fused_route,
+from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller, zeros_settled
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias,
+                             check_route, check_timeout, fused_route, max_unfused_m,
                              on_op_device, require_world_device)
 from cuflux.ops.gemm import gemm
 from cuflux.sizes import count
@@ -275,21 +275,18 @@ class GemmReduceScatter(CommOp):
         if W == 1 or route != "fused":
             kernels.load("gemm.cu", world.device)
         # The call epoch: [calls completed, CTAs finished this call] (rs_hooks.cuh), u64 epochs
-        # that never wrap (no re-arm). Zeroed on a private stream and waited for: a pooled
-        # block still holding a count would make the first call wait for an epoch never sent.
+        # that never wrap (no re-arm). Zeroed before any stream can read it (zeros_settled): a
+        # pooled block still holding a count would make the first call wait for an epoch never
+        # sent.
         # The unfused route's partial: one buffer of the op's (calls are ordered on a rank, and
         # only this rank reads it), never a per-call temporary, which a captured graph would
         # keep using after the pool handed it to someone else. Rows: every M the route can
         # take unfused (auto: below UNFUSED_BELOW_M).
-        import cupy
-
-        partial_rows = 0
-        if W > 1 and route != "fused":
-            partial_rows = self.max_m if route == "unfused" else min(self.max_m,
-                                                                     UNFUSED_BELOW_M - 1)
+        partial_rows = max_unfused_m(route, self.max_m) if W > 1 else 0
         with world.device_context():
-            self.state = device_state(2)
-            self._partial = cupy.empty((partial_rows, self.n), dtype=odt.storage)
+            self.state = zeros_settled(2, np.uint64)
+            self._partial = zeros_settled((partial_rows, self.n), odt.storage)
+        self._static_args()
         self._closed = False
 
     def plan(self, M: int) -> str:
@@ -368,18 +365,23 @@ class GemmReduceScatter(CommOp):
         return partial, bias, out, M
 
     # ---- launches -------------------------------------------------------------------------------
+    def _static_args(self) -> None:
+        """The parts of _tail that never change (no epoch among them: the kernels read it from
+        self.state), built once: small calls are host-bound."""
+        self._args_f32 = np.int32(self.out_dtype.name == "float32")
+        self._args_buf = (self.buf.ptrs_dev, np.uint64(self._data_off),
+                          np.uint64(self._parity_bytes), np.uint64(self._slot_bytes),
+                          np.uint64(self._flags_off), np.int32(self.flag_stride))
+        self._args_ranks = (np.int32(self.world.size), np.int32(self.world.rank))
+        self._args_end = (np.int32(GROUP_M), self.state) + self.err_args
+
     def _tail(self, out, bias, M: int, bm: int) -> tuple:
-        """The kernels' trailing arguments (gemm_rs.cu RsArgs) for the next call: no epoch (the
-        kernel reads it from self.state)."""
+        """The kernels' trailing arguments (gemm_rs.cu RsArgs) for the next call."""
         W, me = self.world.size, self.world.rank
         own_lo, own_hi = own_tile_rows(M, W, me, bm)
-        return (out, np.int32(self.out_dtype.name == "float32"),
-                bias if bias is not None else np.uint64(0), self.buf.ptrs_dev,
-                np.uint64(self._data_off), np.uint64(self._parity_bytes),
-                np.uint64(self._slot_bytes), np.uint64(self._flags_off),
-                np.int32(self.flag_stride), np.int32(M // W), np.int32(W), np.int32(me),
-                np.int32(own_lo), np.int32(own_hi), np.int32(GROUP_M), self.state) \
-            + self.err_args
+        return ((out, self._args_f32, bias if bias is not None else np.uint64(0))
+                + self._args_buf + (np.int32(M // W),) + self._args_ranks
+                + (np.int32(own_lo), np.int32(own_hi)) + self._args_end)
 
     def _launch_fused(self, a, b, bias, out, M: int, stream) -> None:
         dt, n, k = self.dtype, self.n, self.k
