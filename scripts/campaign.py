@@ -10,8 +10,9 @@
          SIGKILLs itself right after launching a call. The survivors must raise
          CommTimeoutError within timeout + 2 s of the kill, abort the op and exit 0 within a
          bound. Writes campaign-kill-<machine>-W<W>-<date>.json.
-  small  (under mpirun, W = 1 or 2): one small call of each op, then synchronise: the
-         workload compute-sanitizer runs (memcheck, racecheck, synccheck).
+  small  (under mpirun, W = 1 or 2): three small checked calls of each op, and of AllGather and
+         AllGatherGemm built with path="sm" (SM_PATH_OPS), each synchronised: the workload
+         compute-sanitizer runs (memcheck, racecheck, synccheck).
 
   mpirun -np 4 python scripts/campaign.py soak --calls 10000 --outdir scripts/results/campaigns
   python scripts/campaign.py kill --world 2 --outdir scripts/results/campaigns
@@ -36,6 +37,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
 OPS = ("allreduce", "norm", "all2all", "allgather", "gemm_rs", "ag_gemm")
+# The same op on its SM-copy path (path="sm": one kernel a call instead of copy engines).
+SM_PATH_OPS = ("allgather_sm", "ag_gemm_sm")
 H_NORM = 1024  # hidden size of the AllReduceRMSNorm soak
 KILL_SLACK_S = 2.0  # issue 19: the survivors raise within timeout + 2 s
 
@@ -50,6 +53,10 @@ class Case:
 
         import cuflux
 
+        if kind not in OPS + SM_PATH_OPS:
+            raise ValueError(f"unknown op {kind!r}; known: {', '.join(OPS + SM_PATH_OPS)}")
+        path = "sm" if kind in SM_PATH_OPS else "copy"
+        kind = kind.removesuffix("_sm")  # the op's calls and checks are the copy path's
         self.cp, self.world, self.kind = cupy, world, kind
         W = world.size
         self.W, self.me = W, world.rank
@@ -61,14 +68,14 @@ class Case:
         elif kind == "all2all":
             self.op = cuflux.All2AllHeads(world, 16, 2 * W, 64, "float16", timeout_s=timeout_s)
         elif kind == "allgather":
-            self.op = cuflux.AllGather(world, 16, 136, "float32", timeout_s=timeout_s)
+            self.op = cuflux.AllGather(world, 16, 136, "float32", timeout_s=timeout_s,
+                                       path=path)
         elif kind == "gemm_rs":
             self.op = cuflux.GemmReduceScatter(world, 64 * W, 128, 64, "float16",
                                                timeout_s=timeout_s)
         elif kind == "ag_gemm":
-            self.op = cuflux.AllGatherGemm(world, 16 * W, 128, 64, "float16", timeout_s=timeout_s)
-        else:
-            raise ValueError(kind)
+            self.op = cuflux.AllGatherGemm(world, 16 * W, 128, 64, "float16", timeout_s=timeout_s,
+                                           path=path)
 
     def _rng(self, i, r):
         return np.random.default_rng([i, r, OPS.index(self.kind)])
@@ -348,7 +355,7 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="allreduce,all2all,allgather,gemm_rs")
     p.add_argument("--outdir", default="")
     p = sub.add_parser("small")
-    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--ops", default=",".join(OPS + SM_PATH_OPS))
     args = ap.parse_args(argv)
     return {"soak": soak, "kill": kill, "small": small}[args.cmd](args)
 

@@ -164,7 +164,9 @@ def test_one_chart_per_op_from_the_recorded_results(tmp_path):
     from cuflux.bench.plot import plot_results
 
     files = sorted(RESULTS.glob("*.json"))
-    ops = {json.loads(f.read_text())["op"] for f in files}
+    docs = [json.loads(f.read_text()) for f in files]
+    ops = {d["op"] for d in docs if d.get("speed_measured") is not False}
+    assert any(d.get("speed_measured") is False for d in docs)  # the skip below is exercised
     written = plot_results(files, tmp_path / "charts")
     assert sorted(p.name for p in written) == sorted(f"{op}-speedup.png" for op in ops)
     assert all(_png_ok(p) for p in written)
@@ -186,6 +188,9 @@ def test_chart_rows_with_missing_columns(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"not": "a result"}))
     empty = {"op": "empty", "rows": [{"case": "4x4"}]}
     (tmp_path / "empty-m.json").write_text(json.dumps(empty))
+    shared = {"op": "shared", "speed_measured": False,  # ranks time-sliced one GPU: no chart
+              "rows": [{"case": "T=1 H=64", "speedup": 0.5, "baseline": "NCCL"}]}
+    (tmp_path / "shared-m-W2.json").write_text(json.dumps(shared))
     written = plot_results([tmp_path], tmp_path / "out")
     assert [p.name for p in written] == ["toy-speedup.png"] and _png_ok(written[0])
     (tmp_path / "broken.json").write_text("{")

@@ -10,7 +10,8 @@ line is one (run, case variant, baseline): speed-up (baseline_ms / cuflux_ms; ab
 faster) against the case's problem size. The size is a row's own `num_bytes` / `bytes` /
 `num_elems` / `size` column where it has one, else the product of the dimensions its case names
 ("4096x8192x3584" -> M*N*K, "B=1 T=8192 H=32 D=128" -> B*T*H*D). Rows without a speed-up or a
-size are left out; so are files that are not benchmark results (with a note on stderr).
+size are left out; so are files that are not benchmark results and runs that measured no speed
+(`"speed_measured": false`: ranks time-sliced one GPU), each with a note on stderr.
 
 Needs matplotlib (`pip install "cuflux[plot]"`); it is imported only when a chart is drawn.
 """
@@ -82,6 +83,10 @@ def load_results(paths: Iterable) -> list[dict]:
                 raise ValueError(f"cuflux.bench.plot: cannot read {f}: {e}") from e
             if not isinstance(doc, dict) or not isinstance(doc.get("rows"), list):
                 print(f"cuflux.bench.plot: {f}: not a benchmark result (no 'rows' list); "
+                      f"skipped", file=sys.stderr)
+                continue
+            if doc.get("speed_measured") is False:  # ranks time-sliced one GPU (issue 22.10)
+                print(f"cuflux.bench.plot: {f}: no speed measured (ranks shared a GPU); "
                       f"skipped", file=sys.stderr)
                 continue
             doc = dict(doc, path=str(f))
