@@ -214,14 +214,15 @@ def test_measure_regimes_takes_the_slowest_rank_and_notes_capture(monkeypatch):
         return {"user_loop_ms": 1.0, "host_us": 5.0, "graph_ms": 0.5 if graph else None}
 
     monkeypatch.setattr("cuflux.bench.common.regimes", fake)
-    world = _World([(2.0, 4.0, 0.7)])
+    world = _World([{"baseline_": (2.0, 4.0, 0.7)}])
     notes = []
     r = cli.measure_regimes(lambda: None, _Stream(), calls=7, world=world, prefix="baseline_",
                             notes=notes)
     assert r == {"baseline_user_loop_ms": 2.0, "baseline_host_us": 5.0, "baseline_graph_ms": 0.7}
     assert got == [(7, True, True)] and notes == []
     # one rank without a graph: no graph figure for the row
-    r = cli.measure_regimes(lambda: None, _Stream(), calls=7, world=_World([(2.0, 4.0, None)]))
+    r = cli.measure_regimes(lambda: None, _Stream(), calls=7,
+                            world=_World([{"": (2.0, 4.0, None)}]))
     assert r["graph_ms"] is None
     # W = 1 (world None): no barrier, no allgather
     got.clear()
@@ -248,6 +249,36 @@ def test_measure_regimes_records_a_failed_capture_and_keeps_the_other_regimes(mo
     notes.clear()
     cli.measure_regimes(lambda: None, _Stream(), calls=3, notes=notes)
     assert notes and "CaptureError" in notes[0]
+
+
+def test_measure_regimes_interleaves_variants_and_takes_medians(monkeypatch):
+    """An op and its baselines: rounds of one block each, the order rotated, each figure the
+    median over the rounds (a block slowed by clock drift does not decide the ratio)."""
+    order, afters = [], []
+    times = {"ours": iter([1.0, 9.0, 1.2]), "base": iter([2.0, 2.2, 2.1])}
+
+    def fake(fn, stream, *, calls, graph, barrier):
+        name = fn()
+        order.append((name, graph))
+        if name == "ours" and graph:
+            raise RuntimeError("capture unsupported")
+        return {"user_loop_ms": next(times[name]), "host_us": 5.0,
+                "graph_ms": 0.5 if graph else None}
+
+    monkeypatch.setattr("cuflux.bench.common.regimes", fake)
+    notes = []
+    world = _World([{"": (1.0, 6.0, None), "baseline_": (2.5, 4.0, 0.25)}])
+    r = cli.measure_regimes([("", lambda: "ours", "ours"), ("baseline_", lambda: "base", "base"),
+                             ("nccl_", None, "absent")], _Stream(), calls=4, world=world,
+                            notes=notes, after=lambda: afters.append(1))
+    # round 0: ours (capture fails once, then measured without), base; round 1 rotated
+    assert [n for n, _ in order] == ["ours", "ours", "base", "base", "ours", "ours", "base"]
+    assert ("ours", True) not in order[2:]  # a failed capture is not retried
+    assert len(afters) == 6 and len(notes) == 1 and "ours" in notes[0]
+    assert r == {"user_loop_ms": 1.2, "host_us": 6.0, "graph_ms": None,
+                 "baseline_user_loop_ms": 2.5, "baseline_host_us": 5.0,
+                 "baseline_graph_ms": 0.5}
+    assert world.barriers == 0  # the barrier goes to common.regimes (faked here)
 
 
 def test_speedups_and_baseline_notes():

@@ -39,7 +39,9 @@ REGIMES_DOC = """Regimes (columns):
   host_us, baseline_host_us           host time per call alone (issued while the GPU is held)
   graph_ms, baseline_graph_ms         one CUDA graph of N calls replayed, GPU time per call
                                       (None where the op refuses capture); graph_speedup
-With W > 1 every figure is the slowest rank's."""
+An op and its baselines run their user regimes in interleaved rounds (REGIME_ROUNDS, the order
+rotated), each figure the median over the rounds. With W > 1 every figure is the slowest
+rank's."""
 
 
 def regime_calls(ms, quick: bool = False, speed: bool = True) -> int:
@@ -59,35 +61,66 @@ def slowest(values):
     return None if any(v is None for v in values) else max(values)
 
 
-def measure_regimes(fn, stream, *, calls: int, world=None, graph: bool = True,
-                    prefix: str = "", notes: list | None = None, what: str = "") -> dict:
-    """common.regimes for one callable on every rank of `world` (None: this rank alone), as
-    {prefix + "user_loop_ms", prefix + "host_us", prefix + "graph_ms"}, slowest rank.
+REGIME_ROUNDS = 3  # rounds of interleaved regimes when an op is measured beside its baselines
 
-    `fn` enqueues one call on `stream` (wrap it in `with stream:` where the op uses the
+
+def measure_regimes(variants, stream, *, calls: int, world=None, graph: bool = True,
+                    prefix: str = "", notes: list | None = None, what: str = "",
+                    rounds: int | None = None, after=None) -> dict:
+    """common.regimes of an op and its baselines on every rank of `world` (None: this rank
+    alone), as {prefix + "user_loop_ms", prefix + "host_us", prefix + "graph_ms"} per variant,
+    each the slowest rank's.
+
+    `variants`: one callable (its columns named with `prefix`, `what` in notes), or a list of
+    (prefix, fn, what); a None fn is left out. Several variants are measured in `rounds`
+    (default REGIME_ROUNDS) interleaved rounds, each variant's regimes once a round in an order
+    rotated round to round, and each figure is the median over the rounds: the GPU's clock
+    drifts between blocks of timing (a cuBLAS call timed in the block after its rival's read
+    up to 17 % slower on the H200), and that drift must not read as one variant against
+    another. `after()` runs after each variant's block (an op's synchronize, a pending check).
+
+    Each fn enqueues one call on `stream` (wrap it in `with stream:` where the op uses the
     current stream; the legacy default stream cannot be captured). A capture refused by the op
     (CaptureError) gives graph_ms None; any other failure of the capture is caught, noted in
     `notes` with its reason, and the two other regimes are measured again without a graph
-    (the failure is assumed to be the same on every rank: it comes from the same code)."""
+    (the failure is assumed to be the same on every rank: it comes from the same code). A
+    variant without a graph in its first round is not captured again."""
+    import statistics
+
     from cuflux.bench.common import regimes
 
+    if callable(variants):
+        variants = [(prefix, variants, what)]
+    variants = [(p, fn, w or p.rstrip("_") or "cuflux") for p, fn, w in variants
+                if fn is not None]
+    rounds = rounds or (REGIME_ROUNDS if len(variants) > 1 else 1)
     barrier = world.barrier if world is not None and world.size > 1 else None
-    label = what or prefix.rstrip("_") or "cuflux"
-    try:
-        r = regimes(fn, stream, calls=calls, graph=graph, barrier=barrier)
-        if graph and r["graph_ms"] is None and notes is not None:
-            notes.append(f"{label}: capture refused (CaptureError), no graph_ms")
-    except Exception as e:  # noqa: BLE001 (the reason is recorded)
-        if not graph:
-            raise
-        if notes is not None:
-            notes.append(f"{label}: graph capture failed: {type(e).__name__}: {e}")
-        stream.synchronize()
-        r = regimes(fn, stream, calls=calls, graph=False, barrier=barrier)
+    runs: dict[str, list[dict]] = {p: [] for p, _, _ in variants}
+    for r in range(rounds):
+        for i in range(len(variants)):
+            p, fn, label = variants[(i + r) % len(variants)]
+            capture = graph and not (runs[p] and runs[p][0]["graph_ms"] is None)
+            try:
+                got = regimes(fn, stream, calls=calls, graph=capture, barrier=barrier)
+                if capture and got["graph_ms"] is None and notes is not None:
+                    notes.append(f"{label}: capture refused (CaptureError), no graph_ms")
+            except Exception as e:  # noqa: BLE001 (the reason is recorded)
+                if not capture:
+                    raise
+                if notes is not None:
+                    notes.append(f"{label}: graph capture failed: {type(e).__name__}: {e}")
+                stream.synchronize()
+                got = regimes(fn, stream, calls=calls, graph=False, barrier=barrier)
+            runs[p].append(got)
+            if after is not None:
+                after()
+    mine = {p: tuple(None if any(x[k] is None for x in rs) else statistics.median(x[k] for x in rs)
+                     for k in REGIMES) for p, rs in runs.items()}
+    every = [mine]
     if world is not None and world.size > 1:
-        every = world.allgather(tuple(r[k] for k in REGIMES))
-        r = {k: slowest(v[i] for v in every) for i, k in enumerate(REGIMES)}
-    return {prefix + k: r[k] for k in REGIMES}
+        every = world.allgather(mine)
+    return {p + k: slowest(m[p][i] for m in every)
+            for p in mine for i, k in enumerate(REGIMES)}
 
 
 def on_stream(fn, stream):

@@ -209,11 +209,11 @@ def run(world, args):
                 if theirs:
                     row["speedup"] = row["nccl_ms"] / row["cuflux_ms"]
                 calls = regime_calls(row["cuflux_ms"], args.quick, measured)
-                for prefix, fn in (("", ours), ("nccl_", theirs)):
-                    if fn:
-                        row.update({k: v for k, v in measure_regimes(
-                            on_stream(fn, stream), stream, calls=calls, world=world,
-                            graph=False, prefix=prefix).items() if not k.endswith("graph_ms")})
+                row.update({k: v for k, v in measure_regimes(
+                    [("", on_stream(ours, stream), "cuflux"),
+                     ("nccl_", on_stream(theirs, stream) if theirs else None, "NCCL")],
+                    stream, calls=calls, world=world, graph=False).items()
+                    if not k.endswith("graph_ms")})
                 closer.synchronize(stream)
                 rows.append(row)
     nodes.close()

@@ -111,11 +111,10 @@ def run(world, args):
         """The three user regimes of the fused op (ours) and the row's baseline (base)."""
         notes = []
         calls = regime_calls(ms, args.quick, measured)
-        for prefix, fn, what in (("", ours, "fused"), ("baseline_", base, row["baseline"])):
-            row.update(measure_regimes(on_stream(fn, rstream), rstream, calls=calls,
-                                       world=world, prefix=prefix, notes=notes, what=what))
-            for o in ops:
-                o.synchronize()
+        row.update(measure_regimes(
+            [("", on_stream(ours, rstream), "fused"),
+             ("baseline_", on_stream(base, rstream), row["baseline"])], rstream, calls=calls,
+            world=world, notes=notes, after=lambda: [o.synchronize() for o in ops]))
         return add_note(add_speedups(row), *notes)
 
     def timed_all(fns, *ops):

@@ -139,18 +139,17 @@ def run(world, args):
                 notes = []
                 rcalls = regime_calls(max(row["cuflux_ms"], row["baseline_ms"]), args.quick,
                                       measured)
-                for prefix, fn, what in (("", fused, "AllReduceRMSNorm"),
-                                         ("baseline_", unfused, "AllReduce + rmsnorm_residual"),
-                                         ("nccl_", with_nccl if nccl is not None else None,
-                                          "NCCL + rmsnorm_residual")):
-                    if fn is None:
-                        continue
-                    world.barrier()
-                    row.update(measure_regimes(on_stream(fn, stream), stream, calls=rcalls,
-                                               world=world, prefix=prefix, notes=notes,
-                                               what=what))
+
+                def settle():
                     norm.synchronize(stream)
                     arop.synchronize(stream)
+
+                row.update(measure_regimes(
+                    [("", on_stream(fused, stream), "AllReduceRMSNorm"),
+                     ("baseline_", on_stream(unfused, stream), "AllReduce + rmsnorm_residual"),
+                     ("nccl_", on_stream(with_nccl, stream) if nccl is not None else None,
+                      "NCCL + rmsnorm_residual")],
+                    stream, calls=rcalls, world=world, notes=notes, after=settle))
                 add_note(add_speedups(row), *notes)
                 if W == 1 and me == 0:
                     moved = (4 * T * H + H) * st.itemsize

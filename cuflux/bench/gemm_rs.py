@@ -170,13 +170,12 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
             row[key] = max(world.allgather(per_key[key]))
         notes = []
         calls = regime_calls(max(row["cuflux_ms"], row["baseline_ms"]), quick, measured)
-        for prefix, key, what in (("", "cuflux_ms", "GemmReduceScatter"),
-                                  ("baseline_", "baseline_ms", "cuBLAS + reduce_scatter"),
-                                  ("nccl_", "nccl_ms", "cuBLAS + NCCL reduce-scatter")):
-            if key in timed:
-                row.update(measure_regimes(timed[key], stream, calls=calls, world=world,
-                                           prefix=prefix, notes=notes, what=what))
-                raise_pending()
+        row.update(measure_regimes(
+            [(prefix, timed.get(key), what) for prefix, key, what in (
+                ("", "cuflux_ms", "GemmReduceScatter"),
+                ("baseline_", "baseline_ms", "cuBLAS + reduce_scatter"),
+                ("nccl_", "nccl_ms", "cuBLAS + NCCL reduce-scatter"))],
+            stream, calls=calls, world=world, notes=notes, after=raise_pending))
         add_note(row, *notes)
     finally:
         for op in list(ops.values()) + list(extra.values()) + ([fused] if fused else []):
