@@ -10,6 +10,8 @@
 # Groups (tests; the benches of the groups named run after all tests):
 #   runtime   World, nodes, rails, symmetric memory, AllGather, watchdog, reliability | allgather
 #   nodes     the cross-node ops and rails alone (also in runtime): issue 20, emulated nodes
+#   gather    AllGather alone, both paths (also in runtime): ~240 s at W = 1..8, the sm path's
+#             spinning kernels advancing only as ranks time-slice the GPU
 #   comm      AllReduce(+RMSNorm), All2AllHeads                          | allreduce, all2all W=1
 #   a2a       All2AllHeads alone
 #   gemm      cuflux.gemm (both cores, cuBLAS route, tuner, graphs)     | gemm W=1
@@ -65,6 +67,7 @@ WS=$CUFLUX_TEST_WORLD_SIZES
 tests_runtime() { tests runtime "$WS" 400 tests/test_runtime.py tests/test_allgather.py \
                    tests/test_reliability.py tests/test_nodes.py tests/test_rail.py; }
 tests_nodes() { tests nodes "$WS" 300 tests/test_nodes.py tests/test_rail.py; }
+tests_gather() { tests gather "$WS" 300 tests/test_allgather.py; }
 tests_a2a() { tests comm "$WS" 200 tests/test_all2all.py; }
 tests_comm() { tests comm "$WS" 220 tests/test_allreduce.py; tests_a2a; }
 tests_gemm() { tests gemm 1,2,4 300 tests/test_gemm.py; }
