@@ -1,13 +1,14 @@
 """Which GEMM runs a shape: the tuner table, its keys, the untuned heuristic and `plan`.
 
 On sm_90a the plain GEMM (cuflux.gemm, impl="auto") takes, per (GPU, dtype, B layout, shape
-class), the fastest of cuBLAS and the Hopper configurations in TUNER_CANDIDATES: on the first
-call of a class it times them for a bounded budget on the caller's own operands and keeps the
-winner in <kernel cache dir>/gemm_tuner.json (at most 512 entries, shared by the processes of
-the machine). Tuning can be switched off and its budget set (cuflux/knobs.py: gemm_tune,
-gemm_tune_budget_s); then the heuristic decides. The fused ops read the table (never tune):
-AllGatherGemm takes the cached Hopper choice of its shape class where it has that
-configuration.
+class), cuBLAS or the fastest of the Hopper configurations in TUNER_CANDIDATES: on the first
+call of a class it times them all for a bounded budget on the caller's own operands and keeps
+the fastest, with every time, in <kernel cache dir>/gemm_tuner.json (at most 512 entries,
+shared by the processes of the machine). gemm takes our core only where it beat cuBLAS there by
+CORE_MARGIN (`plan`); `fastest` is the entry's plain winner. Tuning can be switched off and its
+budget set (cuflux/knobs.py: gemm_tune, gemm_tune_budget_s); then the heuristic decides. The
+fused ops read the table (never tune): AllGatherGemm fuses where `fastest` is one of ours and
+takes that Hopper configuration where its kernel has it.
 """
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ from cuflux import kernels, knobs
 from cuflux.arrays import dtype_info
 from cuflux.gemm_core import IN_DTYPES, SM90_CONFIGS, SM90_DEFAULT, device_props
 
-__all__ = ["CUBLAS", "TUNER_CANDIDATES", "CUBLAS_BELOW_M", "tuner_path", "load_tuner",
-           "shape_class", "tune_key", "core_heuristic", "heuristic", "tuned_config", "plan",
-           "choice"]
+__all__ = ["CUBLAS", "TUNER_CANDIDATES", "CUBLAS_BELOW_M", "CORE_MARGIN", "tuner_path",
+           "load_tuner", "shape_class", "tune_key", "core_heuristic", "heuristic", "tuned_config",
+           "preferred", "fastest", "plan", "choice"]
 
 _OP = "cuflux.gemm"
 CUBLAS = "cublas"  # the tuner's name for cuBLAS among the Hopper configurations
@@ -35,6 +36,11 @@ TUNER_CANDIDATES = ("256x128s4c1t", "128x256s4c1t", "256x128s4c1", "128x256s4c1"
 # Below this many rows a 128- or 256-row tile is mostly padding and the grid covers few SMs:
 # cuBLAS (split-K, narrow tiles) is the untuned choice there. The tuner measures both.
 CUBLAS_BELOW_M = 256
+# gemm takes our core over cuBLAS only where the tuner timed it this much faster (0.03: 3 %).
+# The tuner times each candidate 3 times in one block, and near a tie its winner is noise: on
+# the H200 our core won the tuning of 4096x12288x6144 kn and then ran at 0.975x cuBLAS in the
+# benchmark (2048x28672x8192 kn: 0.98x). A near-tie goes to the library gemm replaces.
+CORE_MARGIN = 0.03
 
 _TUNER_LOCK = threading.Lock()
 _TUNER_MAX_ENTRIES = 512
@@ -125,11 +131,24 @@ def tune_key(dt, b_layout: str, M: int, N: int, K: int) -> str:
     return f"{device_props()[3]}|{dt.name}|{b_layout}|{shape_class(M, N, K)}"
 
 
-def plan(M: int, N: int, K: int, dtype="bfloat16", b_layout: str = "kn") -> str:
-    """What `gemm(impl="auto")` runs for this shape on the current device, without running
-    anything: "cublas", a Hopper configuration name (SM90_CONFIGS), or "sm80" (the portable
-    core, on GPUs without the Hopper path). The tuner's choice where it has measured this
-    shape class, else the untuned heuristic."""
+def preferred(key: str, winner: str) -> str:
+    """gemm's pick from the tuner's `winner` for `key`: cuBLAS unless the winner is one of our
+    configurations and the entry's times show it beat cuBLAS by CORE_MARGIN (an entry without
+    a cuBLAS time, its budget spent first, keeps the winner)."""
+    if winner == CUBLAS:
+        return winner
+    ms = load_tuner().get(key, {}).get("ms") or {}
+    t_cublas, t_core = ms.get(CUBLAS), ms.get(winner)
+    if (isinstance(t_cublas, (int, float)) and isinstance(t_core, (int, float))
+            and t_cublas <= t_core * (1.0 + CORE_MARGIN)):
+        return CUBLAS
+    return winner
+
+
+def fastest(M: int, N: int, K: int, dtype="bfloat16", b_layout: str = "kn") -> str:
+    """The tuner's plain winner for this shape on the current device (no margin): "cublas" or
+    a Hopper configuration where it has measured the shape class, else the untuned heuristic
+    ("sm80" off sm_90a). AllGatherGemm's auto route fuses where this is one of ours."""
     dt = dtype_info(dtype, IN_DTYPES, _OP)
     if device_props()[1] != "sm_90a":
         return CUBLAS if M < CUBLAS_BELOW_M else "sm80"
@@ -137,6 +156,19 @@ def plan(M: int, N: int, K: int, dtype="bfloat16", b_layout: str = "kn") -> str:
     if knobs.gemm_tune():
         chosen = tuned_config(tune_key(dt, b_layout, M, N, K), None, None, tune=False)
     return chosen or heuristic(M, N, K)
+
+
+def plan(M: int, N: int, K: int, dtype="bfloat16", b_layout: str = "kn") -> str:
+    """What `gemm(impl="auto")` runs for this shape on the current device, without running
+    anything: "cublas", a Hopper configuration name (SM90_CONFIGS), or "sm80" (the portable
+    core, on GPUs without the Hopper path). Where the tuner has measured this shape class, its
+    winner when that is cuBLAS or beat cuBLAS by CORE_MARGIN (preferred), else cuBLAS; where
+    it has not, the untuned heuristic."""
+    chosen = fastest(M, N, K, dtype, b_layout)
+    if chosen in (CUBLAS, "sm80") or not knobs.gemm_tune():
+        return chosen
+    dt = dtype_info(dtype, IN_DTYPES, _OP)
+    return preferred(tune_key(dt, b_layout, M, N, K), chosen)
 
 
 _CHOICES: dict = {}  # (dtype, layout, M, N, K) -> (tuner table it came from, choice)
@@ -153,7 +185,10 @@ def choice(dt, b_layout, M, N, K, run, s, under_capture) -> str:
         return hit[1]
     config = None
     if tuning:
-        config = tuned_config(tune_key(dt, b_layout, M, N, K), run, s, tune=not under_capture)
+        key = tune_key(dt, b_layout, M, N, K)
+        config = tuned_config(key, run, s, tune=not under_capture)
+        if config is not None:
+            config = preferred(key, config)
     decided = config is not None or not tuning
     config = config or heuristic(M, N, K)
     if decided and len(_CHOICES) < 4096:

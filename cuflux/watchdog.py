@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import collections
 import ctypes
+import dataclasses
 import os
 import threading
 import time
@@ -48,7 +49,7 @@ from cuflux import driver
 from cuflux import errors as E
 from cuflux.errors import CufluxError
 
-__all__ = ["StreamWaiter", "warn_if_one_connection"]
+__all__ = ["PendingWait", "StreamWaiter", "warn_if_one_connection"]
 
 _POLL_S = 0.002
 _RELEASE_BOUND_S = 2.0  # how long the device-memory release may take before it is a fault
@@ -85,13 +86,28 @@ def expiry_status(aborted: bool, waited_s: float, timeout_s: float) -> int:
     return E.STATUS_TIMEOUT if waited_s > timeout_s else E.STATUS_PEER_FAILED
 
 
-class StreamWaiter:
-    """The stream waits of one op and the thread that bounds them.
+@dataclasses.dataclass(eq=False)
+class PendingWait:
+    """One stream wait the watchdog bounds (StreamWaiter.wait says what guard and follower
+    mean)."""
 
-    A pending wait is a list: [reached event, passed event, time the stream reached it (None
-    before), flag address, expected, peer, index, released?, CPU address of the flag (None:
-    device memory), guard?, expiry recorded?, follower?].
-    """
+    reached: object  # event recorded before the wait: the stream got there (the budget starts)
+    passed: object  # event recorded after it: the stream got past it (then it is dropped)
+    flag_addr: int
+    expected: int  # uint32
+    peer: int
+    index: int = 0
+    host: int | None = None  # CPU address of the flag where it is host-mapped, else None
+    guard: bool = False
+    follower: bool = False
+    started: float | None = None  # time.monotonic() when the watchdog saw `reached` done
+    released: bool = False  # its flag was stored by the watchdog
+    recorded: bool = False  # its expiry is in the error record (a guard: held, not released)
+
+
+class StreamWaiter:
+    """The stream waits of one op (PendingWait, a FIFO per stream) and the thread that bounds
+    them."""
 
     fault: BaseException | None = None  # what killed the thread (or a release that could not run)
 
@@ -146,8 +162,8 @@ class StreamWaiter:
         driver.stream_wait_value32(stream, flag_addr, expected, "geq")
         passed = cupy.cuda.Event(disable_timing=True)
         passed.record(stream)
-        item = [reached, passed, None, flag_addr, expected & 0xFFFFFFFF, peer, index, False,
-                host, guard, False, follow]
+        item = PendingWait(reached, passed, flag_addr, expected & 0xFFFFFFFF, peer, index, host,
+                           guard, follow)
         with self._lock:
             # One FIFO per stream: a stream passes its waits in order, so only the head of each
             # queue can be blocked and each poll looks at one wait per stream.
@@ -184,66 +200,61 @@ class StreamWaiter:
                         if not q:
                             break
                         item = q[0]
-                    reached, passed, started = item[0], item[1], item[2]
-                    if passed.done:
+                    if item.passed.done:
                         with self._lock:
                             q.popleft()
                         continue
                     now = time.monotonic()
-                    if started is None and reached.done:
-                        item[2] = started = now
-                    follower = len(item) > 11 and item[11]
-                    if not item[7] and (aborted or (started is not None and (
-                            failed or (now - started > self.err.timeout_s and not follower)))):
+                    if item.started is None and item.reached.done:
+                        item.started = now
+                    started = item.started
+                    if not item.released and (aborted or (started is not None and (
+                            failed or (now - started > self.err.timeout_s
+                                       and not item.follower)))):
                         waited_s = 0.0 if started is None else now - started
                         status = expiry_status(aborted, waited_s, self.err.timeout_s)
-                        if self._is_guard(item) and not self.err.peer_gone(item[5]):
-                            if not item[10]:  # record (and tell) once; keep holding
+                        if item.guard and not self.err.peer_gone(item.peer):
+                            if not item.recorded:  # record (and tell) once; keep holding
                                 self._expire(item, status, release=False)
-                                item[10] = True
+                                item.recorded = True
                         else:
                             # A follower names nobody: the waits it follows record the peer.
-                            self._expire(item, status, record=not follower)
-                            item[7] = True  # released: it passes shortly and is popped then
+                            self._expire(item, status, record=not item.follower)
+                            item.released = True  # it passes shortly and is popped then
                     break
 
-    def _record(self, item, status: int, observed: int) -> None:
-        flag_addr, expected, peer, index = item[3:7]
+    def _record(self, item: PendingWait, status: int, observed: int) -> None:
         w = self.err.words
         if w is not None and int(w[E.STATUS]) == E.STATUS_OK:
-            w[E.OP], w[E.RANK], w[E.PEER] = self.op_code, self.err.rank, peer
-            w[E.OBSERVED], w[E.EXPECTED], w[E.INDEX] = observed, expected, index
+            w[E.OP], w[E.RANK], w[E.PEER] = self.op_code, self.err.rank, item.peer
+            w[E.OBSERVED], w[E.EXPECTED], w[E.INDEX] = observed, item.expected, item.index
             w[E.STATUS] = status
             if status == E.STATUS_TIMEOUT:  # every peer's queued work gives up too (#19 item 1)
                 self.err.tell()  # (told waits tell nobody: the teller wrote every word)
 
-    @staticmethod
-    def _is_guard(item) -> bool:
-        return len(item) > 9 and bool(item[9])
-
-    def _expire(self, item, status: int, release: bool = True, record: bool = True) -> None:
+    def _expire(self, item: PendingWait, status: int, release: bool = True,
+                record: bool = True) -> None:
         """Record why the wait ends (once: later records keep the first; not `record`: a
         follower), then release it unless `release` is False (a guard whose peer is still in
         the op)."""
-        host = item[8] if len(item) > 8 else None
-        if host is not None:
+        if item.host is not None:
             # The flag is ours and host-mapped: read it and release the wait with CPU accesses
             # (an aligned 32-bit store; the stream's wait sees it at its next poll).
-            word = ctypes.c_uint32.from_address(host)
+            word = ctypes.c_uint32.from_address(item.host)
             if record:
                 self._record(item, status, word.value)
             if release:
-                word.value = item[4]
+                word.value = item.expected
             return
         self._expire_device(item, status, release, record)
 
-    def _expire_device(self, item, status: int, release: bool = True,
+    def _expire_device(self, item: PendingWait, status: int, release: bool = True,
                        record: bool = True) -> None:
         from cupy.cuda import runtime
 
-        flag_addr, expected = item[3], item[4]
-        if record and not (len(item) > 10 and item[10]):  # not read and recorded yet
-            runtime.memcpyAsync(self._observed.ptr, flag_addr, 4, 2, self._release.ptr)  # D2H
+        if record and not item.recorded:  # not read and recorded yet
+            runtime.memcpyAsync(self._observed.ptr, item.flag_addr, 4, 2,
+                                self._release.ptr)  # D2H
             read = self._wait_release()
             observed = (int(np.frombuffer(self._observed, dtype=np.uint32, count=1)[0]) if read
                         else _UNKNOWN)
@@ -253,7 +264,7 @@ class StreamWaiter:
         if not release:
             return
         # Release the stream: the flag is ours, so writing it touches no peer.
-        driver.stream_write_value32(self._release, flag_addr, expected)
+        driver.stream_write_value32(self._release, item.flag_addr, item.expected)
         if not (read and self._wait_release()):
             self.fault = CufluxError(
                 "the release of a timed-out stream wait on a device-memory flag did not run "
@@ -296,13 +307,12 @@ class StreamWaiter:
         with self._lock:
             items = [item for q in self._pending.values() for item in q]
         for item in items:
-            host = item[8] if len(item) > 8 else None
             # A guard stays held (its flag or its peer's leaving is the only release); with the
             # thread gone, its peer's progress releases it.
-            if host is not None and not item[7] and not self._is_guard(item):
+            if item.host is not None and not item.released and not item.guard:
                 try:
-                    ctypes.c_uint32.from_address(host).value = item[4]
-                    item[7] = True
+                    ctypes.c_uint32.from_address(item.host).value = item.expected
+                    item.released = True
                 except Exception:
                     pass
 

@@ -206,13 +206,13 @@ def test_matches_float64_and_the_plain_gemm(W, mode, impl):
 @on_ranks
 def routes(world, mode, seed):
     """route="unfused", "fused" and "auto" at small M (auto: unfused exactly where
-    cuflux.ops.gemm.plan says cuBLAS; W = 1: the fused kernel on every route). plan(M) says
+    cuflux.gemm_tuner.fastest says cuBLAS; W = 1: the fused kernel on every route). plan(M) says
     the route before each new M; every call matches reference_ag_gemm (each rank its own
     weight and bias), outputs poisoned, the gathered A bit for bit every other call. Returns
     the routes taken, by the op's route."""
     import cupy
 
-    import cuflux.ops.gemm as G
+    from cuflux import gemm_tuner as T
     from cuflux import kernels
     from cuflux.ops.ag_gemm import reference_ag_gemm
 
@@ -233,7 +233,7 @@ def routes(world, mode, seed):
                     if W == 1 or route != "auto":
                         wants[M] = "fused" if W == 1 else route
                     else:
-                        wants[M] = ("unfused" if G.plan(M, n, k, "bfloat16", "nk") == G.CUBLAS
+                        wants[M] = ("unfused" if T.fastest(M, n, k, "bfloat16", "nk") == T.CUBLAS
                                     else "fused")
                 what = (f"rank {me}/{W} {mode} route={route} call {call} rows {rows} "
                         f"seed {seed}")
@@ -1335,17 +1335,17 @@ def test_route_is_compared_across_ranks(route):
     assert value[-2:] == (route, "copy") and what.endswith("group_m, route, path)")
 
 
-def test_auto_plan_follows_gemm_plan_once_per_m(monkeypatch):
-    """route="auto": unfused exactly where cuflux.ops.gemm.plan says cuBLAS (whatever the
+def test_auto_plan_follows_the_tuners_winner_once_per_m(monkeypatch):
+    """route="auto": unfused exactly where cuflux.gemm_tuner.fastest says cuBLAS (whatever the
     reason: the tuner's table or its heuristic), asked once per M with the op's shape."""
     asked = []
 
-    def gemm_plan(M, N, K, dtype="bfloat16", b_layout="kn"):
+    def winner(M, N, K, dtype="bfloat16", b_layout="kn"):
         asked.append((M, N, K, dtype, b_layout))
         return {8: "cublas", 300: "128x128s6c1", 512: "cublas", 1024: "sm80"}[M]
 
     op = _route_op(monkeypatch)
-    monkeypatch.setattr(AGG.gemm_op, "plan", gemm_plan)
+    monkeypatch.setattr(AGG.tuner, "fastest", winner)
     Ms = [8, 300, 512, 1024, 8, 512, 300]
     assert [op.plan(M) for M in Ms] == ["unfused", "fused", "unfused", "fused", "unfused",
                                         "unfused", "fused"]
@@ -1353,10 +1353,11 @@ def test_auto_plan_follows_gemm_plan_once_per_m(monkeypatch):
     assert op.plan(np.int64(300)) == "fused" and len(asked) == 4
 
 
-def test_auto_plan_with_gemms_own_plan(monkeypatch):
-    """No stand-in for gemm's plan: without the Hopper path its untuned rule (cuBLAS below
-    CUBLAS_BELOW_M rows); on sm_90a the tuner's table where it measured the shape class, else
-    the heuristic."""
+def test_auto_plan_with_the_tuners_own_winner(monkeypatch):
+    """No stand-in for the tuner: without the Hopper path gemm's untuned rule (cuBLAS below
+    CUBLAS_BELOW_M rows); on sm_90a the tuner's winner where it measured the shape class, else
+    the heuristic. A near-tie that cuflux.gemm gives to cuBLAS (CORE_MARGIN) still fuses: our
+    core was the faster, and the fused kernel hides the gather under it."""
     from cuflux import gemm_tuner as tuner
     from cuflux import knobs
 
@@ -1368,22 +1369,27 @@ def test_auto_plan_with_gemms_own_plan(monkeypatch):
     monkeypatch.setattr(tuner, "device_props", lambda dev=None: (0, "sm_90a", 132, "H200"))
     monkeypatch.setattr(knobs, "gemm_tune", lambda environ=None: True)
     measured = tuner.tune_key(op.dtype, "nk", 4096, 1024, 512)
-    monkeypatch.setattr(tuner, "_TUNER_TABLE", {measured: {"config": tuner.CUBLAS}})
+    near = tuner.tune_key(op.dtype, "nk", 1024, 1024, 512)
+    monkeypatch.setattr(tuner, "_TUNER_TABLE", {
+        measured: {"config": tuner.CUBLAS},
+        near: {"config": "128x128s6c1", "ms": {tuner.CUBLAS: 1.00, "128x128s6c1": 0.99}}})
     assert op.plan(4096) == "unfused"                    # cuBLAS measured faster
     assert (op.plan(2048), op.plan(B - 4)) == ("fused", "unfused")  # heuristic
+    assert op.plan(1024) == "fused"
+    assert tuner.plan(1024, 1024, 512, "bfloat16", "nk") == tuner.CUBLAS  # gemm's own pick
 
 
 @pytest.mark.parametrize("route", ["fused", "unfused"])
 def test_forced_route_never_asks(monkeypatch, route):
     op = _route_op(monkeypatch, route=route)
-    monkeypatch.setattr(AGG.gemm_op, "plan", lambda *a, **k: pytest.fail("gemm's plan asked"))
+    monkeypatch.setattr(AGG.tuner, "fastest", lambda *a, **k: pytest.fail("the tuner asked"))
     assert {op.plan(M) for M in (4, 256, 4096)} == {route}
 
 
 @pytest.mark.parametrize("route", ["auto", "fused", "unfused"])
 def test_one_rank_runs_the_fused_kernel_on_every_route(monkeypatch, route):
     op = _route_op(monkeypatch, W=1, route=route)
-    monkeypatch.setattr(AGG.gemm_op, "plan", lambda *a, **k: "cublas")
+    monkeypatch.setattr(AGG.tuner, "fastest", lambda *a, **k: "cublas")
     assert op.plan(1) == op.plan(1024) == "fused"
 
 
@@ -1415,13 +1421,14 @@ def _sim_calls(monkeypatch, sim):
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_calls_take_the_planned_route(monkeypatch, W, mode):
     """Whole calls: rows compared across ranks once per new row count; route="auto" takes
-    the route plan(M) gives (unfused where gemm's plan is cuBLAS: here below 4 * 64 rows), the
-    unfused GEMM reads a gathered A that is complete, return_gathered gives it back."""
+    the route plan(M) gives (unfused where the tuner's winner is cuBLAS: here below 4 * 64
+    rows), the unfused GEMM reads a gathered A that is complete, return_gathered gives it
+    back."""
     sim = _Sim(3)
     ops = _ag_gemm_ops(monkeypatch, sim, W, "nvlink", mode, 130, 16, 37)
     _sim_calls(monkeypatch, sim)
     streams = [_Stream(sim) for _ in ops]  # calls of one op are ordered on each rank
-    monkeypatch.setattr(AGG.gemm_op, "plan", lambda M, N, K, dtype, b_layout:
+    monkeypatch.setattr(AGG.tuner, "fastest", lambda M, N, K, dtype, b_layout:
                         "cublas" if M < W * 64 else "sm80")
     taken, checks = [], []
     for call, rows in enumerate([130, 5, 130, 0, 64, 63]):

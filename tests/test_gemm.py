@@ -240,7 +240,8 @@ def test_tuner_caches_its_choice(monkeypatch, tmp_path):
     (key, entry), = table.items()
     assert (entry["config"] in G.SM90_CONFIGS or entry["config"] == G.CUBLAS) and "|kn|" in key
     assert G.CUBLAS in entry["ms"] and set(entry["ms"]) <= set(G.SM90_CONFIGS) | {G.CUBLAS}
-    assert G.plan(1536, 2048, 1024, "bfloat16", "kn") == entry["config"]
+    assert T.fastest(1536, 2048, 1024, "bfloat16", "kn") == entry["config"]
+    assert G.plan(1536, 2048, 1024, "bfloat16", "kn") == T.preferred(key, entry["config"])
     entry["config"] = "128x128s6c1"  # a cached choice is used as it is
     (tmp_path / "gemm_tuner.json").write_text(json.dumps(table))
     monkeypatch.setattr(T, "_TUNER_TABLE", None)
@@ -735,3 +736,51 @@ def test_pingpong_protocol_needs_the_order_barrier():
             reads = e.args[1]
         bad += any(d != j * 8 + kb for _, j, kb, d in reads)
     assert bad > 0
+
+
+# ==== CPU: the tuner's table -> what gemm runs ====================================================
+def _hopper_table(monkeypatch, table):
+    from cuflux import gemm_tuner as T
+
+    monkeypatch.setenv("CUFLUX_GEMM_TUNE", "1")
+    monkeypatch.setattr(T, "device_props", lambda dev=None: (0, "sm_90a", 132, "H200"))
+    monkeypatch.setattr(T, "_TUNER_TABLE", table)
+    monkeypatch.setattr(T, "_CHOICES", {})
+    return T
+
+
+@pytest.mark.parametrize("core_ms,want", [(0.90, "core"), (0.965, "core"), (0.975, "cublas"),
+                                          (1.00, "cublas"), (1.05, "cublas")])
+def test_gemm_takes_our_core_only_past_the_margin(monkeypatch, core_ms, want):
+    """gemm's plan and its per-call choice take the tuner's winner when it is one of ours only
+    if its timing beat cuBLAS's by CORE_MARGIN; a near-tie goes to cuBLAS. The tuner's plain
+    winner (fastest: AllGatherGemm's route) is unchanged."""
+    from cuflux.arrays import dtype_info
+
+    T = _hopper_table(monkeypatch, {})
+    dt = dtype_info("bfloat16")
+    key = T.tune_key(dt, "kn", 4096, 12288, 6144)
+    winner = "128x256s4c1t" if core_ms < 1.0 else T.CUBLAS
+    T._TUNER_TABLE[key] = {"config": winner, "ms": {T.CUBLAS: 1.0, "128x256s4c1t": core_ms}}
+    expect = "128x256s4c1t" if want == "core" else T.CUBLAS
+    assert T.CORE_MARGIN == 0.03
+    assert T.fastest(4096, 12288, 6144, "bfloat16", "kn") == winner
+    assert T.plan(4096, 12288, 6144, "bfloat16", "kn") == expect
+    ran = []
+    got = T.choice(dt, "kn", 4096, 12288, 6144, lambda name: ran.append(name), None, False)
+    assert got == expect and ran == []  # the table answered: nothing timed
+
+
+def test_a_winner_without_a_cublas_time_is_kept(monkeypatch):
+    """An entry whose budget ran out before cuBLAS was timed (or an older table) keeps its
+    winner; without a tuned entry the untuned heuristic decides, margin or not."""
+    from cuflux.arrays import dtype_info
+
+    T = _hopper_table(monkeypatch, {})
+    key = T.tune_key(dtype_info("bfloat16"), "nk", 4096, 4096, 4096)
+    T._TUNER_TABLE[key] = {"config": "256x128s4c1t", "ms": {"256x128s4c1t": 1.0}}
+    assert T.plan(4096, 4096, 4096, "bfloat16", "nk") == "256x128s4c1t"
+    T._TUNER_TABLE[key] = {"config": "256x128s4c1t"}
+    assert T.plan(4096, 4096, 4096, "bfloat16", "nk") == "256x128s4c1t"
+    assert T.plan(300, 4096, 4096, "bfloat16", "kn") == T.heuristic(300, 4096, 4096)
+    assert T.plan(16, 4096, 4096, "bfloat16", "kn") == T.CUBLAS

@@ -468,7 +468,8 @@ def test_watchdog_records_the_expiry_and_only_its_own_timeout_tells(status, tell
     host = (ctypes.c_uint32 * 1)()
     w = watchdog.StreamWaiter.__new__(watchdog.StreamWaiter)
     w.err, w.op_code = err, E.OP_CODES["test"]
-    item = [None, None, 0.0, 0x1000, 5, 2, 9, False, ctypes.addressof(host)]
+    item = watchdog.PendingWait(None, None, 0x1000, 5, peer=2, index=9,
+                                host=ctypes.addressof(host), started=0.0)
     w._expire(item, status)
     assert host[0] == 5  # released by a CPU store
     assert int(err.words[E.STATUS]) == status and int(err.words[E.PEER]) == 2
@@ -965,8 +966,8 @@ def test_host_mapped_wait_is_released_by_a_cpu_store(monkeypatch):
     try:
         w.wait(7, 0x9000 + 8, 5, peer=1, index=2)
         (item,) = list(w._pending[7])
-        assert item[8] == flags.ctypes.data + 8
-        item[0].done = True  # the stream reaches the wait
+        assert item.host == flags.ctypes.data + 8
+        item.reached.done = True  # the stream reaches the wait
         time.sleep(0.4)
         assert int(flags[2]) == 5  # released: the awaited value, stored by the CPU
         words = w.err.words
@@ -992,21 +993,21 @@ def test_guard_wait_is_recorded_on_expiry_but_released_only_when_its_peer_leaves
     try:
         w.wait(5, 0x9000 + 4, 7, peer=1, index=1, guard=True)
         (item,) = list(w._pending[5])
-        item[0].done = True  # the stream reaches the guard
+        item.reached.done = True  # the stream reaches the guard
         time.sleep(0.5)
         words = w.err.words
         assert int(words[E.STATUS]) == E.STATUS_TIMEOUT and int(words[E.PEER]) == 1
         assert int(words[E.OBSERVED]) == 6 and tells == [1]
-        assert int(flags[1]) == 6 and not item[7]  # held: rank 1 may still read its rows
+        assert int(flags[1]) == 6 and not item.released  # held: rank 1 may still read its rows
         w.wait(6, 0x9000 + 8, 3, peer=2, index=2)  # the op failed: a plain wait is not queued
         w.wait(7, 0x9000 + 12, 3, peer=2, index=3, guard=True)  # a guard still is
         assert 6 not in w._pending and len(w._pending[7]) == 1
-        w._pending[7][0][0].done = True
+        w._pending[7][0].reached.done = True
         time.sleep(0.1)
         assert int(flags[3]) == 0 and int(flags[1]) == 6  # both guards held
         w.err.gone.update((1, 2))  # ranks 1 and 2 left the op (or died)
         time.sleep(0.1)
-        assert int(flags[1]) == 7 and item[7] and tells == [1]  # released, recorded once
+        assert int(flags[1]) == 7 and item.released and tells == [1]  # released, recorded once
         assert int(flags[3]) == 3
     finally:
         w.close()
@@ -1023,15 +1024,15 @@ def test_follower_wait_has_no_clock_and_names_nobody(monkeypatch):
     try:
         w.wait(5, 0x9000, 2, peer=3, index=0, follow=True)  # joins rank 3's own stream
         (follower,) = list(w._pending[5])
-        follower[0].done = True
+        follower.reached.done = True
         time.sleep(0.4)
-        assert int(flags[0]) == 0 and not follower[7]  # 4 timeouts long: still waiting
+        assert int(flags[0]) == 0 and not follower.released  # 4 timeouts long: still waiting
         assert int(w.err.words[E.STATUS]) == E.STATUS_OK
         w.wait(6, 0x9000 + 4, 9, peer=1, index=1, guard=True)  # the lane's guard, for rank 1
-        w._pending[6][0][0].done = True
+        w._pending[6][0].reached.done = True
         time.sleep(0.4)
         assert int(w.err.words[E.STATUS]) == E.STATUS_TIMEOUT and int(w.err.words[E.PEER]) == 1
-        assert int(flags[0]) == 2 and follower[7]  # released, once the op failed
+        assert int(flags[0]) == 2 and follower.released  # released, once the op failed
         assert int(flags[1]) == 0  # the guard still held
     finally:
         w.close()
@@ -1044,13 +1045,13 @@ def test_guard_wait_passes_when_its_peer_gets_there(monkeypatch):
     try:
         w.wait(5, 0x9000, 4, peer=1, guard=True)
         (item,) = list(w._pending[5])
-        item[0].done = True
+        item.reached.done = True
         time.sleep(0.3)
-        assert not item[7] and int(flags[0]) == 0
+        assert not item.released and int(flags[0]) == 0
         flags[0] = 4  # the peer's word comes after all: the stream passes
-        item[1].done = True
+        item.passed.done = True
         time.sleep(0.1)
-        assert not w._pending[5] and not item[7]  # popped, never forged
+        assert not w._pending[5] and not item.released  # popped, never forged
     finally:
         w.close()
 

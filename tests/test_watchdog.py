@@ -26,9 +26,9 @@ def _waiter(monkeypatch, timeout_s):
     w.expired = []
 
     def expire(item, status, release=True, record=True):
-        w.expired.append((item[5], time.monotonic()))
+        w.expired.append((item.peer, time.monotonic()))
         if int(w.err.words[E.STATUS]) == 0:
-            w.err.words[E.PEER], w.err.words[E.STATUS] = item[5], status
+            w.err.words[E.PEER], w.err.words[E.STATUS] = item.peer, status
     w._expire = expire
     return w
 
@@ -45,7 +45,7 @@ def test_budget_starts_when_the_stream_reaches_the_wait(monkeypatch):
         first, second = _items(w, 7)
         time.sleep(0.3)  # queued long ago but never reached: no timeout
         assert w.expired == []
-        first[0].done = True  # the stream reaches the first wait
+        first.reached.done = True  # the stream reaches the first wait
         t0 = time.monotonic()
         time.sleep(0.3)
         assert [p for p, _ in w.expired] == [1]
@@ -53,13 +53,13 @@ def test_budget_starts_when_the_stream_reaches_the_wait(monkeypatch):
         assert int(w.err.words[E.STATUS]) == E.STATUS_TIMEOUT and int(w.err.words[E.PEER]) == 1
         # Released: the stream passes it and reaches the next wait, which the failed op releases
         # at once instead of spending another timeout.
-        first[1].done = True
-        second[0].done = True
+        first.passed.done = True
+        second.reached.done = True
         t1 = time.monotonic()
         time.sleep(0.05)
         assert [p for p, _ in w.expired] == [1, 2]
         assert w.expired[1][1] - t1 < 0.03
-        second[1].done = True
+        second.passed.done = True
         time.sleep(0.01)
         assert not w._pending[7]
     finally:
@@ -72,8 +72,8 @@ def test_waits_that_pass_are_dropped_and_streams_are_independent(monkeypatch):
         w.wait(1, 0x10, 1, peer=3)
         w.wait(2, 0x20, 1, peer=4)
         (a,), (b,) = _items(w, 1), _items(w, 2)
-        a[0].done = a[1].done = True  # passed at once
-        b[0].done = True  # stream 2 blocked
+        a.reached.done = a.passed.done = True  # passed at once
+        b.reached.done = True  # stream 2 blocked
         time.sleep(0.2)
         assert [p for p, _ in w.expired] == [4] and not w._pending[1]
     finally:

@@ -152,8 +152,8 @@ def run(world, args):
             stream.synchronize()
             flop = 2.0 * M * n * k
             for mode in modes:
-                # route="fused": the fused kernel itself (auto would follow gemm.plan, which
-                # may take cuBLAS where the tuner measured it faster: then the unfused route)
+                # route="fused": the fused kernel itself (auto would follow the GEMM tuner,
+                # which may have measured cuBLAS faster: then the unfused route)
                 with AllGatherGemm(world, M, n, k, "bfloat16", b_layout=layout, mode=mode,
                                    route="fused") as op, \
                         cuflux.AllGather(world, rows, k, "bfloat16", mode=mode) as ag:

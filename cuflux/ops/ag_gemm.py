@@ -261,7 +261,7 @@ class AllGatherGemm(CopyGather):
         tuner's cached choice for the shape, else its heuristic.
       group_m: tile rows per L2 group inside a scheduling block.
       route (keyword): at W > 1, "auto" (default: `plan(M)`, unfused exactly where
-        cuflux.ops.gemm.plan(M, n, k, dtype, b_layout) is "cublas", else fused), "fused"
+        cuflux.gemm_tuner.fastest(M, n, k, dtype, b_layout) is "cublas", else fused), "fused"
         (always the fused kernel) or "unfused" (always the op's own gather into a gathered A,
         then cuflux.gemm(impl="auto") on it; impl and config do not apply). At W = 1 every
         route runs the fused kernel (nothing is gathered). Both routes run the same gather
@@ -345,7 +345,7 @@ class AllGatherGemm(CopyGather):
     @on_op_device
     def plan(self, M: int) -> str:
         """"fused" or "unfused": what a call whose gathered A has M rows runs (see route).
-        Decided once per M (auto: from cuflux.ops.gemm.plan, the tuner's table or its
+        Decided once per M (auto: from cuflux.gemm_tuner.fastest, the tuner's table or its
         heuristic) and kept for the op's life."""
         return self._route(count(_OP, "M", M, 1, self.max_m, "the gathered rows of a call"))
 
@@ -359,8 +359,8 @@ class AllGatherGemm(CopyGather):
         elif self.route == "unfused" or self._sm:
             route = "unfused"
         else:  # where cuflux.gemm takes cuBLAS, our core (the fused kernel's) loses to it
-            gemm_choice = gemm_op.plan(M, self.n, self.k, self.dtype.name, self.b_layout)
-            route = "unfused" if gemm_choice == gemm_op.CUBLAS else "fused"
+            winner = tuner.fastest(M, self.n, self.k, self.dtype.name, self.b_layout)
+            route = "unfused" if winner == tuner.CUBLAS else "fused"
         if len(self._routes) < 4096:
             self._routes[M] = route
         return route
@@ -563,8 +563,9 @@ class AllGatherGemm(CopyGather):
         return super()._own_streams() + [self._side]
 
     def _free(self) -> None:
-        """The visit orders live as long as a kernel may still read them (CopyGather._free
-        raises where close() finds a stream still held: they stay)."""
+        """The visit orders live as long as a kernel may still read them: CopyGather._free
+        stops the watchdog once every stream is quiet, and raises (they stay) where close()
+        finds a stream still held; after an abort() with work queued they stay too."""
         super()._free()
-        if self._quiet():
+        if all(st.done for st in self._streams()):
             self._orders.clear()

@@ -198,7 +198,8 @@ class CopyGather(CommOp):
         # zeroed on a re-arm (path "sm": epochs on the device, u64, never re-armed)
         self._epoch_regions = () if self._sm else ("chunk", "ready", "done", "free", "joined")
         self.wait_mode = wait
-        self.waiter = StreamWaiter(self.err, world.device, OP_CODES[op])
+        # Path "sm" waits inside its kernel (bounded): no stream waits, no watchdog, no signal.cu.
+        self.waiter = None if self._sm else StreamWaiter(self.err, world.device, OP_CODES[op])
         # The copy path's transfer order, and where the chunks come from, stage by stage (push:
         # as the senders' orders deliver); path "sm" has neither (and so no copy lanes).
         self.order = [] if self._sm else transfer_order(world.topology, W)
@@ -209,8 +210,9 @@ class CopyGather(CommOp):
         # Pull: the staging copy and its guard run here, so a held guard holds no caller stream.
         self.stager = (cupy.cuda.Stream(non_blocking=True)
                        if mode == "pull" and W > 1 and not self._sm else None)
-        kernels.load("signal.cu", world.device)  # eager: nothing may load while a stream spins
-        if self._sm:
+        if not self._sm:  # eager: nothing may load while a stream spins
+            kernels.load("signal.cu", world.device)
+        else:
             self.sm_module = kernels.load(_SRC, world.device)
             with world.device_context():
                 self.state = zeros_settled(2, np.uint64)  # [epoch, blocks finished]
@@ -503,7 +505,8 @@ class CopyGather(CommOp):
         closes this rank's side as abort() does, memory kept)."""
         closing = int(self.err.words[ABORT]) == 0
         if self._quiet():
-            self.waiter.close()
+            if self.waiter is not None:
+                self.waiter.close()
         elif closing:
             raise CufluxError(f"{self.op}: a copy stream of rank {self.world.rank} is still held "
                               f"by a guarded copy {self.timeout_s} s after the op failed (its "

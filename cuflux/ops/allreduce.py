@@ -356,7 +356,6 @@ class AllReduce(_P2PReduce):
             self._launch(plan, x, out, None, None, self._eps, s)
         return to_caller(out, x_in, out_in)
 
-
     # ---- a two-shot call in halves (AllReduceAcrossNodes works on this rank's share between) ---
     @on_op_device
     def reduce_scatter(self, x, stream):

@@ -56,8 +56,8 @@ _SM_COUNTS: dict[int, int] = {}
 # there is too little GEMM time to hide the communication under. Its two routes use different
 # flag protocols, so every rank must take the same one without asking: the rule is a function of
 # M alone, never of the tuner's per-machine table. AllGatherGemm's routes share one gather
-# protocol (each rank only consumes what it gathered), so its "auto" follows gemm.plan, tuner
-# included (ops/ag_gemm.py).
+# protocol (each rank only consumes what it gathered), so its "auto" follows the GEMM tuner's
+# winner for the shape (gemm_tuner.fastest: fused where our core was the faster; ops/ag_gemm.py).
 ROUTES = ("auto", "fused", "unfused")
 
 # Host-counted call epochs (AllGather, AllGatherGemm) reach the kernels (and stream waits) as
