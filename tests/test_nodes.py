@@ -412,16 +412,29 @@ def across_composed(world, node_size, seed):
                         assert np.isfinite(g).all() and err < 2e-2, (mode, T, what, err)
                     checked += 1
         rows, n, k = 24, 64, 96
-        with AllGatherGemmAcrossNodes(w, max_rows_per_rank=rows, n=n, k=k, dtype="bfloat16",
-                                      out_dtype="float32", b_layout="nk", timeout_s=60) as agg:
-            shards = [bf16((4, p), (rows, k)) for p in range(W)]
-            b_bits, b = bf16((5,), (n, k), 0.1)
-            out = poisoned((W * rows, n), "float32")
-            agg(cupy.asarray(shards[me][0]), cupy.asarray(b_bits), out=out)
-            agg.synchronize()
-            want = reference_ag_gemm([x for _, x in shards], [b] * W, b_layout="nk")[me]
-            check_close(out, want, "float32", "AllGatherGemm across nodes")
-            checked += 1
+        # overlap (default): the GEMM of this node's rows while the rail gathers, then the
+        # rest; twice per op (its staging reused), with a bias, the gathered A bit for bit.
+        for overlap in (True, False):
+            with AllGatherGemmAcrossNodes(w, max_rows_per_rank=rows, n=n, k=k,
+                                          dtype="bfloat16", out_dtype="float32", b_layout="nk",
+                                          timeout_s=60, overlap=overlap) as agg:
+                for call, r in enumerate((rows, 5)):
+                    shards = [bf16((4, call, p), (r, k)) for p in range(W)]
+                    b_bits, b = bf16((5, call), (n, k), 0.1)
+                    bias_bits, bias = bf16((9, call), (n,))
+                    out = poisoned((W * r, n), "float32")
+                    got, gathered = agg(cupy.asarray(shards[me][0]), cupy.asarray(b_bits),
+                                        bias=cupy.asarray(bias_bits), out=out,
+                                        return_gathered=True)
+                    agg.synchronize()
+                    assert got is out
+                    want = reference_ag_gemm([x for _, x in shards], [b] * W, [bias] * W,
+                                             b_layout="nk")[me]
+                    what = f"AllGatherGemm across nodes (overlap={overlap}, rows {r})"
+                    check_close(out, want, "float32", what)
+                    np.testing.assert_array_equal(
+                        cupy.asnumpy(gathered), np.concatenate([x for x, _ in shards]), what)
+                    checked += 1
         M = 8 * W
         a_list = [bf16((6, p), (M, k)) for p in range(W)]
         b_list = [bf16((7, p), (n, k), 0.1) for p in range(W)]
@@ -442,7 +455,7 @@ def across_composed(world, node_size, seed):
     return checked
 
 
-test_the_fused_ops_composed_across_emulated_nodes = across_test(across_composed, 12)
+test_the_fused_ops_composed_across_emulated_nodes = across_test(across_composed, 15)
 
 
 # ---- node discovery ----------------------------------------------------------------------------
@@ -692,3 +705,95 @@ def test_all2all_plan_two_hops_give_every_rank_its_heads(shape, reverse, batch):
             blk = node_out[m][offs[i]:offs[i + 1]]
             x[:, :, list(heads[r][j])] = blk.reshape(batch, tokens[r], k, hpr * D)
         assert np.array_equal(x.reshape(back[r].shape), back[r]), r
+
+
+# ---- AllGatherAcrossNodes.gather_parts: what the GEMM may read, and when -----------------------
+class _Log:
+    """A stand-in for streams, events, the rail and the node op: every step appended in host
+    order as (what, stream); an event recorded on one stream and waited on another orders
+    them."""
+
+    def __init__(self):
+        self.steps = []
+
+    def stream(self, name):
+        log = self
+
+        class S:
+            def wait_event(self, ev):
+                log.steps.append(("wait " + ev.on, name))
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                return False
+        S.name = name
+        return S()
+
+    def event(self):
+        log = self
+
+        class Ev:
+            on = None
+
+            def __init__(self, *a, **k):
+                pass
+
+            def record(self, stream):
+                self.on = stream.name
+                log.steps.append(("record", stream.name))
+        return Ev
+
+
+@pytest.mark.parametrize("span,direct", [((2, 4), False), ((3, 4), True), ((0, 1), True),
+                                         (None, False)], ids=["node", "one", "first", "none"])
+def test_gather_parts_hand_this_nodes_blocks_first_then_the_rest_once(monkeypatch, span,
+                                                                      direct):
+    """The GEMM's parts cover World blocks 0..W-1 once: this node's span first, on the call's
+    stream, while the rail gathers on the side stream (queued after the call's stream is
+    recorded: x is there); the rest only after the call's stream waits for the rail. Without
+    a span one part, after the whole gather, all on the call's stream."""
+    import cupy
+
+    from cuflux.ops.across import AllGatherAcrossNodes
+
+    log, W, rows, cols = _Log(), 4, 3, 8
+    monkeypatch.setattr(cupy.cuda, "Event", log.event())
+    op = AllGatherAcrossNodes.__new__(AllGatherAcrossNodes)
+    k = 1 if span is None else span[1] - span[0]
+    op.world = SimpleNamespace(size=W, nodes=SimpleNamespace(num_nodes=W // max(k, 1)))
+    op.node = SimpleNamespace(size=k)
+    op._span, op._direct, op._side = span, direct, log.stream("side")
+    op._rail_rows = np.zeros((W * rows, cols))
+    op._own_rows = np.zeros((W * rows, cols))
+    s = log.stream("s")
+    x, out = np.ones((rows, cols)), np.zeros((W * rows, cols))
+    op._checked = lambda x_, out_, stream, more: (x_, out_, s)
+    op.rail = SimpleNamespace(all_gather=lambda x_, o, st: log.steps.append(("rail", st.name)))
+    op.inner = lambda x_, out, stream: log.steps.append(("node", stream.name))
+    op._node_gather = lambda mates, o, st: log.steps.append(("node+order", st.name))
+    parts = []
+
+    def part(lo, hi, a):
+        assert a.shape == ((hi - lo) * rows, cols), (lo, hi, a.shape)
+        parts.append((lo, hi))
+        log.steps.append((f"part {lo}:{hi}", "s"))
+
+    assert op.gather_parts(x, out, s, part) is out
+    covered = sorted(b for lo, hi in parts for b in range(lo, hi))
+    assert covered == list(range(W)), parts
+    steps = log.steps
+    if span is None:
+        assert parts == [(0, W)] and all(st == "s" for _, st in steps)
+        return
+    assert parts[0] == span
+    first, rail = steps.index((f"part {span[0]}:{span[1]}", "s")), steps.index(("rail", "side"))
+    assert steps[:2] == [("record", "s"), ("wait s", "side")]  # the rail after x is there
+    joined = steps.index(("wait side", "s"))
+    assert first < joined and rail < joined  # both queued before the call's stream waits
+    later = [steps.index((f"part {lo}:{hi}", "s")) for lo, hi in parts[1:]]
+    assert all(i > joined for i in later)
+    if not direct:  # this node's own gather before its part; every rank's after the rail
+        assert steps.index(("node", "s")) < first
+        assert joined < steps.index(("node+order", "s")) < min(later, default=len(steps))

@@ -8,7 +8,8 @@ NVLink; a real network changes the link rate, not the design). Per case, bfloat1
   norm        AllReduceRMSNorm, replicated      vs NCCL all-reduce + rmsnorm_residual
   allgather   AllGather of [rows, 8192]         vs NCCL all-gather
   all2all     All2AllHeads.scatter_heads        vs NCCL send/recv all-to-all + 2 permutes
-  ag_gemm     AllGatherGemm [W rows, k] x [k, n] vs NCCL all-gather + cupy.matmul
+  ag_gemm     AllGatherGemm [W rows, k] x [k, n] vs NCCL all-gather + cupy.matmul; also the
+              same op with overlap off (serial_ms: the whole gather, then one GEMM)
   gemm_rs     GemmReduceScatter [M, k] x [k, n] vs cupy.matmul + NCCL reduce-scatter
 
 Regimes (cuflux.bench.__main__.REGIMES_DOC): cuflux_ms / nccl_ms / speedup are GPU-queued (the
@@ -143,6 +144,18 @@ def _pair(world, nodes, op: str, n: int, nccl, stream):
             f"GemmReduceScatter [{M}, {K_HIDDEN}] x [{K_HIDDEN}, {N_FFN}]", o)
 
 
+def _serial(op, call):
+    """`call` with the op's overlap off for that call (every rank runs the same sequence of
+    variants, so all switch together)."""
+    def serial():
+        op.overlap = False
+        try:
+            call()
+        finally:
+            op.overlap = True
+    return serial
+
+
 def _rail_kind(op) -> str:
     """"nccl" or "host": the rail of a cross-node op (its own, or its parts')."""
     for holder in (op, getattr(op, "sum", None), getattr(op, "inner", None)):
@@ -201,6 +214,8 @@ def run(world, args):
                     print(f"across: {label}: WRONG, max relative difference "
                           f"{row['max_rel_diff']:.3g} from the NCCL composition")
                 fns = {"cuflux_ms": ours} | ({"nccl_ms": theirs} if theirs else {})
+                if hasattr(closer, "overlap"):  # AllGatherGemm across nodes: what overlap buys
+                    fns["serial_ms"] = _serial(closer, ours)
                 world.barrier()
                 ms = time_interleaved(fns, rounds=3 if measured else 1, iters=iters,
                                       stream=stream, before=world.barrier)
@@ -208,6 +223,8 @@ def run(world, args):
                 row.update({k: max(world.allgather(v)) for k, v in ms.items()})
                 if theirs:
                     row["speedup"] = row["nccl_ms"] / row["cuflux_ms"]
+                if "serial_ms" in row:
+                    row["overlap_speedup"] = row["serial_ms"] / row["cuflux_ms"]
                 calls = regime_calls(row["cuflux_ms"], args.quick, measured)
                 row.update({k: v for k, v in measure_regimes(
                     [("", on_stream(ours, stream), "cuflux"),
@@ -220,7 +237,8 @@ def run(world, args):
     if world.rank != 0:
         return None
     print(speed_header("across", W, shared_gpu))
-    cols = ["case", "rail", "correct", "cuflux_ms", "nccl_ms", "speedup", "max_rel_diff",
+    cols = ["case", "rail", "correct", "cuflux_ms", "nccl_ms", "speedup", "serial_ms",
+            "overlap_speedup", "max_rel_diff",
             "user_loop_ms",
             "nccl_user_loop_ms", "host_us", "nccl_host_us"]
     print_bench_table(rows, cols, set(cols) - {"case", "rail", "correct", "max_rel_diff"},

@@ -8,7 +8,7 @@ NCCL between GPUs of their own, else staged through the host) from World.split_n
 GemmReduceScatter's arguments all reach its node op (reduce, w1, config and route choose the
 node's kernel as they do on one node); AllGatherGemm's config and route, which choose its fused
 kernel, are checked as there and have nothing to choose here: its cross-node form is composed
-(AllGather across nodes, then cuflux.gemm), correct first.
+(AllGather across nodes and cuflux.gemm, overlapped: below).
 
   AllReduceAcrossNodes  x (n elements): the node's AllReduce runs a two-shot call in its two
                         halves (AllReduce.reduce_scatter, all_gather). The first leaves node
@@ -29,9 +29,12 @@ kernel, are checked as there and have nothing to choose here: its cross-node for
   GemmReduceScatterAcrossNodes  a's rows in the order of their owners' rails, the node's
                         GemmReduceScatter (its fused kernel), then the rail's reduce-scatter:
                         each owner's rows cross the network once per node.
-  AllReduceRMSNormAcrossNodes, AllGatherGemmAcrossNodes: AllReduce / AllGather above composed
-                        with the W = 1 norm kernel and cuflux.gemm, correct first (nothing
-                        overlapped yet; see each class).
+  AllGatherGemmAcrossNodes  the GEMM in row parts as the gather lands them: this node's
+                        rows first (gathered inside the node, or the rank's own shard on a
+                        node of one rank) while the rail gathers across nodes on a side
+                        stream, then the other nodes' rows (AllGatherAcrossNodes.gather_parts).
+  AllReduceRMSNormAcrossNodes  AllReduce above composed with the W = 1 norm kernel, correct
+                        first (nothing overlapped yet).
 
 Every wait is bounded: the node ops' own, and the rail's (`synchronize()` waits for the rail's
 queued work at most timeout_s; a NCCL rail is aborted then). Arguments are checked, and agreed
@@ -267,6 +270,16 @@ class AllGatherAcrossNodes(_AcrossNodes):
             staged = 0 if self._direct else nodes * max_rows  # the rail's rows, then the node's
             self._rail_rows = cupy.empty((staged, cols), self.dtype.storage)
             self._node_rows = cupy.empty((k * staged, cols), self.dtype.storage)
+            # gather_parts: World ranks lo..hi-1 are this node's ranks in node-rank order (node
+            # rank a is World rank lo + a), so its own gather is one block of the output; else
+            # None (then no parts: the whole gather first).
+            j = self.rail.rank
+            lo = rails[0][j]
+            self._span = ((lo, lo + k) if all(rails[a][j] == lo + a for a in range(k))
+                          else None)
+            self._own_rows = cupy.empty((0 if self._direct else k * max_rows, cols),
+                                        self.dtype.storage)
+            self._side = cupy.cuda.Stream(non_blocking=True)  # the rail's, in gather_parts
         except Exception as e:
             error = e
         self._built(error)
@@ -275,10 +288,20 @@ class AllGatherAcrossNodes(_AcrossNodes):
     def __call__(self, x, out=None, stream=None):
         """x [rows, cols] (rows <= max_rows, the same on every rank) -> [W * rows, cols] in
         World-rank order."""
+        x_in, out_in = x, out
+        x, out, s = self._checked(x, out, stream)
+        if x.shape[0]:
+            self._gather_all(x, out, s)
+        return to_caller(out, x_in, out_in)
+
+    def _checked(self, x, out, stream, check_more=None):
+        """(x, out, stream) of a call, checked (out allocated on the stream where None), then
+        check_more(x, out) (the caller's own checks, before anything is queued), then the
+        call's rows agreed across the World."""
         import cupy
 
         self._check_open()
-        x_in, out_in = x, out
+        x_in = x
         x = check_array(as_cupy(x, "x", self.op), name="x", op=self.op, ndim=2,
                         dtype=self.dtype, device=self.world.device)
         rows, W = x.shape[0], self.world.size
@@ -293,19 +316,78 @@ class AllGatherAcrossNodes(_AcrossNodes):
             out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
                               shape=(W * rows, self.cols), dtype=self.dtype,
                               device=self.world.device)
+        if check_more is not None:
+            check_more(x, out)
         self._agree(rows, "rows of the call")
-        if rows and self._direct:
+        return x, out, s
+
+    def _rail_gather(self, x, stream):
+        """The rows of this rank's rail-mates (one block per node, rail order), queued on
+        `stream` into the op's staging."""
+        mates = self._rail_rows[:self.world.nodes.num_nodes * x.shape[0]]
+        self.rail.all_gather(x, mates, stream)
+        return mates
+
+    def _node_gather(self, mates, out, s) -> None:
+        """The node's gather of every rank's rail blocks, then one copy into World order."""
+        import cupy
+
+        nodes, k, W = self.world.nodes.num_nodes, self.node.size, self.world.size
+        rows = mates.shape[0] // nodes
+        gathered = self._node_rows[:k * nodes * rows]
+        self.inner(mates, out=gathered, stream=s)
+        with s:
+            cupy.take(gathered.reshape(k * nodes, rows, self.cols), self._src, axis=0,
+                      out=out.reshape(W, rows, self.cols))
+
+    def gather_parts(self, x, out, stream, part, check_more=None) -> None:
+        """The gather of __call__ into out ([W * rows, cols], allocated where None), calling
+        part(lo, hi, a) on the call's stream for World blocks lo..hi-1 (rows a, [(hi - lo) *
+        rows, cols]) as soon as they are there, so a consumer (AllGatherGemm's GEMM) overlaps
+        the gather between nodes: this node's blocks first (its own gather inside the node, or
+        x itself on a node of one rank) while the rail gathers across nodes on the op's side
+        stream; then the rest of out, in at most two parts. Without a span (this node's ranks
+        not consecutive in World order) one part, after the whole gather. check_more(x, out):
+        the consumer's checks, before anything is queued. Returns out."""
+        import cupy
+
+        x, out, s = self._checked(x, out, stream, check_more)
+        rows, W = x.shape[0], self.world.size
+        if not rows:
+            return out
+        if self._span is None:
+            self._gather_all(x, out, s)
+            part(0, W, out)
+            return out
+        lo, hi = self._span
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(s)
+        side = self._side
+        side.wait_event(ready)  # x (and the previous call's reads of the staging) are done
+        if self._direct:
+            self.rail.all_gather(x, out, side)
+            part(lo, hi, x)
+        else:
+            mates = self._rail_gather(x, side)
+            own = self._own_rows[:self.node.size * rows]
+            self.inner(x, out=own, stream=s)
+            part(lo, hi, own)
+        landed = cupy.cuda.Event(disable_timing=True)
+        landed.record(side)
+        s.wait_event(landed)
+        if not self._direct:
+            self._node_gather(mates, out, s)
+        if lo:
+            part(0, lo, out[:lo * rows])
+        if hi < W:
+            part(hi, W, out[hi * rows:])
+        return out
+
+    def _gather_all(self, x, out, s) -> None:
+        if self._direct:
             self.rail.all_gather(x, out, s)
-        elif rows:
-            nodes, k = self.world.nodes.num_nodes, self.node.size
-            mates = self._rail_rows[:nodes * rows]
-            gathered = self._node_rows[:k * nodes * rows]
-            self.rail.all_gather(x, mates, s)
-            self.inner(mates, out=gathered, stream=s)
-            with s:
-                cupy.take(gathered.reshape(k * nodes, rows, self.cols), self._src, axis=0,
-                          out=out.reshape(W, rows, self.cols))
-        return to_caller(out, x_in, out_in)
+        else:
+            self._node_gather(self._rail_gather(x, s), out, s)
 
 
 class All2AllHeadsAcrossNodes(_AcrossNodes):
@@ -698,9 +780,11 @@ class _GemmAcrossNodes(_AcrossNodes):
 
 
 class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
-    """cuflux.AllGatherGemm on a World of several nodes: AllGatherAcrossNodes of the A shards,
-    then cuflux.gemm on the gathered A (not overlapped yet). Arguments as AllGatherGemm's
-    (max_m the gathered rows, or max_rows_per_rank), plus rail."""
+    """cuflux.AllGatherGemm on a World of several nodes: AllGatherAcrossNodes of the A shards
+    with cuflux.gemm on the gathered rows as they land (gather_parts: this node's rows while
+    the rail gathers across nodes on a side stream, then the other nodes' rows in at most two
+    more GEMMs). Arguments as AllGatherGemm's (max_m the gathered rows, or max_rows_per_rank),
+    plus rail and overlap (False: the whole gather, then one GEMM)."""
 
     op = "AllGatherGemm"
 
@@ -711,8 +795,11 @@ class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
                  timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto",
                  config: str | None = None, group_m: int = 8, *,
                  max_rows_per_rank: int | None = None, route: str = "auto",
-                 path: str = "copy", rail: str = "auto"):
+                 path: str = "copy", rail: str = "auto", overlap: bool = True):
         self.world = world
+        if type(overlap) is not bool:
+            raise ValueError(f"{self.op}: overlap must be True or False, got {overlap!r}")
+        self.overlap = overlap
         from cuflux.ops.ag_gemm import AG_SM90_CONFIGS
         from cuflux.ops.allgather import check_path
 
@@ -729,9 +816,9 @@ class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
                 raise ValueError(f"{self.op}: max_m={max_m} must be a multiple of the world "
                                  f"size {world.size}")
             max_rows_per_rank = max_m // world.size
-        world.check_same((max_rows_per_rank, self.n, self.out_dtype.name, b_layout, impl),
-                         f"{self.op} arguments (rows per rank, n, out_dtype, b_layout, impl)",
-                         timeout_s)
+        world.check_same((max_rows_per_rank, self.n, self.out_dtype.name, b_layout, impl, overlap),
+                         f"{self.op} arguments (rows per rank, n, out_dtype, b_layout, impl, "
+                         f"overlap)", timeout_s)
         self.inner = AllGatherAcrossNodes(world, max_rows_per_rank, self.k, self.dtype.name,
                                           mode, chunk_rows, timeout_s=timeout_s, name=self.op,
                                           path=path, rail=rail)
@@ -739,12 +826,46 @@ class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
     @on_op_device
     def __call__(self, a_shard, b, bias=None, return_gathered: bool = False, stream=None,
                  out=None):
+        import cupy
+
+        from cuflux.ops import gemm as gemm_op
+
         self._check_open()
         s = self._stream(stream, a_shard)
-        gathered = as_cupy(self.inner(a_shard, stream=s), "gathered", self.op)
-        got = as_cupy(self._gemm(gathered, b, bias, out, s), "out", self.op)
+        W, out_in = self.world.size, out
+        if not self.overlap:
+            gathered = as_cupy(self.inner(a_shard, stream=s), "gathered", self.op)
+            got = as_cupy(self._gemm(gathered, b, bias, out, s), "out", self.op)
+            return to_caller((got, gathered) if return_gathered else got, a_shard,
+                             (out, None) if return_gathered else out)  # torch in, torch out
+        made = []
+
+        def check_gemm(x, gathered):
+            """b, bias and out against the call, refused before the gather queues anything
+            (gemm's own checks, on the first rows of out)."""
+            nonlocal out
+            rows = x.shape[0]
+            if out is None:
+                with s:
+                    out = cupy.empty((W * rows, self.n), self.out_dtype.storage)
+            else:
+                out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
+                                  shape=(W * rows, self.n), dtype=self.out_dtype,
+                                  device=self.world.device)
+            _, bb, _, _, _, _, _, n, _ = gemm_op._check_args(
+                x, b, bias, out[:rows], self.out_dtype.name, self.b_layout, self.impl)
+            if n != self.n:
+                raise ValueError(f"{self.op}: b must have n={self.n} output columns, got {n}")
+            made.append(out)
+
+        def part(lo, hi, a_rows):
+            rows = a_rows.shape[0] // (hi - lo)
+            self._gemm(a_rows, b, bias, out[lo * rows:hi * rows], s)
+
+        gathered = self.inner.gather_parts(a_shard, None, s, part, check_gemm)
+        got = made[0]
         return to_caller((got, gathered) if return_gathered else got, a_shard,
-                         (out, None) if return_gathered else out)  # torch in, torch out
+                         (out_in, None) if return_gathered else out_in)  # torch in, torch out
 
 
 class GemmReduceScatterAcrossNodes(_GemmAcrossNodes):
