@@ -252,10 +252,11 @@ def test_measure_regimes_records_a_failed_capture_and_keeps_the_other_regimes(mo
 
 
 def test_measure_regimes_interleaves_variants_and_takes_medians(monkeypatch):
-    """An op and its baselines: rounds of one block each, the order rotated, each figure the
+    """An op and its baselines: rounds of one block each, the order rotated, as many rounds
+    with each variant first (two variants: REGIME_ROUNDS = 3 rounded up to 4), each figure the
     median over the rounds (a block slowed by clock drift does not decide the ratio)."""
     order, afters = [], []
-    times = {"ours": iter([1.0, 9.0, 1.2]), "base": iter([2.0, 2.2, 2.1])}
+    times = {"ours": iter([1.0, 9.0, 1.2, 1.4]), "base": iter([2.0, 2.2, 2.1, 2.3])}
 
     def fake(fn, stream, *, calls, graph, barrier):
         name = fn()
@@ -271,11 +272,12 @@ def test_measure_regimes_interleaves_variants_and_takes_medians(monkeypatch):
     r = cli.measure_regimes([("", lambda: "ours", "ours"), ("baseline_", lambda: "base", "base"),
                              ("nccl_", None, "absent")], _Stream(), calls=4, world=world,
                             notes=notes, after=lambda: afters.append(1))
-    # round 0: ours (capture fails once, then measured without), base; round 1 rotated
-    assert [n for n, _ in order] == ["ours", "ours", "base", "base", "ours", "ours", "base"]
+    # round 0: ours (capture fails once, then measured without), base; round 1 rotated, ...
+    assert [n for n, _ in order] == ["ours", "ours", "base", "base", "ours", "ours", "base",
+                                     "base", "ours"]
     assert ("ours", True) not in order[2:]  # a failed capture is not retried
-    assert len(afters) == 6 and len(notes) == 1 and "ours" in notes[0]
-    assert r == {"user_loop_ms": 1.2, "host_us": 6.0, "graph_ms": None,
+    assert len(afters) == 8 and len(notes) == 1 and "ours" in notes[0]
+    assert r == {"user_loop_ms": pytest.approx(1.3), "host_us": 6.0, "graph_ms": None,
                  "baseline_user_loop_ms": 2.5, "baseline_host_us": 5.0,
                  "baseline_graph_ms": 0.5}
     assert world.barriers == 0  # the barrier goes to common.regimes (faked here)

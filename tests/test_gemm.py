@@ -784,3 +784,47 @@ def test_a_winner_without_a_cublas_time_is_kept(monkeypatch):
     assert T.plan(4096, 4096, 4096, "bfloat16", "nk") == "256x128s4c1t"
     assert T.plan(300, 4096, 4096, "bfloat16", "kn") == T.heuristic(300, 4096, 4096)
     assert T.plan(16, 4096, 4096, "bfloat16", "kn") == T.CUBLAS
+
+
+def test_tuner_times_every_candidate_in_rounds_of_reversed_order(monkeypatch, tmp_path):
+    """The tuner warms each candidate once, then times it in TUNE_ROUNDS rounds, the order
+    reversed every other round (cuBLAS first, then last: the clock's climb through the first
+    round does not count against it), and keeps each candidate's best call."""
+    import cupy
+
+    T = _hopper_table(monkeypatch, {})
+    monkeypatch.setattr(T, "tuner_path", lambda: tmp_path / "gemm_tuner.json")
+    monkeypatch.setenv("CUFLUX_GEMM_TUNE_BUDGET_S", "60")
+    calls, marks = [], []
+
+    class Ev:
+        def record(self, stream):
+            self.at = len(calls)
+            marks.append(self)
+
+        def synchronize(self):
+            pass
+
+    # cuBLAS is slow while the clock climbs (its first round), fast after; ours steady at 1.0
+    def elapsed(a, b):
+        name, rnd = calls[b.at - 1]
+        return (1.2 if rnd == 0 else 0.95) if name == T.CUBLAS else 1.0
+
+    monkeypatch.setattr(cupy.cuda, "Event", Ev)
+    monkeypatch.setattr(cupy.cuda, "get_elapsed_time", elapsed)
+    names = (T.CUBLAS,) + T.TUNER_CANDIDATES
+    rnd = {"n": 0}
+
+    def run(name):
+        calls.append((name, rnd["n"]))
+        if len([c for c in calls if c[0] == name]) == 4 and name == names[-1]:
+            rnd["n"] = 1  # the last of round 0 (warm-up + 3 timed) ends the round
+
+    got = T.tuned_config("key", run, None)
+    assert T.TUNE_ROUNDS == 2
+    seq = [n for i, (n, _) in enumerate(calls) if i == 0 or calls[i - 1][0] != n]
+    assert seq == list(names) + list(names[-2::-1])  # the last of round 0 runs on into round 1
+    assert sum(1 for n, _ in calls if n == T.CUBLAS) == 1 + 3 * T.TUNE_ROUNDS
+    assert got == T.CUBLAS  # its best call (0.95) is the fastest
+    entry = T.load_tuner()["key"]
+    assert entry["config"] == T.CUBLAS and entry["ms"][T.CUBLAS] == 0.95

@@ -73,8 +73,9 @@ def measure_regimes(variants, stream, *, calls: int, world=None, graph: bool = T
 
     `variants`: one callable (its columns named with `prefix`, `what` in notes), or a list of
     (prefix, fn, what); a None fn is left out. Several variants are measured in `rounds`
-    (default REGIME_ROUNDS) interleaved rounds, each variant's regimes once a round in an order
-    rotated round to round, and each figure is the median over the rounds: the GPU's clock
+    (default: REGIME_ROUNDS rounded up to a multiple of the variant count) interleaved rounds,
+    each variant's regimes once a round in an order rotated round to round, and each figure is
+    the median over the rounds: the GPU's clock
     drifts between blocks of timing (a cuBLAS call timed in the block after its rival's read
     up to 17 % slower on the H200), and that drift must not read as one variant against
     another. `after()` runs after each variant's block (an op's synchronize, a pending check).
@@ -93,7 +94,10 @@ def measure_regimes(variants, stream, *, calls: int, world=None, graph: bool = T
         variants = [(prefix, variants, what)]
     variants = [(p, fn, w or p.rstrip("_") or "cuflux") for p, fn, w in variants
                 if fn is not None]
-    rounds = rounds or (REGIME_ROUNDS if len(variants) > 1 else 1)
+    # A multiple of the variant count: each variant as often in each position of the rotated
+    # order (two variants over three rounds put one first twice, and its median in that spot).
+    n = len(variants)
+    rounds = rounds or (-(-REGIME_ROUNDS // n) * n if n > 1 else 1)
     barrier = world.barrier if world is not None and world.size > 1 else None
     runs: dict[str, list[dict]] = {p: [] for p, _, _ in variants}
     for r in range(rounds):
