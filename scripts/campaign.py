@@ -10,8 +10,9 @@
          SIGKILLs itself right after launching a call. The survivors must raise
          CommTimeoutError within timeout + 2 s of the kill, abort the op and exit 0 within a
          bound. Writes campaign-kill-<machine>-W<W>-<date>.json.
-  small  (under mpirun, W = 1 or 2): three small checked calls of each op, and of AllGather and
-         AllGatherGemm built with path="sm" (SM_PATH_OPS), each synchronised: the workload
+  small  (under mpirun, W = 1 or 2): three small checked calls of each op, of AllGather and
+         AllGatherGemm built with path="sm" (SM_PATH_OPS), and of GemmReduceScatter and
+         AllGatherGemm with route="fused" (FUSED_OPS), each synchronised: the workload
          compute-sanitizer runs (memcheck, racecheck, synccheck).
 
   mpirun -np 4 python scripts/campaign.py soak --calls 10000 --outdir scripts/results/campaigns
@@ -39,6 +40,10 @@ os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 OPS = ("allreduce", "norm", "all2all", "allgather", "gemm_rs", "ag_gemm")
 # The same op on its SM-copy path (path="sm": one kernel a call instead of copy engines).
 SM_PATH_OPS = ("allgather_sm", "ag_gemm_sm")
+# The fused GEMM ops forced onto their fused kernels (route="fused"): the small shapes here
+# (M < 256) run unfused under route="auto", so the sanitizer would never see those kernels.
+FUSED_OPS = ("gemm_rs_fused", "ag_gemm_fused")
+VARIANTS = SM_PATH_OPS + FUSED_OPS
 H_NORM = 1024  # hidden size of the AllReduceRMSNorm soak
 KILL_SLACK_S = 2.0  # issue 19: the survivors raise within timeout + 2 s
 
@@ -53,10 +58,11 @@ class Case:
 
         import cuflux
 
-        if kind not in OPS + SM_PATH_OPS:
-            raise ValueError(f"unknown op {kind!r}; known: {', '.join(OPS + SM_PATH_OPS)}")
+        if kind not in OPS + VARIANTS:
+            raise ValueError(f"unknown op {kind!r}; known: {', '.join(OPS + VARIANTS)}")
         path = "sm" if kind in SM_PATH_OPS else "copy"
-        kind = kind.removesuffix("_sm")  # the op's calls and checks are the copy path's
+        route = "fused" if kind in FUSED_OPS else "auto"
+        kind = kind.removesuffix("_sm").removesuffix("_fused")  # the calls and checks: the op's
         self.cp, self.world, self.kind = cupy, world, kind
         W = world.size
         self.W, self.me = W, world.rank
@@ -72,10 +78,10 @@ class Case:
                                        path=path)
         elif kind == "gemm_rs":
             self.op = cuflux.GemmReduceScatter(world, 64 * W, 128, 64, "float16",
-                                               timeout_s=timeout_s)
+                                               timeout_s=timeout_s, route=route)
         elif kind == "ag_gemm":
             self.op = cuflux.AllGatherGemm(world, 16 * W, 128, 64, "float16", timeout_s=timeout_s,
-                                           path=path)
+                                           path=path, route=route)
 
     def _rng(self, i, r):
         return np.random.default_rng([i, r, OPS.index(self.kind)])
@@ -355,7 +361,7 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default="allreduce,all2all,allgather,gemm_rs")
     p.add_argument("--outdir", default="")
     p = sub.add_parser("small")
-    p.add_argument("--ops", default=",".join(OPS + SM_PATH_OPS))
+    p.add_argument("--ops", default=",".join(OPS + VARIANTS))
     args = ap.parse_args(argv)
     return {"soak": soak, "kill": kill, "small": small}[args.cmd](args)
 
