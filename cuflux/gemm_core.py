@@ -21,16 +21,15 @@ import threading
 
 import numpy as np
 
-from cuflux import kernels
+from cuflux import kernels, knobs
 from cuflux.launch import current_device
 from cuflux.arrays import as_cupy, check_array
 
 __all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "SM80_CONFIG",
            "IN_DTYPES", "B_LAYOUTS", "check_b_layout", "OUT_KIND", "CUDA_TYPE", "FAMILY",
-           "sm80_kernel", "check_aligned",
-           "check_bias", "device_props", "tensor_map", "prepare", "max_ctas",
-           "cluster_resident_ctas", "launch_sm90", "launch_sm80", "launch_cublas", "cupy_module",
-           "grouped_tile", "WORKSPACE_BYTES"]
+           "sm80_kernel", "check_aligned", "check_bias", "device_props", "tensor_map", "prepare",
+           "max_ctas", "cluster_resident_ctas", "launch_sm90", "launch_sm80", "launch_cublas",
+           "launch_cublaslt", "cupy_module", "grouped_tile", "WORKSPACE_BYTES"]
 
 _OP = "cuflux.gemm"
 IN_DTYPES = ("bfloat16", "float16")
@@ -401,12 +400,9 @@ class _Cublas:
                 raise RuntimeError(f"{_OP}: cublasCreate failed ({err})")
             h = self.handles[dev] = hv.value
         if self.current.get(dev) != stream_ptr:
-            ws = self.workspaces.get((dev, stream_ptr))
+            ws = self.workspace(dev, stream_ptr, under_capture)
             if ws is None:
-                if under_capture:  # no allocation inside a capture: the caller takes our core
-                    return 0
-                ws = self.workspaces[(dev, stream_ptr)] = _CUPY[0].empty(WORKSPACE_BYTES,
-                                                                         _CUPY[0].uint8)
+                return 0
             for what, err in (("cublasSetStream", self.lib.cublasSetStream_v2(h, stream_ptr)),
                               ("cublasSetWorkspace", self.lib.cublasSetWorkspace_v2(
                                   h, ws.data.ptr, WORKSPACE_BYTES))):
@@ -417,6 +413,16 @@ class _Cublas:
                     raise CudaError(f"{_OP}: {what} failed (cublasStatus {err})")
             self.current[dev] = stream_ptr
         return h
+
+    def workspace(self, dev: int, stream_ptr: int, under_capture: bool):
+        """The cuBLAS workspace of (device, stream), allocated at its first use; None under
+        capture where it has none yet (no allocation inside a capture: the caller takes our
+        core). Shared by the GemmEx and cublasLt routes (one stream runs one call at a time)."""
+        ws = self.workspaces.get((dev, stream_ptr))
+        if ws is None and not under_capture:
+            ws = self.workspaces[(dev, stream_ptr)] = _CUPY[0].empty(WORKSPACE_BYTES,
+                                                                     _CUPY[0].uint8)
+        return ws
 
 
 _CUBLAS: list = []
@@ -429,14 +435,173 @@ def _cublas() -> _Cublas:
     return _CUBLAS[0]
 
 
+class _CublasLt:
+    """cublasLtMatmul through ctypes with a plan per shape (matmul descriptor, the three
+    layouts, the heuristic's algorithm), made at the shape's first call and reused: GemmEx
+    picks its kernel on every call, 14-19 us of host time on the H200's host. The same
+    column-major reading as launch_cublas (its docstring); no stream state, so no lock around
+    the call."""
+
+    _TRANSA = 3  # cublasLtMatmulDescAttributes_t
+    _PREF_MAX_WORKSPACE, _PREF_MIN_ALIGNMENT = 1, (5, 6, 7, 8)  # ...PreferenceAttributes_t: A-D
+    _MAX_PLANS = 4096
+
+    def __init__(self):
+        import ctypes
+
+        cupy_module()  # libcublas (and with it libcublasLt) loaded by CuPy
+        lib = None
+        for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
+            try:
+                lib = ctypes.CDLL(name)
+                break
+            except OSError:
+                continue
+        if lib is None:
+            raise RuntimeError(f"{_OP}: libcublasLt could not be loaded")
+        vp, i32, u64, i64, sz = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64,
+                                 ctypes.c_size_t)
+
+        class Algo(ctypes.Structure):  # cublasLtMatmulAlgo_t
+            _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+        class Heuristic(ctypes.Structure):  # cublasLtMatmulHeuristicResult_t (96 bytes)
+            _fields_ = [("algo", Algo), ("workspaceSize", sz), ("state", i32),
+                        ("wavesCount", ctypes.c_float), ("reserved", i32 * 4)]
+
+        sigs = {"cublasLtCreate": [ctypes.POINTER(vp)],
+                "cublasLtMatmulDescCreate": [ctypes.POINTER(vp), i32, i32],
+                "cublasLtMatmulDescDestroy": [vp],
+                "cublasLtMatmulDescSetAttribute": [vp, i32, vp, sz],
+                "cublasLtMatrixLayoutCreate": [ctypes.POINTER(vp), i32, u64, u64, i64],
+                "cublasLtMatrixLayoutDestroy": [vp],
+                "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
+                "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+                "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
+                                                   ctypes.POINTER(Heuristic),
+                                                   ctypes.POINTER(i32)],
+                "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
+                                   ctypes.POINTER(Algo), vp, sz, vp]}
+        for fname, argtypes in sigs.items():
+            f = getattr(lib, fname)
+            f.argtypes, f.restype = argtypes, i32
+        self.lib, self.ctypes, self.Heuristic = lib, ctypes, Heuristic
+        self.handles: dict[int, int] = {}
+        self.plans: dict[tuple, tuple | None] = {}
+        self.lock = threading.Lock()
+
+    def _check(self, what: str, err: int) -> None:
+        if err:
+            from cuflux.errors import CudaError
+
+            raise CudaError(f"{_OP}: {what} failed (cublasStatus {err})")
+
+    def _new(self, create, *args) -> int:
+        h = self.ctypes.c_void_p()
+        self._check(create, getattr(self.lib, create)(self.ctypes.byref(h), *args))
+        return h.value
+
+    def plan(self, dev: int, dt, odt, M: int, N: int, K: int, b_layout: str, align: int = 256):
+        """(handle, desc, A layout, B layout, C layout, algo) of this shape, or None where
+        cublasLt has no algorithm for it (then GemmEx runs it). align: the bytes every operand's
+        address is a multiple of (256, cublasLt's default, or 16: gemm's own rule), so the
+        heuristic picks an algorithm that can read them."""
+        key = (dev, dt.name, odt.name, b_layout, M, N, K, align)
+        if key in self.plans:
+            return self.plans[key]
+        with self.lock:
+            if key in self.plans:
+                return self.plans[key]
+            ct, lib = self.ctypes, self.lib
+            h = self.handles.get(dev)
+            if h is None:
+                h = self.handles[dev] = self._new("cublasLtCreate")
+            kn = b_layout == "kn"
+            desc = self._new("cublasLtMatmulDescCreate", _COMPUTE_32F, _CUDA_R["float32"])
+            trans = ct.c_int32(_OP_N if kn else _OP_T)
+            self._check("cublasLtMatmulDescSetAttribute", lib.cublasLtMatmulDescSetAttribute(
+                desc, self._TRANSA, ct.byref(trans), ct.sizeof(trans)))
+            # A = b as stored: [N, K] column-major (kn, ld N) or [K, N] (nk, ld K); B = a,
+            # [K, M] ld K; C = D = out, [N, M] ld N (the transposes of the row-major arrays).
+            a_lay = (self._new("cublasLtMatrixLayoutCreate", _CUDA_R[dt.name], N, K, N) if kn
+                     else self._new("cublasLtMatrixLayoutCreate", _CUDA_R[dt.name], K, N, K))
+            b_lay = self._new("cublasLtMatrixLayoutCreate", _CUDA_R[dt.name], K, M, K)
+            c_lay = self._new("cublasLtMatrixLayoutCreate", _CUDA_R[odt.name], N, M, N)
+            pref = self._new("cublasLtMatmulPreferenceCreate")
+            values = [(self._PREF_MAX_WORKSPACE, ct.c_uint64(WORKSPACE_BYTES))]
+            values += [(attr, ct.c_uint32(align)) for attr in self._PREF_MIN_ALIGNMENT]
+            for attr, v in values:
+                self._check("cublasLtMatmulPreferenceSetAttribute",
+                            lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ct.byref(v),
+                                                                     ct.sizeof(v)))
+            result, found = self.Heuristic(), ct.c_int(0)
+            err = lib.cublasLtMatmulAlgoGetHeuristic(h, desc, a_lay, b_lay, c_lay, c_lay, pref,
+                                                     1, ct.byref(result), ct.byref(found))
+            plan = None
+            if err == 0 and found.value > 0 and result.state == 0:
+                plan = (h, desc, a_lay, b_lay, c_lay, result.algo)
+            else:
+                lib.cublasLtMatmulDescDestroy(desc)
+                for lay in (a_lay, b_lay, c_lay):
+                    lib.cublasLtMatrixLayoutDestroy(lay)
+            if len(self.plans) >= self._MAX_PLANS:  # shapes that change every call: bounded
+                self.plans.clear()  # (the old descriptors stay: a call may be using them)
+            self.plans[key] = plan
+            return plan
+
+
+_CUBLASLT: list = []
+
+
+def _cublaslt() -> _CublasLt:
+    if not _CUBLASLT:
+        with _CUBLAS_LOCK:
+            if not _CUBLASLT:
+                _CUBLASLT.append(_CublasLt())
+    return _CUBLASLT[0]
+
+
+def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
+                    under_capture: bool = False) -> bool:
+    """launch_cublas's call by cublasLtMatmul on the shape's cached plan; False (nothing
+    enqueued) where cublasLt has no algorithm for the shape, or under capture on a stream
+    without a cuBLAS workspace yet."""
+    align = 256 if (a.data.ptr | b.data.ptr | out.data.ptr) % 256 == 0 else 16
+    plan = _cublaslt().plan(a.data.device_id, dt, odt, M, N, K, b_layout, align)
+    if plan is None:
+        return False
+    ws = _cublas().workspace(a.data.device_id, stream.ptr, under_capture)
+    if ws is None:
+        return False
+    if bias is not None:
+        with stream:
+            out[...] = bias
+    lt = _CUBLASLT[0]
+    h, desc, a_lay, b_lay, c_lay, algo = plan
+    err = lt.lib.cublasLtMatmul(h, desc, _ONE_PTR, b.data.ptr, a_lay, a.data.ptr, b_lay,
+                                _ZERO_PTR if bias is None else _ONE_PTR, out.data.ptr, c_lay,
+                                out.data.ptr, c_lay, lt.ctypes.byref(algo), ws.data.ptr,
+                                WORKSPACE_BYTES, stream.ptr)
+    if err:
+        from cuflux.errors import CudaError
+
+        raise CudaError(f"{_OP}: cublasLtMatmul failed for {M}x{N}x{K} ({b_layout}): "
+                        f"cublasStatus {err}")
+    return True
+
+
 def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
                   under_capture: bool = False) -> bool:
-    """C = a @ b (+ bias) by cublasGemmEx, fp32 accumulation, any of our output dtypes; False
-    (nothing enqueued) when under capture on a stream that has no cuBLAS workspace yet.
+    """C = a @ b (+ bias) by cublasGemmEx (or cublasLtMatmul: knobs.gemm_cublaslt), fp32
+    accumulation, any of our output dtypes; False (nothing enqueued) when under capture on a
+    stream that has no cuBLAS workspace yet.
 
     Row-major C [M, N] is column-major C^T [N, M] = op(b) op(a): b "kn" is column-major [N, K]
     (no transpose, ld N), "nk" column-major [K, N] (transposed, ld K); a is column-major
     [K, M] (ld K). A bias is broadcast into C first and kept with beta = 1."""
+    if knobs.gemm_cublaslt() and launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout,
+                                                 stream, under_capture):
+        return True
     cb = _cublas()
     # One handle per device, shared by every thread (torch runs backward on a thread of its
     # own): setting its stream and calling it is one critical section.

@@ -21,9 +21,9 @@ import os
 from typing import Any, Callable, Mapping
 
 __all__ = ["Knob", "KNOBS", "CACHE_DIR", "HOST_TIMEOUT_S", "NUMA_SIZE", "NODE_SIZE", "GEMM_TUNE",
-           "GEMM_TUNE_BUDGET_S", "GEMM_BENCH_CONFIGS", "cache_dir", "host_timeout_s",
-           "numa_size", "node_size", "gemm_tune", "gemm_tune_budget_s", "gemm_bench_configs",
-           "describe"]
+           "GEMM_TUNE_BUDGET_S", "GEMM_CUBLASLT", "GEMM_BENCH_CONFIGS", "cache_dir",
+           "host_timeout_s", "numa_size", "node_size", "gemm_tune", "gemm_tune_budget_s",
+           "gemm_cublaslt", "gemm_bench_configs", "describe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,6 +144,12 @@ GEMM_TUNE_BUDGET_S = Knob(
     "CUFLUX_GEMM_TUNE_BUDGET_S", "a finite number of seconds >= 0", 2.0, "2",
     "Wall-clock bound of one tuning run of the GEMM (one shape class, once per machine).",
     "gemm_tuner.tuned_config", _seconds(0.0, inclusive=True))
+GEMM_CUBLASLT = Knob(
+    "CUFLUX_GEMM_CUBLASLT", "one of 1/0, true/false, yes/no, on/off", False, "0",
+    "gemm's cuBLAS route through cublasLtMatmul with a plan cached per shape (less host time a "
+    "call than cublasGemmEx, which picks its kernel on every call); 0: cublasGemmEx. Off until "
+    "measured on a GPU.",
+    "gemm_core.launch_cublas", _switch)
 GEMM_BENCH_CONFIGS = Knob(
     "CUFLUX_GEMM_BENCH_CONFIGS", "comma-separated GEMM configuration names", None,
     "unset: every configuration",
@@ -152,7 +158,7 @@ GEMM_BENCH_CONFIGS = Knob(
     "bench/gemm.py", _names)
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (CACHE_DIR, HOST_TIMEOUT_S, NUMA_SIZE, NODE_SIZE,
-                                              GEMM_TUNE, GEMM_TUNE_BUDGET_S,
+                                              GEMM_TUNE, GEMM_TUNE_BUDGET_S, GEMM_CUBLASLT,
                                               GEMM_BENCH_CONFIGS)}
 
 
@@ -185,6 +191,11 @@ def gemm_tune(environ: Mapping[str, str] | None = None) -> bool:
 def gemm_tune_budget_s(environ: Mapping[str, str] | None = None) -> float:
     """Seconds one tuning run may take."""
     return GEMM_TUNE_BUDGET_S.get(environ)
+
+
+def gemm_cublaslt(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether gemm's cuBLAS route calls cublasLtMatmul (a cached plan) instead of GemmEx."""
+    return GEMM_CUBLASLT.get(environ)
 
 
 def gemm_bench_configs(environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:

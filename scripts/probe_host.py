@@ -10,6 +10,7 @@ each op.
 import cProfile
 import ctypes
 import io
+import os
 import pstats
 import struct
 import time
@@ -185,6 +186,10 @@ def main():
     ops["cupy.matmul 128x8192x8192 nk, stream s"] = lambda: _on(s, lambda: cupy.matmul(a, w.T))
     for label, fn in ops.items():
         row(f"user loop: {label}", user_loop(fn))
+    os.environ["CUFLUX_GEMM_CUBLASLT"] = "1"  # gemm's cuBLAS route through cublasLt's plan
+    for label in [k for k in ops if k.startswith("gemm")]:
+        row(f"user loop: {label} (cublasLt)", user_loop(ops[label]))
+    del os.environ["CUFLUX_GEMM_CUBLASLT"]
     for label, fn in ops.items():
         if "only" in label or "gemm" in label:
             continue

@@ -164,12 +164,47 @@ def test_every_hopper_config_out_dtypes(config, out_dtype):
 @pytest.mark.parametrize("shape", [(1, 8192, 1024), (16, 1000, 264), (255, 2056, 520),
                                    (777, 1536, 2048)], ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
-def test_cublas_path_matches_float64(layout, shape, out_dtype):
+@pytest.mark.parametrize("lt", ["gemmex", "cublaslt"])
+def test_cublas_path_matches_float64(monkeypatch, layout, shape, out_dtype, lt):
     """gemm's cuBLAS route (impl="cublas", and "auto" below CUBLAS_BELOW_M rows untuned):
-    both layouts, bias, fp32 output."""
+    both layouts, bias, fp32 output; through cublasGemmEx and through cublasLtMatmul
+    (CUFLUX_GEMM_CUBLASLT=1, its plan made at the first call and reused at the second)."""
     if not gpu_available():
         pytest.skip("needs a GPU")
+    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1" if lt == "cublaslt" else "0")
     _run("cublas", *shape, layout=layout, out_dtype=out_dtype, bias=True)
+    _run("cublas", *shape, layout=layout, out_dtype=out_dtype, bias=False)
+    if lt == "cublaslt":
+        assert any(k[4:7] == shape for k in gemm_core._cublaslt().plans), "no cublasLt plan"
+
+
+@pytest.mark.gpu
+def test_cublaslt_route_captures_and_replays(monkeypatch):
+    """The cublasLt route in a CUDA graph: one call outside the capture (the plan and the
+    stream's workspace), then captured and replayed with new inputs, exact every replay."""
+    import cupy
+
+    import cuflux.ops.gemm as G
+
+    if not gpu_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1")
+    M, N, K = 16, 520, 264
+    s = cupy.cuda.Stream(non_blocking=True)
+    with s:
+        a, b = _rand((M, K), "bfloat16", 1), _rand((N, K), "bfloat16", 2)
+        bias = _rand((N,), "bfloat16", 3, scale=4.0)
+        out = cupy.full((M, N), np.nan, dtype=np.float32)
+        G.gemm(a, b, bias=bias, out=out, b_layout="nk", impl="cublas", stream=s)
+        s.begin_capture()
+        G.gemm(a, b, bias=bias, out=out, b_layout="nk", impl="cublas", stream=s)
+        graph = s.end_capture()
+        for i in range(20):
+            a[...] = _rand((M, K), "bfloat16", 100 + i)
+            out.fill(np.nan)
+            graph.launch(s)
+            s.synchronize()
+            check_close(out, f64(a) @ f64(b).T + f64(bias), "float32", f"replay {i}")
 
 
 @pytest.mark.gpu
@@ -828,3 +863,177 @@ def test_tuner_times_every_candidate_in_rounds_of_reversed_order(monkeypatch, tm
     assert got == T.CUBLAS  # its best call (0.95) is the fastest
     entry = T.load_tuner()["key"]
     assert entry["config"] == T.CUBLAS and entry["ms"][T.CUBLAS] == 0.95
+
+
+# ==== CPU: the cublasLt route's plan, on a stand-in libcublasLt ==================================
+class _FakeLt:
+    """libcublasLt as the plan sees it: every create hands out a new address and is logged
+    with its arguments; the heuristic finds an algorithm unless told not to."""
+
+    def __init__(self, finds=True):
+        self.log, self.next, self.finds = [], 0x1000, finds
+
+    def _out(self, ref):
+        self.next += 0x10
+        ref._obj.value = self.next
+        return self.next
+
+    def __getattr__(self, name):
+        def call(*args):
+            if name.endswith("Create"):
+                made = self._out(args[0])
+                self.log.append((name, made) + tuple(args[1:]))
+            elif name.endswith("SetAttribute"):
+                self.log.append((name, args[0], args[1], args[2]._obj.value))
+            elif name == "cublasLtMatmulAlgoGetHeuristic":
+                result, found = args[8]._obj, args[9]._obj
+                found.value = 1 if self.finds else 0
+                result.state = 0
+                result.algo.data[0] = 77
+                self.log.append((name,) + args[:8])
+            else:
+                self.log.append((name,) + args)
+            return 0
+        return call
+
+
+def _fake_lt(monkeypatch, finds=True):
+    import ctypes
+    import threading
+
+    lt = gemm_core._CublasLt.__new__(gemm_core._CublasLt)
+
+    class Algo(ctypes.Structure):
+        _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+    class Heuristic(ctypes.Structure):
+        _fields_ = [("algo", Algo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
+                    ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
+
+    lt.lib, lt.ctypes, lt.Heuristic = _FakeLt(finds), ctypes, Heuristic
+    lt.handles, lt.plans, lt.lock = {}, {}, threading.Lock()
+    monkeypatch.setattr(gemm_core, "_CUBLASLT", [lt])
+    return lt
+
+
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_cublaslt_plan_reads_row_major_as_column_major(monkeypatch, layout):
+    """The plan's descriptors: fp32 compute and scale; A = b as stored ([N, K] ld N for kn,
+    [K, N] ld K transposed for nk), B = a ([K, M] ld K), C = D = out ([N, M] ld N, out's
+    dtype); the heuristic asked for one algorithm with the workspace's size. Made once per
+    shape: the second call reuses it."""
+    from cuflux.arrays import dtype_info
+
+    lt = _fake_lt(monkeypatch)
+    bf, f32 = dtype_info("bfloat16"), dtype_info("float32")
+    M, N, K = 16, 520, 264
+    plan = lt.plan(0, bf, f32, M, N, K, layout)
+    made = {e[1]: e for e in lt.lib.log if e[0].endswith("Create")}
+    log = lt.lib.log
+    (desc,) = [e for e in log if e[0] == "cublasLtMatmulDescCreate"]
+    assert desc[2:] == (68, 0)  # CUBLAS_COMPUTE_32F, CUDA_R_32F
+    (trans,) = [e for e in log if e[0] == "cublasLtMatmulDescSetAttribute"]
+    assert trans[2:] == (3, 0 if layout == "kn" else 1)  # TRANSA: N or T
+    prefs = [e[2:] for e in log if e[0] == "cublasLtMatmulPreferenceSetAttribute"]
+    assert prefs == [(1, gemm_core.WORKSPACE_BYTES), (5, 256), (6, 256), (7, 256), (8, 256)]
+    h, d, a_lay, b_lay, c_lay, algo = plan
+    assert made[a_lay][2:] == ((14, N, K, N) if layout == "kn" else (14, K, N, K))
+    assert made[b_lay][2:] == (14, K, M, K)
+    assert made[c_lay][2:] == (0, N, M, N)
+    (heur,) = [e for e in log if e[0] == "cublasLtMatmulAlgoGetHeuristic"]
+    assert heur[1:7] == (h, d, a_lay, b_lay, c_lay, c_lay) and heur[8] == 1
+    assert algo.data[0] == 77
+    n = len(log)
+    assert lt.plan(0, bf, f32, M, N, K, layout) is plan and len(log) == n
+    lt.plan(0, bf, f32, M + 1, N, K, layout)  # another shape: a plan of its own
+    lt.plan(0, bf, f32, M, N, K, layout, 16)  # operands 16-byte aligned only: another
+    assert lt.plan(0, bf, f32, M, N, K, layout, 16) is not plan
+    assert [e[2:] for e in lt.lib.log if e[0] == "cublasLtMatmulPreferenceSetAttribute"][-1] == (8, 16)
+    assert len(lt.plans) == 3 and len(lt.handles) == 1
+
+
+def test_cublaslt_without_an_algorithm_falls_back_to_gemmex(monkeypatch):
+    """No algorithm for the shape: the plan is None (its descriptors destroyed, remembered so
+    the heuristic is not asked again), launch_cublaslt enqueues nothing and says False, and
+    launch_cublas goes on through cublasGemmEx."""
+    from types import SimpleNamespace
+
+    from cuflux.arrays import dtype_info
+
+    lt = _fake_lt(monkeypatch, finds=False)
+    bf = dtype_info("bfloat16")
+    assert lt.plan(0, bf, bf, 8, 64, 64, "nk") is None
+    names = [e[0] for e in lt.lib.log]
+    assert names.count("cublasLtMatrixLayoutDestroy") == 3
+    assert names.count("cublasLtMatmulDescDestroy") == 1
+    arr = SimpleNamespace(data=SimpleNamespace(device_id=0, ptr=0x100))  # 256-byte aligned
+    stream = SimpleNamespace(ptr=0x20)
+    assert not gemm_core.launch_cublaslt(arr, arr, None, arr, bf, bf, 8, 64, 64, "nk", stream)
+    assert names == [e[0] for e in lt.lib.log]  # asked nothing more, enqueued nothing
+
+    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1")
+    gemmex = []
+
+    class Cb:
+        lib = SimpleNamespace(cublasGemmEx=lambda *a: gemmex.append(a) or 0)
+
+        def handle(self, dev, stream_ptr, under_capture):
+            return 0x99
+
+    monkeypatch.setattr(gemm_core, "_CUBLAS", [Cb()])
+    assert gemm_core.launch_cublas(arr, arr, None, arr, bf, bf, 8, 64, 64, "nk", stream)
+    assert len(gemmex) == 1 and gemmex[0][0] == 0x99
+
+
+def test_cublaslt_call_takes_b_then_a_and_writes_out(monkeypatch):
+    """cublasLtMatmul's operands: A = b, B = a, C = D = out, beta 0 without a bias (1 with
+    one, the bias broadcast into out first), the stream's workspace, the call's stream."""
+    from types import SimpleNamespace
+
+    from cuflux.arrays import dtype_info
+
+    lt = _fake_lt(monkeypatch)
+    bf = dtype_info("bfloat16")
+    ws = SimpleNamespace(data=SimpleNamespace(ptr=0x5000))
+    monkeypatch.setattr(gemm_core, "_CUBLAS", [SimpleNamespace(workspace=lambda d, s, c: ws)])
+    a = SimpleNamespace(data=SimpleNamespace(device_id=0, ptr=0xA0))
+    b = SimpleNamespace(data=SimpleNamespace(device_id=0, ptr=0xB0))
+    out = SimpleNamespace(data=SimpleNamespace(device_id=0, ptr=0xC0))
+    stream = SimpleNamespace(ptr=0x20)
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, 8, 64, 64, "kn", stream)
+    (call,) = [e for e in lt.lib.log if e[0] == "cublasLtMatmul"]
+    h, d, a_lay, b_lay, c_lay, _ = lt.plans[(0, "bfloat16", "bfloat16", "kn", 8, 64, 64, 16)]
+    assert call[1:3] == (h, d) and call[4:8] == (0xB0, a_lay, 0xA0, b_lay)
+    assert call[8] == gemm_core._ZERO_PTR and call[9:13] == (0xC0, c_lay, 0xC0, c_lay)
+    assert call[14:] == (0x5000, gemm_core.WORKSPACE_BYTES, 0x20)
+    monkeypatch.setattr(gemm_core, "_CUBLAS", [SimpleNamespace(workspace=lambda d, s, c: None)])
+    n = len(lt.lib.log)
+    assert not gemm_core.launch_cublaslt(a, b, None, out, bf, bf, 8, 64, 64, "kn", stream, True)
+    assert len(lt.lib.log) == n  # under capture without a workspace: nothing enqueued
+
+
+def test_real_libcublaslt_takes_the_plans_descriptors():
+    """The ctypes signatures against the real libcublasLt (its host-only calls need no GPU):
+    every descriptor and preference the plan sets is accepted (a wrong attribute size or
+    enum would be CUBLAS_STATUS_INVALID_VALUE), and the heuristic result is the header's 96
+    bytes."""
+    import ctypes
+
+    try:
+        lt = gemm_core._CublasLt()
+    except Exception as e:  # noqa: BLE001 (the reason is the skip's)
+        pytest.skip(f"libcublasLt not loadable here: {type(e).__name__}: {e}")
+    ct = ctypes
+    assert ct.sizeof(lt.Heuristic) == 96
+    desc = lt._new("cublasLtMatmulDescCreate", gemm_core._COMPUTE_32F, 0)
+    trans = ct.c_int32(gemm_core._OP_T)
+    assert lt.lib.cublasLtMatmulDescSetAttribute(desc, lt._TRANSA, ct.byref(trans), 4) == 0
+    lay = lt._new("cublasLtMatrixLayoutCreate", 14, 520, 264, 520)
+    pref = lt._new("cublasLtMatmulPreferenceCreate")
+    values = [(lt._PREF_MAX_WORKSPACE, ct.c_uint64(gemm_core.WORKSPACE_BYTES))]
+    values += [(attr, ct.c_uint32(16)) for attr in lt._PREF_MIN_ALIGNMENT]
+    for attr, v in values:
+        assert lt.lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ct.byref(v),
+                                                           ct.sizeof(v)) == 0, attr
+    assert lt.lib.cublasLtMatrixLayoutDestroy(lay) == 0
+    assert lt.lib.cublasLtMatmulDescDestroy(desc) == 0
