@@ -420,8 +420,10 @@ class _Cublas:
         core). Shared by the GemmEx and cublasLt routes (one stream runs one call at a time)."""
         ws = self.workspaces.get((dev, stream_ptr))
         if ws is None and not under_capture:
-            ws = self.workspaces[(dev, stream_ptr)] = _CUPY[0].empty(WORKSPACE_BYTES,
-                                                                     _CUPY[0].uint8)
+            # setdefault: two threads at a stream's first call both use the one array kept
+            # (the GemmEx route holds _CUBLAS_LOCK here, the cublasLt route does not)
+            ws = self.workspaces.setdefault((dev, stream_ptr), _CUPY[0].empty(WORKSPACE_BYTES,
+                                                                              _CUPY[0].uint8))
         return ws
 
 
@@ -477,6 +479,7 @@ class _CublasLt:
                 "cublasLtMatrixLayoutDestroy": [vp],
                 "cublasLtMatmulPreferenceCreate": [ctypes.POINTER(vp)],
                 "cublasLtMatmulPreferenceSetAttribute": [vp, i32, vp, sz],
+                "cublasLtMatmulPreferenceDestroy": [vp],
                 "cublasLtMatmulAlgoGetHeuristic": [vp, vp, vp, vp, vp, vp, vp, i32,
                                                    ctypes.POINTER(Heuristic),
                                                    ctypes.POINTER(i32)],
@@ -507,8 +510,9 @@ class _CublasLt:
         address is a multiple of (256, cublasLt's default, or 16: gemm's own rule), so the
         heuristic picks an algorithm that can read them."""
         key = (dev, dt.name, odt.name, b_layout, M, N, K, align)
-        if key in self.plans:
-            return self.plans[key]
+        plan = self.plans.get(key, _NO_PLAN)  # one read: another thread may clear the dict
+        if plan is not _NO_PLAN:
+            return plan
         with self.lock:
             if key in self.plans:
                 return self.plans[key]
@@ -537,6 +541,7 @@ class _CublasLt:
             result, found = self.Heuristic(), ct.c_int(0)
             err = lib.cublasLtMatmulAlgoGetHeuristic(h, desc, a_lay, b_lay, c_lay, c_lay, pref,
                                                      1, ct.byref(result), ct.byref(found))
+            lib.cublasLtMatmulPreferenceDestroy(pref)
             plan = None
             if err == 0 and found.value > 0 and result.state == 0:
                 plan = (h, desc, a_lay, b_lay, c_lay, result.algo)
@@ -551,6 +556,7 @@ class _CublasLt:
 
 
 _CUBLASLT: list = []
+_NO_PLAN = object()  # _CublasLt.plans: not asked yet (None: asked, no algorithm)
 
 
 def _cublaslt() -> _CublasLt:

@@ -198,10 +198,10 @@ def choice(dt, b_layout, M, N, K, run, s, under_capture) -> str:
         return hit[1]
     config = None
     if tuning:
-        key = tune_key(dt, b_layout, M, N, K)
-        config = tuned_config(key, run, s, tune=not under_capture)
+        table_key = tune_key(dt, b_layout, M, N, K)
+        config = tuned_config(table_key, run, s, tune=not under_capture)
         if config is not None:
-            config = preferred(key, config)
+            config = preferred(table_key, config)
     decided = config is not None or not tuning
     config = config or heuristic(M, N, K)
     if decided and len(_CHOICES) < 4096:

@@ -175,7 +175,9 @@ def test_cublas_path_matches_float64(monkeypatch, layout, shape, out_dtype, lt):
     _run("cublas", *shape, layout=layout, out_dtype=out_dtype, bias=True)
     _run("cublas", *shape, layout=layout, out_dtype=out_dtype, bias=False)
     if lt == "cublaslt":
-        assert any(k[4:7] == shape for k in gemm_core._cublaslt().plans), "no cublasLt plan"
+        plans = gemm_core._cublaslt().plans
+        assert any(k[4:7] == shape and p is not None for k, p in plans.items()), \
+            "cublasLt ran no plan of this shape (GemmEx did)"
 
 
 @pytest.mark.gpu
@@ -196,6 +198,8 @@ def test_cublaslt_route_captures_and_replays(monkeypatch):
         bias = _rand((N,), "bfloat16", 3, scale=4.0)
         out = cupy.full((M, N), np.nan, dtype=np.float32)
         G.gemm(a, b, bias=bias, out=out, b_layout="nk", impl="cublas", stream=s)
+        plans = gemm_core._cublaslt().plans
+        assert any(k[4:7] == (M, N, K) and p is not None for k, p in plans.items())
         s.begin_capture()
         G.gemm(a, b, bias=bias, out=out, b_layout="nk", impl="cublas", stream=s)
         graph = s.end_capture()
@@ -804,6 +808,8 @@ def test_gemm_takes_our_core_only_past_the_margin(monkeypatch, core_ms, want):
     ran = []
     got = T.choice(dt, "kn", 4096, 12288, 6144, lambda name: ran.append(name), None, False)
     assert got == expect and ran == []  # the table answered: nothing timed
+    monkeypatch.setattr(T, "tuned_config", lambda *a, **k: pytest.fail("asked the table again"))
+    assert T.choice(dt, "kn", 4096, 12288, 6144, None, None, False) == expect  # remembered
 
 
 def test_a_winner_without_a_cublas_time_is_kept(monkeypatch):
@@ -943,6 +949,7 @@ def test_cublaslt_plan_reads_row_major_as_column_major(monkeypatch, layout):
     (heur,) = [e for e in log if e[0] == "cublasLtMatmulAlgoGetHeuristic"]
     assert heur[1:7] == (h, d, a_lay, b_lay, c_lay, c_lay) and heur[8] == 1
     assert algo.data[0] == 77
+    assert [e[0] for e in log].count("cublasLtMatmulPreferenceDestroy") == 1  # not kept
     n = len(log)
     assert lt.plan(0, bf, f32, M, N, K, layout) is plan and len(log) == n
     lt.plan(0, bf, f32, M + 1, N, K, layout)  # another shape: a plan of its own
@@ -966,6 +973,7 @@ def test_cublaslt_without_an_algorithm_falls_back_to_gemmex(monkeypatch):
     names = [e[0] for e in lt.lib.log]
     assert names.count("cublasLtMatrixLayoutDestroy") == 3
     assert names.count("cublasLtMatmulDescDestroy") == 1
+    assert names.count("cublasLtMatmulPreferenceDestroy") == 1
     arr = SimpleNamespace(data=SimpleNamespace(device_id=0, ptr=0x100))  # 256-byte aligned
     stream = SimpleNamespace(ptr=0x20)
     assert not gemm_core.launch_cublaslt(arr, arr, None, arr, bf, bf, 8, 64, 64, "nk", stream)
@@ -1035,5 +1043,6 @@ def test_real_libcublaslt_takes_the_plans_descriptors():
     for attr, v in values:
         assert lt.lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ct.byref(v),
                                                            ct.sizeof(v)) == 0, attr
+    assert lt.lib.cublasLtMatmulPreferenceDestroy(pref) == 0
     assert lt.lib.cublasLtMatrixLayoutDestroy(lay) == 0
     assert lt.lib.cublasLtMatmulDescDestroy(desc) == 0

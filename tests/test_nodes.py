@@ -797,3 +797,18 @@ def test_gather_parts_hand_this_nodes_blocks_first_then_the_rest_once(monkeypatc
     if not direct:  # this node's own gather before its part; every rank's after the rail
         assert steps.index(("node", "s")) < first
         assert joined < steps.index(("node+order", "s")) < min(later, default=len(steps))
+
+
+@pytest.mark.parametrize("group_m", [0, -1, 8.0, "8", None])
+def test_allgather_gemm_across_nodes_refuses_a_bad_group_m_before_any_collective(group_m):
+    """group_m reaches only cuflux.gemm, which would refuse it after the gather was queued:
+    the cross-node op refuses it first, before it asks any rank anything."""
+    from cuflux.ops.across import AllGatherGemmAcrossNodes
+
+    asked = []
+    world = SimpleNamespace(rank=0, size=2, device=0,
+                            check_same=lambda *a, **k: asked.append(a))
+    with pytest.raises(ValueError, match=r"^AllGatherGemm: group_m must be an int >= 1"):
+        AllGatherGemmAcrossNodes(world, max_rows_per_rank=8, n=64, k=64, dtype="bfloat16",
+                                 group_m=group_m)
+    assert not asked
