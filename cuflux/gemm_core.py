@@ -357,6 +357,22 @@ def cupy_module():
 WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace per stream (split-K and the like need one)
 
 
+def _loaded_lib(stem: str):
+    """ctypes handle of a cuBLAS library by its soname: the copy CuPy's cublas module loaded
+    into this process (the CUDA extra's wheel or the system's; libcublasLt comes with
+    libcublas)."""
+    import ctypes
+
+    cupy_module()
+    for name in (f"{stem}.so.13", f"{stem}.so.12", f"{stem}.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise RuntimeError(f"{_OP}: {stem} could not be loaded (install the cuda12 or cuda13 "
+                       f"extra)")
+
+
 class _Cublas:
     """cublasGemmEx through ctypes, on a handle of cuflux's own per device with a workspace per
     stream. Why not CuPy's wrapper: it refuses every call while a stream is captured (cuBLAS
@@ -366,17 +382,7 @@ class _Cublas:
     def __init__(self):
         import ctypes
 
-        cupy_module()  # CuPy's cublas module loads libcublas (the CUDA extra's wheel or the system)
-        lib = None
-        for name in ("libcublas.so.13", "libcublas.so.12", "libcublas.so"):
-            try:
-                lib = ctypes.CDLL(name)  # the copy already loaded in this process, by its soname
-                break
-            except OSError:
-                continue
-        if lib is None:
-            raise RuntimeError(f"{_OP}: libcublas could not be loaded (install the cuda12 or "
-                               f"cuda13 extra)")
+        lib = _loaded_lib("libcublas")
         vp, i32 = ctypes.c_void_p, ctypes.c_int
         lib.cublasCreate_v2.argtypes = [ctypes.POINTER(vp)]
         lib.cublasSetStream_v2.argtypes = [vp, vp]
@@ -451,16 +457,7 @@ class _CublasLt:
     def __init__(self):
         import ctypes
 
-        cupy_module()  # libcublas (and with it libcublasLt) loaded by CuPy
-        lib = None
-        for name in ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so"):
-            try:
-                lib = ctypes.CDLL(name)
-                break
-            except OSError:
-                continue
-        if lib is None:
-            raise RuntimeError(f"{_OP}: libcublasLt could not be loaded")
+        lib = _loaded_lib("libcublasLt")
         vp, i32, u64, i64, sz = (ctypes.c_void_p, ctypes.c_int, ctypes.c_uint64, ctypes.c_int64,
                                  ctypes.c_size_t)
 
@@ -573,7 +570,8 @@ def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
     enqueued) where cublasLt has no algorithm for the shape, or under capture on a stream
     without a cuBLAS workspace yet."""
     align = 256 if (a.data.ptr | b.data.ptr | out.data.ptr) % 256 == 0 else 16
-    plan = _cublaslt().plan(a.data.device_id, dt, odt, M, N, K, b_layout, align)
+    lt = _cublaslt()
+    plan = lt.plan(a.data.device_id, dt, odt, M, N, K, b_layout, align)
     if plan is None:
         return False
     ws = _cublas().workspace(a.data.device_id, stream.ptr, under_capture)
@@ -582,7 +580,6 @@ def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
     if bias is not None:
         with stream:
             out[...] = bias
-    lt = _CUBLASLT[0]
     h, desc, a_lay, b_lay, c_lay, algo = plan
     err = lt.lib.cublasLtMatmul(h, desc, _ONE_PTR, b.data.ptr, a_lay, a.data.ptr, b_lay,
                                 _ZERO_PTR if bias is None else _ONE_PTR, out.data.ptr, c_lay,

@@ -131,6 +131,17 @@ class _AcrossNodes(Closeable):
         self._last_stream = s
         return s
 
+    def _out(self, out, shape: tuple, dtype, s):
+        """A call's output: the caller's, checked ([shape], dtype, the World's device), or new
+        from the pool arena of the stream that writes it."""
+        import cupy
+
+        if out is None:
+            with s:
+                return cupy.empty(shape, dtype.storage)
+        return check_array(as_cupy(out, "out", self.op), name="out", op=self.op, shape=shape,
+                           dtype=dtype, device=self.world.device)
+
     def _agree(self, key, what: str) -> None:
         if key not in self._agreed:
             self.comm.check_same(key, f"{self.op}: {what}", self.timeout_s)
@@ -199,8 +210,6 @@ class AllReduceAcrossNodes(_AcrossNodes):
     def __call__(self, x, out=None, stream=None, algo: str | None = None):
         """x: any shape, C-contiguous, x.size <= max_elems, the same on every rank -> out
         (same shape) = the sum over every rank of the World."""
-        import cupy
-
         self._check_open()
         x_in, out_in = x, out
         x = check_array(as_cupy(x, "x", self.op), name="x", op=self.op, dtype=self.dtype,
@@ -213,12 +222,7 @@ class AllReduceAcrossNodes(_AcrossNodes):
         if algo is not None and algo not in ALGOS:  # (nodes of one rank never reach the op's)
             raise ValueError(f"{self.op}: algo must be one of {ALGOS}, got {algo!r}")
         s = self._stream(stream, x_in)
-        if out is None:
-            with s:  # from the pool arena of the stream that writes it
-                out = cupy.empty(x.shape, self.dtype.storage)
-        else:
-            out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
-                              shape=x.shape, dtype=self.dtype, device=self.world.device)
+        out = self._out(out, x.shape, self.dtype, s)
         n = x.size
         self._agree((n, algo), "x.size and algo of the call")
         if n and self.node.size == 1:  # nodes of one rank: the rail's all-reduce is the op
@@ -298,8 +302,6 @@ class AllGatherAcrossNodes(_AcrossNodes):
         """(x, out, stream) of a call, checked (out allocated on the stream where None), then
         check_more(x, out) (the caller's own checks, before anything is queued), then the
         call's rows agreed across the World."""
-        import cupy
-
         self._check_open()
         x_in = x
         x = check_array(as_cupy(x, "x", self.op), name="x", op=self.op, ndim=2,
@@ -309,13 +311,7 @@ class AllGatherAcrossNodes(_AcrossNodes):
             raise ValueError(f"{self.op}: x must be [rows <= max_rows={self.max_rows}, "
                              f"cols={self.cols}], got shape {tuple(x.shape)}")
         s = self._stream(stream, x_in)
-        if out is None:
-            with s:
-                out = cupy.empty((W * rows, self.cols), self.dtype.storage)
-        else:
-            out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
-                              shape=(W * rows, self.cols), dtype=self.dtype,
-                              device=self.world.device)
+        out = self._out(out, (W * rows, self.cols), self.dtype, s)
         if check_more is not None:
             check_more(x, out)
         self._agree(rows, "rows of the call")
@@ -828,8 +824,6 @@ class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
     @on_op_device
     def __call__(self, a_shard, b, bias=None, return_gathered: bool = False, stream=None,
                  out=None):
-        import cupy
-
         from cuflux.ops import gemm as gemm_op
 
         self._check_open()
@@ -840,33 +834,23 @@ class AllGatherGemmAcrossNodes(_GemmAcrossNodes):
             got = as_cupy(self._gemm(gathered, b, bias, out, s), "out", self.op)
             return to_caller((got, gathered) if return_gathered else got, a_shard,
                              (out, None) if return_gathered else out)  # torch in, torch out
-        made = []
-
         def check_gemm(x, gathered):
             """b, bias and out against the call, refused before the gather queues anything
             (gemm's own checks, on the first rows of out)."""
             nonlocal out
             rows = x.shape[0]
-            if out is None:
-                with s:
-                    out = cupy.empty((W * rows, self.n), self.out_dtype.storage)
-            else:
-                out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
-                                  shape=(W * rows, self.n), dtype=self.out_dtype,
-                                  device=self.world.device)
-            _, bb, _, _, _, _, _, n, _ = gemm_op._check_args(
-                x, b, bias, out[:rows], self.out_dtype.name, self.b_layout, self.impl)
+            out = self._out(out, (W * rows, self.n), self.out_dtype, s)
+            n = gemm_op._check_args(x, b, bias, out[:rows], self.out_dtype.name, self.b_layout,
+                                    self.impl)[7]
             if n != self.n:
                 raise ValueError(f"{self.op}: b must have n={self.n} output columns, got {n}")
-            made.append(out)
 
         def part(lo, hi, a_rows):
             rows = a_rows.shape[0] // (hi - lo)
             self._gemm(a_rows, b, bias, out[lo * rows:hi * rows], s)
 
         gathered = self.inner.gather_parts(a_shard, None, s, part, check_gemm)
-        got = made[0]
-        return to_caller((got, gathered) if return_gathered else got, a_shard,
+        return to_caller((out, gathered) if return_gathered else out, a_shard,
                          (out_in, None) if return_gathered else out_in)  # torch in, torch out
 
 
@@ -937,13 +921,7 @@ class GemmReduceScatterAcrossNodes(_GemmAcrossNodes):
                 raise ValueError(f"{self.op}: bias must start at a 16-byte aligned address "
                                  f"(got {bias.data.ptr:#x})")
         s = self._stream(stream, a_in)
-        if out is None:
-            with s:
-                out = cupy.empty((M // W, self.n), self.out_dtype.storage)
-        else:
-            out = check_array(as_cupy(out, "out", self.op), name="out", op=self.op,
-                              shape=(M // W, self.n), dtype=self.out_dtype,
-                              device=self.world.device)
+        out = self._out(out, (M // W, self.n), self.out_dtype, s)
         self._agree((M, bias is None), "M and bias of the call")
         if M:
             per = M // W
