@@ -145,10 +145,9 @@ GEMM_TUNE_BUDGET_S = Knob(
     "Wall-clock bound of one tuning run of the GEMM (one shape class, once per machine).",
     "gemm_tuner.tuned_config", _seconds(0.0, inclusive=True))
 GEMM_CUBLASLT = Knob(
-    "CUFLUX_GEMM_CUBLASLT", "one of 1/0, true/false, yes/no, on/off", False, "0",
+    "CUFLUX_GEMM_CUBLASLT", "one of 1/0, true/false, yes/no, on/off", True, "1",
     "gemm's cuBLAS route through cublasLtMatmul with a plan cached per shape (less host time a "
-    "call than cublasGemmEx, which picks its kernel on every call); 0: cublasGemmEx. Off until "
-    "measured on a GPU.",
+    "call than cublasGemmEx, which picks its kernel on every call); 0: cublasGemmEx.",
     "gemm_core.launch_cublas", _switch)
 GEMM_BENCH_CONFIGS = Knob(
     "CUFLUX_GEMM_BENCH_CONFIGS", "comma-separated GEMM configuration names", None,
