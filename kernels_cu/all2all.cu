@@ -11,9 +11,12 @@
 // or per token and head) are rows too (1 or hpr floats) and move the same way.
 //
 // Push model, up to three kernels per call on the caller's stream:
-//   a2a_push<V, gather>: block i serves target t = i % W (round-robin: a grid that W does not
-//     divide still uses every block); the blocks of one target cover its rows in a strided
-//     loop, V-byte vectors (16, 8, 4, 2 or 1: the widest that row_bytes and the pointers allow),
+//   a2a_push<V, gather>: the first L blocks copy this rank's own rows (a local copy at HBM
+//     speed), the other R * (W - 1) serve the peers, R each, block L + i going to peer
+//     (me + 1 + i % (W - 1)) % W (rank-offset order: the senders do not all hit one peer at
+//     once). L is small (cuflux/ops/all2all.py deal_blocks): the link, not HBM, bounds the call,
+//     so most blocks push. The blocks of one target cover its rows in a strided loop, V-byte
+//     vectors (16, 8, 4, 2 or 1: the widest that row_bytes and the pointers allow),
 //     kUnroll rows in flight per thread, any row width (a row wider than the block is looped).
 //     Rows for t == me go straight to the caller's output (one pass over the data at W = 1);
 //     rows for a peer go into the peer's receive slot through its IPC pointer, already in the
@@ -31,9 +34,9 @@
 // Symmetric layout (built by cuflux/ops/all2all.py:build_layout, regions 128-byte aligned):
 //   data0, data1    u8  [slot_bytes]          receive slots, batch*max_tokens*H*D*itemsize bytes
 //   scale0, scale1  f32 [batch*max_tokens*H]  receive slots of the scales
-//   flags           u32 [2][W][G][kFlagWords] flags[e % 2][p][j], 128 bytes each: words 0-1 = the
+//   flags           u32 [2][W][R][kFlagWords] flags[e % 2][p][j], 128 bytes each: words 0-1 = the
 //                   u64 epoch of the call whose rows block j of sender p has written here, word
-//                   2 = that call's hash; G = ceil(grid / W). 64-bit: the epoch lives on the
+//                   2 = that call's hash; R = blocks each sender deals to each peer. 64-bit: the epoch lives on the
 //                   device (nothing could re-arm under a replayed graph), and a slot of a block
 //                   a small grid does not reach must never compare as reached, however long.
 // Sync points. Double buffering instead of a start barrier: call e uses slot and flags e % 2.
@@ -140,18 +143,23 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
     u8* local_dst_scale, const u64* __restrict__ bases, u64 data_off0, u64 data_off1,
     u64 scale_off0, u64 scale_off1, u64 flags_off0, u64 flags_off1, const u64* state,
     const int* __restrict__ prefix, u32 me, u32 world, u32 batch, u64 row_bytes, u32 scale_cols,
-    u32 scale_per_head, u32 call_hash, const u32* err_claim) {
+    u32 scale_per_head, u32 call_hash, u32 local_blocks, u32 remote_blocks,
+    const u32* err_claim) {
   // A wait of this op gave up in an earlier call (sync.cuh op_gave_up): a peer may still read
   // the slot this call would write (its call of two before). Nothing is written; the host raises.
   // Both loads are issued before either is used: the check adds no round trip.
   const bool gave_up = world > 1 && op_gave_up(err_claim);
   const u64 epoch = call_epoch(state);
   if (gave_up) return;
-  const u32 t = blockIdx.x % world, worker = blockIdx.x / world;
+  // The deal (the header): blocks [0, L) on our own rows, then R blocks per peer.
+  const bool local = blockIdx.x < local_blocks;
+  const u32 i = blockIdx.x - local_blocks;
+  const u32 t = local ? me : (me + 1 + i % (world - 1)) % world;
+  const u32 worker = local ? blockIdx.x : i / (world - 1);
+  const u32 num_workers = local ? local_blocks : remote_blocks;
   const bool odd = epoch & 1u;
   const u64 data_off = odd ? data_off1 : data_off0, scale_off = odd ? scale_off1 : scale_off0;
   const u64 flags_off = odd ? flags_off1 : flags_off0;
-  const u32 num_workers = (gridDim.x - t + world - 1) / world;  // blocks dealt to target t
   const u64 S = static_cast<u32>(prefix[world]);
   RowMap map;
   if (kGather) {  // y_me rows (b, P_t + tok) -> x_t rows (b, tok), head group me
@@ -179,21 +187,21 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
   // then makes them visible to the target before it can observe the flag.
   __syncthreads();
   if (threadIdx.x == 0) {
-    const u32 G = (gridDim.x + world - 1) / world;
     u32* flag = reinterpret_cast<u32*>(bases[t] + flags_off) +
-                (static_cast<u64>(me) * G + worker) * kFlagWords;
+                (static_cast<u64>(me) * remote_blocks + worker) * kFlagWords;
     fence_acq_rel_sys();
     st_relaxed_sys(flag + kHashWord, call_hash);
     st_release_sys(reinterpret_cast<u64*>(flag), epoch);
   }
 }
 
-// One block. flags0 / flags1: our flags of parity 0 / 1, [W][G][kFlagWords]; this call's are
-// parity e % 2, e = state[0] + 1. Waits for every block each peer dealt to us; on timeout or a
+// One block. flags0 / flags1: our flags of parity 0 / 1, [W][R][kFlagWords]; this call's are
+// parity e % 2, e = state[0] + 1. Waits for the R blocks each peer dealt to us; on timeout or a
 // hash mismatch records who and stops waiting (the host raises). Last, it completes the call's
 // epoch (state[0] = e): a2a_copy_out, after it on the stream, reads the parity from there.
 extern "C" __global__ void a2a_wait(const u32* flags0, const u32* flags1, u64* state, u32 me,
-                                    u32 world, u32 grid, u32 call_hash, u32* err, u32* err_claim,
+                                    u32 world, u32 remote_blocks, u32 call_hash, u32* err,
+                                    u32* err_claim,
                                     u64 timeout_ns, u32 op) {
   __shared__ u64 s_epoch;
   __shared__ volatile int s_failed;
@@ -205,12 +213,11 @@ extern "C" __global__ void a2a_wait(const u32* flags0, const u32* flags1, u64* s
   const u64 epoch = s_epoch;
   const u32* flags = (epoch & 1u) ? flags1 : flags0;
   const WaitSite site{err, err_claim, timeout_ns, op, me};
-  const u32 G = (grid + world - 1) / world;
-  const u32 g_me = (grid - me + world - 1) / world;  // blocks each sender dealt to us
-  for (u32 i = threadIdx.x; i < world * g_me && !s_failed; i += blockDim.x) {
-    const u32 p = i / g_me, j = i % g_me;
+  const u32 R = remote_blocks;
+  for (u32 i = threadIdx.x; i < world * R && !s_failed; i += blockDim.x) {
+    const u32 p = i / R, j = i % R;
     if (p == me) continue;
-    const u32* flag = flags + (static_cast<u64>(p) * G + j) * kFlagWords;
+    const u32* flag = flags + (static_cast<u64>(p) * R + j) * kFlagWords;
     if (!wait_flag_acquire(reinterpret_cast<const u64*>(flag), epoch, site, p, i)) {
       s_failed = 1;
       break;

@@ -549,6 +549,32 @@ def test_vector_width_follows_rows_and_pointers():
     assert vec_bytes(4 * 3 * 64, 8, 512) == 8
 
 
+@pytest.mark.parametrize("W", [1, 2, 3, 4, 7, 8])
+@pytest.mark.parametrize("num_blocks", [8, 9, 66, 264, 265])
+def test_the_deal_keeps_most_blocks_on_the_peers(W, num_blocks):
+    from cuflux.ops.all2all import LOCAL_SHARE, deal_blocks
+
+    num_blocks = max(num_blocks, W)  # the op's floor: every target gets a block
+    grid, local, remote = deal_blocks(num_blocks, W)
+    assert local >= 1 and grid == local + remote * (W - 1) <= num_blocks
+    if W == 1:
+        assert remote == 0 and grid == num_blocks
+        return
+    assert remote >= 1 and grid > num_blocks - (W - 1)  # at most W - 2 blocks left idle
+    assert local <= max(1, num_blocks // (LOCAL_SHARE * W))
+    if num_blocks >= 2 * LOCAL_SHARE * W:
+        assert remote >= 2 * local  # a peer gets more blocks than our own rows do
+    # Each sender's block -> target map (the .cu): every peer gets exactly `remote` workers.
+    for me in range(W):
+        seen = {}
+        for b in range(grid):
+            t = me if b < local else (me + 1 + (b - local) % (W - 1)) % W
+            worker = b if b < local else (b - local) // (W - 1)
+            seen.setdefault(t, set()).add(worker)
+        assert seen[me] == set(range(local))
+        assert all(seen[t] == set(range(remote)) for t in range(W) if t != me)
+
+
 def test_layout_matches_the_kernel_header():
     spec = _spec(W=4, dtype="float16", H=8, D=67, batch=3, max_tokens=5)
     lay = build_layout(spec, blocks_per_target=33)
@@ -622,6 +648,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
     op = object.__new__(A.All2AllHeads)
     op.spec = A.Spec(W, me, 0, 16, 8, 64, dtype_info("bfloat16"), 2)
     op._row_bytes, op.num_blocks, op.w1 = op.spec.row_bytes, 264, "pdl"
+    op.grid, op.local_blocks, op.blocks_per_target = A.deal_blocks(264, W)
     op.buf = SimpleNamespace(ptrs_dev=DeviceArray())
     u = np.uint64
     op._push_slots = tuple(u(i) for i in range(6))

@@ -188,7 +188,7 @@ test_bad_input_raises_before_launch = bad_input.test(
 
 # ---- GPU: AllReduce sizes and algorithms ---------------------------------------------------------
 @on_ranks
-def plain_sweep(world, dtypes=("bfloat16", "float16", "float32")):
+def plain_sweep(world, dtypes=("bfloat16", "float16", "float32"), max_blocks=None):
     """AllReduce: odd and round sizes, both algorithms, bit-identical on every rank."""
     import cupy as cp
 
@@ -196,7 +196,7 @@ def plain_sweep(world, dtypes=("bfloat16", "float16", "float32")):
     sizes = [(1,), (max(1, W - 1),), (7,), (1000,), (3, 5, 7), (8192 * 3 + 5,), (1 << 20,),
              (4096, 1024)]
     for dtype in dtypes:
-        with AllReduce(world, 4096 * 1024, dtype, timeout_s=60) as ar:
+        with AllReduce(world, 4096 * 1024, dtype, timeout_s=60, max_blocks=max_blocks) as ar:
             for shape in sizes:
                 n = int(np.prod(shape))
                 base = np.random.default_rng([n, len(dtype)]).standard_normal(n, dtype=np.float32)
@@ -359,6 +359,38 @@ def norm_sweep(world, dtypes=("bfloat16", "float16", "float32")):
 def test_rmsnorm_every_mode_dtype_and_shape(W):
     calls = norm_sweep.run(W, timeout_s=600)
     assert all(c == calls[0] and c > 0 for c in calls)
+
+
+# ---- GPU: the grid a rank with a GPU of its own runs ---------------------------------------------
+@on_ranks
+def wide_grid(world, T=1000, H=4096):
+    """Grids past SHARED_GPU_MAX_BLOCKS, as ranks on GPUs of their own run them (a block per
+    SM): max_blocks asks for more than the GPU has, so each rank gets its share of the SMs
+    (CommOp._grid_cap). Every output mode, and AllReduce at every size of plain_sweep, exact
+    and bit-identical. Returns whether the grid passed SHARED_GPU_MAX_BLOCKS (W <= 4 on 132
+    SMs)."""
+    import cupy as cp
+
+    ops = {o: AllReduceRMSNorm(world, T, H, "bfloat16", eps=1e-6, output=o, timeout_s=60,
+                               max_blocks=1 << 20) for o in ar.OUTPUTS}
+    try:
+        op = ops["replicated"]
+        share = max(1, op.num_sms // op.sharers)
+        assert all(o.max_blocks == share for o in ops.values()), \
+            f"grid cap {[o.max_blocks for o in ops.values()]}, the SM share is {share}"
+        _norm_case(cp, world, ops, "bfloat16", T, H, seed=[T, H, 11])
+    finally:
+        for o in ops.values():
+            o.close()
+    plain_sweep(world, dtypes=("bfloat16",), max_blocks=1 << 20)
+    return share > ar.SHARED_GPU_MAX_BLOCKS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [w for w in WS if w > 1])
+def test_grid_of_a_block_per_sm(W):
+    wide = wide_grid.run(W, timeout_s=300)
+    assert len(set(wide)) == 1
 
 
 # ---- GPU: back-to-back calls ---------------------------------------------------------------------
@@ -636,6 +668,12 @@ def test_reference_rejects_bad_arguments():
 
 
 # ---- crossover and launch plans --------------------------------------------------------------
+def test_default_grid_is_every_sm_on_a_gpu_of_its_own():
+    assert ar.default_max_blocks(132, 1) == 132
+    assert ar.default_max_blocks(132, 2) == ar.SHARED_GPU_MAX_BLOCKS == 32
+    assert ar.default_max_blocks(78, 8) == 32  # CommOp._grid_cap then splits the SMs: 9 each
+
+
 def test_crossover():
     for mode in ("sharded_residual", "sequence_parallel"):
         assert all(choose_algo(n, W, mode) == "two_shot" for n in (2, 1 << 30) for W in (1, 2, 8))

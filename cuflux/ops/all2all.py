@@ -37,6 +37,11 @@ _OP = "All2AllHeads"
 _VEC_BYTES = (16, 8, 4, 2, 1)
 THREADS = 512          # threads per block of the copy kernels
 BLOCKS_PER_SM = 2      # num_sms SMs -> num_sms * BLOCKS_PER_SM blocks (1024 threads per SM)
+# Of a W > 1 grid, about 1 / (LOCAL_SHARE * W) copies this rank's own rows (HBM to HBM, many
+# times the link's rate); the rest push to the peers. An even deal (each target 1 / W of the
+# blocks) left half the grid on the local copy at W = 2, which ends early, and the pushes at
+# 0.60-0.72 of the peer rate (issue 17).
+LOCAL_SHARE = 4
 FLAG_BYTES = 128       # one flag slot per (sender, block); kFlagWords in the .cu
 STATUS_MISMATCH = 3    # kStatusMismatch in the .cu: a peer's call had other arguments
 CACHE_MAX = 1024       # distinct token lists remembered (checked across ranks, uploaded)
@@ -170,6 +175,17 @@ def check_call(spec: Spec, gather: bool, a, tokens, scale=None) -> tuple[int, in
     return B, mode
 
 
+def deal_blocks(num_blocks: int, world_size: int) -> tuple[int, int, int]:
+    """(grid, L, R) of a2a_push: blocks [0, L) copy this rank's own rows, then R blocks serve
+    each peer (kernels_cu/all2all.cu's header), grid = L + R * (W - 1) <= num_blocks. The same
+    on every rank (num_blocks is agreed), so each rank waits for R flags from each peer."""
+    if world_size == 1:
+        return num_blocks, num_blocks, 0
+    local = max(1, num_blocks // (LOCAL_SHARE * world_size))
+    remote = max(1, (num_blocks - local) // (world_size - 1))
+    return local + remote * (world_size - 1), local, remote
+
+
 def build_layout(spec: Spec, blocks_per_target: int) -> Layout:
     """The symmetric buffer, as the .cu header describes it: two receive slots of data and of
     scales, and the flags [2][W][blocks per target][32 words]."""
@@ -285,8 +301,9 @@ class All2AllHeads(CommOp):
                           self.num_blocks),
                          f"{_OP} arguments (max_tokens_per_rank, num_heads, head_dim, dtype, "
                          f"batch, blocks)")
-        self.blocks_per_target = -(-self.num_blocks // W)
-        self.layout = layout = build_layout(self.spec, self.blocks_per_target)
+        self.grid, self.local_blocks, self.blocks_per_target = deal_blocks(self.num_blocks, W)
+        flag_rows = max(1, self.blocks_per_target)  # W = 1 raises no flag: one unused row
+        self.layout = layout = build_layout(self.spec, flag_rows)
         self._alloc(layout)
         mod = kernels.load("all2all.cu", world.device)  # eager: nothing may load while we spin
         self._push = {(v, g): mod[_name_push(v, g)] for v in _VEC_BYTES for g in (False, True)}
@@ -297,7 +314,7 @@ class All2AllHeads(CommOp):
         # at W = 1 a call moves 128 MiB in ~31 us).
         off = {name: reg.offset for name, reg in layout.regions.items()}
         base = self.buf.base_ptrs[world.rank]
-        flags_bytes = W * self.blocks_per_target * FLAG_BYTES
+        flags_bytes = W * flag_rows * FLAG_BYTES
         # Both parities' slots and flags: the kernels pick call e's (e % 2) from the device
         # epoch, self.state[0] (completed by a2a_wait), so captured graphs replay correctly.
         f0, f1 = off["flags"], off["flags"] + flags_bytes
@@ -494,11 +511,12 @@ class All2AllHeads(CommOp):
         out_scale_ptr = np.uint64(out_scale.data.ptr if mode else 0)
         h = np.uint32(h)
         kernels.launch(
-            self._push[vec, gather], (self.num_blocks,), (THREADS,),
+            self._push[vec, gather], (self.grid,), (THREADS,),
             (np.uint64(a.data.ptr), scale_ptr, np.uint64(out.data.ptr), out_scale_ptr,
              self.buf.ptrs_dev) + self._push_slots
             + (self.state, plan.prefix_dev, np.uint32(me), np.uint32(W), np.uint32(B),
                np.uint64(row_bytes), np.uint32(scale_cols), np.uint32(mode == 2), h,
+               np.uint32(self.local_blocks), np.uint32(self.blocks_per_target),
                self.err.claim),  # pushes nothing once a wait of the op gave up (#19 item 1)
             s, op=_OP, name="a2a_push")
         if W == 1:
@@ -506,7 +524,7 @@ class All2AllHeads(CommOp):
         kernels.launch(
             self._wait, (1,), (256,),
             self._wait_flags + (self.state, np.uint32(me), np.uint32(W),
-                                np.uint32(self.num_blocks), h) + self.err_args,
+                                np.uint32(self.blocks_per_target), h) + self.err_args,
             s, op=_OP, name="a2a_wait")
         if view:
             return

@@ -29,7 +29,7 @@ from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
 __all__ = ["AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "choose_algo", "token_slice",
-           "plan_launch", "plain_share", "reference_allreduce", "reference_allreduce_rmsnorm",
+           "plan_launch", "default_max_blocks", "plain_share", "reference_allreduce", "reference_allreduce_rmsnorm",
            "MODES"]
 
 _SRC = "allreduce.cu"
@@ -42,7 +42,13 @@ OUTPUTS = ("replicated", "sharded_residual", "sequence_parallel")
 ALGOS = ("auto", "one_shot", "two_shot")
 MAX_THREADS = 1024
 PLAIN_ROW_VECS = 1024       # AllReduce views its flat array as rows of 1024 vectors
-DEFAULT_MAX_BLOCKS = 32     # spinning grid: enough loads in flight, few flags per barrier
+# Grid of a call at W > 1 (a block pulls one row at a time: a 16-byte load per thread in
+# flight per peer, then a block reduction). On distinct GPUs: one block per SM. 32 blocks there
+# pulled only ~90 GB/s of the H200 pair's ~395 GB/s peer rate (issue 16: ~256 KiB in flight
+# against a ~2.5 us round trip); a block per SM puts ~4x as much in flight. Ranks sharing a GPU
+# keep SHARED_GPU_MAX_BLOCKS each: their spinning grids must all stay resident side by side,
+# and the slack leaves SMs to whatever else their streams run.
+SHARED_GPU_MAX_BLOCKS = 32
 MAX_ELEMS = 2**31 - 1       # the kernel's copy loops index vectors with 32-bit ints
 
 
@@ -176,6 +182,13 @@ def plan_launch(mode: str, dtype, num_elems: int, cols: int | None, world_size: 
                       rows, cols, num_elems, grid, block, h_bytes + 8 * world_size, two_shot)
 
 
+def default_max_blocks(num_sms: int, sharers: int) -> int:
+    """The grid cap of an op whose caller gave none: every SM of a GPU this rank has to itself,
+    SHARED_GPU_MAX_BLOCKS where ranks share one (CommOp._grid_cap then splits the SMs among
+    them and takes the smallest over the ranks)."""
+    return num_sms if sharers == 1 else SHARED_GPU_MAX_BLOCKS
+
+
 def _plain_cols(d) -> int:
     return PLAIN_ROW_VECS * (16 // d.itemsize)
 
@@ -213,7 +226,8 @@ class _P2PReduce(CommOp):
             if need > self.smem_optin:
                 raise ValueError(f"{op}: hidden={hidden} needs {need} bytes of shared memory "
                                  f"per block, the device allows {self.smem_optin}")
-        self.max_blocks = self._grid_cap(max_blocks or DEFAULT_MAX_BLOCKS)
+        self.max_blocks = self._grid_cap(max_blocks or default_max_blocks(self.num_sms,
+                                                                          self.sharers))
         self.two_shot_ok = algo != "one_shot" and W > 1
         layout = Layout()
         padded = -(-self.max_elems * self.dtype.itemsize // 128) * 128 // self.dtype.itemsize
@@ -310,8 +324,8 @@ class AllReduce(_P2PReduce):
       algo: "auto" (choose_algo per call), "one_shot" or "two_shot".
       timeout_s: bound of every wait; on expiry CommTimeoutError (at synchronize() or the
         next call).
-      max_blocks: cap on the grid when W > 1 (default DEFAULT_MAX_BLOCKS, and SMs / ranks
-        sharing a GPU).
+      max_blocks: cap on the grid when W > 1 (default: one block per SM on a GPU of its
+        own, SHARED_GPU_MAX_BLOCKS where ranks share one; never more than SMs / ranks on it).
     """
 
     ACROSS = "AllReduceAcrossNodes"  # several nodes: CommOp.__new__
