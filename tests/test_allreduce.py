@@ -674,6 +674,52 @@ def test_default_grid_is_every_sm_on_a_gpu_of_its_own():
     assert ar.default_max_blocks(78, 8) == 32  # CommOp._grid_cap then splits the SMs: 9 each
 
 
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("mode,algo", [("plain", "auto"), ("plain", "two_shot"),
+                                       ("replicated", "auto"), ("replicated", "one_shot"),
+                                       ("sharded_residual", "auto"),
+                                       ("sequence_parallel", "two_shot")])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_stage_slot_holds_every_call_it_may_run(W, mode, algo, dtype):
+    """A sender's stage slot (kernels_cu/allreduce.cu) takes every one-shot call the op may run
+    whole, and every rank's two-shot slice of every call up to max_elems; one_shot_elems is
+    exactly where choose_algo stops sending auto calls one-shot."""
+    d = dtype_info(dtype)
+    flat = mode == "plain"
+    for max_elems, hidden in ((1, 8), (1000, 8), (8192 * 5 + 3, 1000), (1 << 22, 4096),
+                              (1 << 24, 8192)):
+        hidden = None if flat else hidden
+        one, slot = ar.stage_slot(mode, algo, W, max_elems, hidden, d)
+        assert slot * d.itemsize % 128 == 0 and slot >= one
+        if algo == "one_shot":
+            assert one == max_elems
+        elif algo == "two_shot" or mode in ("sharded_residual", "sequence_parallel"):
+            assert one == 0
+        else:
+            assert choose_algo(one * d.itemsize, W, mode) == "one_shot" or one == 0
+            assert one == max_elems or choose_algo((one + 1) * d.itemsize, W, mode) == "two_shot"
+        if algo == "one_shot":
+            continue
+        cols = ar._plain_cols(d) if flat else hidden
+        for n in sorted({1, max_elems // 3 + 1, max_elems - 1, max_elems} - {0}):
+            rows = -(-n // cols)
+            for q in range(W):
+                a, b = token_slice(rows, W, q)
+                assert max(0, min(b * cols, n) - a * cols) <= slot, (n, q, slot)
+    assert ar.stage_slot("plain", "auto", 1, 1000, None, "bfloat16") == (0, 0)
+
+
+def test_a_one_shot_override_past_the_stage_is_refused():
+    op = object.__new__(AllReduce)
+    op.op, op.world = "AllReduce", SimpleNamespace(size=4, rank=0)
+    op.mode, op.algo, op.dtype, op._plans, op.two_shot_ok = "plain", "auto", \
+        dtype_info("bfloat16"), {}, True
+    op.one_shot_elems, _ = ar.stage_slot("plain", "auto", 4, 1 << 24, None, op.dtype)
+    assert 0 < op.one_shot_elems < 1 << 24
+    with pytest.raises(ValueError, match="does not fit this op's stage"):
+        op._plan(op.one_shot_elems + 1, None, "one_shot", True)
+
+
 def test_crossover():
     for mode in ("sharded_residual", "sequence_parallel"):
         assert all(choose_algo(n, W, mode) == "two_shot" for n in (2, 1 << 30) for W in (1, 2, 8))
@@ -711,7 +757,7 @@ def test_norm_plans(dtype, mode, W, T, H):
             assert in_registers == (nvec <= ar.LOCAL_REG_VECS * ar.LOCAL_REG_THREADS)
         else:
             assert not p.local and not in_registers and p.grid <= 16
-            assert p.shared_mem >= 4 * H + 8 * W
+            assert p.shared_mem >= 4 * H + 16 * W
             assert p.grid <= (-(-T // W) if algo == "two_shot" else T)
         assert plan_launch(mode, dtype, T * H, H, W, algo, False, 16, 132).vec_bytes == d.itemsize
 
@@ -740,7 +786,7 @@ def test_plain_plans(dtype, n):
         assert p.vec_bytes == (16 if n * d.itemsize % 16 == 0 else d.itemsize)
         assert p.cols == ar.PLAIN_ROW_VECS * 16 // d.itemsize
         assert (p.rows - 1) * p.cols < n <= p.rows * p.cols
-        assert p.block == 1024 and p.shared_mem == 8 * W
+        assert p.block == 1024 and p.shared_mem == 16 * W
 
 
 # ---- argument checks --------------------------------------------------------------------------
@@ -877,6 +923,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, W, T):
     op.mode, op.dtype, op.module = "replicated", dtype_info("bfloat16"), None
     op._offsets, op._stage_parity_bytes, op.flag_stride = {"stage": 0, "start": 4096,
                                                            "mid": 8192}, 1 << 20, 32
+    op._slot_bytes = 1 << 19
     op.buf, op.state = SimpleNamespace(ptrs_dev=DeviceArray()), DeviceArray()
     op.err_args = (np.uint64(1 << 40), DeviceArray(), np.uint64(10**9), np.uint32(4))
     op._static_args()
