@@ -709,6 +709,51 @@ def test_stage_slot_holds_every_call_it_may_run(W, mode, algo, dtype):
     assert ar.stage_slot("plain", "auto", 1, 1000, None, "bfloat16") == (0, 0)
 
 
+@pytest.mark.parametrize("W", [2, 3, 5, 8])
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_pushed_rows_land_where_their_reducer_reads_them(W, two_shot):
+    """The push protocol's index arithmetic, restated from kernels_cu/allreduce.cu and run on
+    the host: sender p's block b stores each element of the rows q's block b reduces at slot
+    (p - q - 1) mod W of q's stage, at (element - shift) with shift = the first element of q's
+    slice (two-shot) or 0; receiver q's block b reads it back from the same place. Every
+    element lands inside the slot stage_slot sizes, exactly once, and is read by the block that
+    reduces its row."""
+    d = dtype_info("float32")
+    for num_elems, cols, grid in ((1, 4, 1), (37, 4, 3), (1000, 8, 7), (4096, 64, 5),
+                                  (999, 10, 16)):
+        mode, hidden = "replicated", cols
+        _, slot_elems = ar.stage_slot(mode, "two_shot" if two_shot else "one_shot", W,
+                                      num_elems + cols, hidden, d)
+        rows = -(-num_elems // cols)
+        slices = [token_slice(rows, W, q) if two_shot else (0, rows) for q in range(W)]
+        stage = {}  # (receiver, slot, index) -> (sender, element)
+        for p in range(W):
+            for i in range(1, W):
+                q = (p + i) % W
+                start, stop = slices[q]
+                j = (p - q - 1 + W) % W
+                for b in range(grid):
+                    for t in range(start + b, stop, grid):
+                        for off in range(t * cols, min((t + 1) * cols, num_elems)):
+                            idx = off - start * cols
+                            assert 0 <= idx < slot_elems, (p, q, off, idx, slot_elems)
+                            assert (q, j, idx) not in stage, "two stores to one place"
+                            stage[(q, j, idx)] = (p, off, b)
+        reads = 0
+        for q in range(W):
+            start, stop = slices[q]
+            for b in range(grid):
+                for t in range(start + b, stop, grid):
+                    for off in range(t * cols, min((t + 1) * cols, num_elems)):
+                        for p in range(W):
+                            if p == q:
+                                continue
+                            got = stage[(q, (p - q - 1 + W) % W, off - start * cols)]
+                            assert got == (p, off, b), (q, p, off, got)
+                            reads += 1
+        assert reads == len(stage)  # every pushed element is read, once
+
+
 def test_a_one_shot_override_past_the_stage_is_refused():
     op = object.__new__(AllReduce)
     op.op, op.world = "AllReduce", SimpleNamespace(size=4, rank=0)
