@@ -1,4 +1,4 @@
-// allreduce.cu — AllReduce, and AllReduce + residual add + RMSNorm fused, over P2P loads/stores.
+// allreduce.cu — AllReduce, and AllReduce + residual add + RMSNorm fused, over P2P pushes.
 //
 // Problem. Every rank holds x [rows, cols] of partial sums (a row-parallel GEMM's output).
 //   kPlain (AllReduce):  out[t] = sum_r x_r[t]. The flat array is viewed as rows of `cols`

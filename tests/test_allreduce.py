@@ -79,8 +79,18 @@ def _same_everywhere(world, value, what):
     assert len(set(values)) == 1, f"{what} differs between ranks: {values}"
 
 
+def _norm_ops(world, max_t, H, dtype, **kw) -> dict:
+    """The three outputs' ops, and "one_shot": replicated built algo="one_shot" (an "auto" op's
+    stage holds one-shot calls only up to its crossover; this one's holds any)."""
+    ops = {o: AllReduceRMSNorm(world, max_t, H, dtype, eps=1e-6, output=o, timeout_s=60, **kw)
+           for o in ar.OUTPUTS}
+    ops["one_shot"] = AllReduceRMSNorm(world, max_t, H, dtype, eps=1e-6, algo="one_shot",
+                                       timeout_s=60, **kw)
+    return ops
+
+
 def _norm_case(cp, world, ops, dtype, T, H, seed):
-    """One T for the three outputs (replicated both one-shot and two-shot)."""
+    """One T for the three outputs (replicated both one-shot and two-shot; ops: _norm_ops)."""
     W, me = world.size, world.rank
     st = dtype_info(dtype).storage
     base, res, w = _draw(seed, T, H)
@@ -96,7 +106,8 @@ def _norm_case(cp, world, ops, dtype, T, H, seed):
     for algo in ("one_shot", "two_shot"):
         residual = cp.asarray(res_q)
         out = poisoned((T, H), dtype)
-        got = ops["replicated"](x, residual, weight, out=out, algo=algo)
+        got = ops["replicated" if algo == "two_shot" else "one_shot"](x, residual, weight,
+                                                                       out=out, algo=algo)
         assert got is out
         ops["replicated"].synchronize()
         _close(cp.asnumpy(out[a:b]), want[0], dtype, f"{label} replicated {algo} out")
@@ -196,7 +207,9 @@ def plain_sweep(world, dtypes=("bfloat16", "float16", "float32"), max_blocks=Non
     sizes = [(1,), (max(1, W - 1),), (7,), (1000,), (3, 5, 7), (8192 * 3 + 5,), (1 << 20,),
              (4096, 1024)]
     for dtype in dtypes:
-        with AllReduce(world, 4096 * 1024, dtype, timeout_s=60, max_blocks=max_blocks) as ar:
+        with AllReduce(world, 4096 * 1024, dtype, timeout_s=60, max_blocks=max_blocks) as ar, \
+                AllReduce(world, 4096 * 1024, dtype, "one_shot", timeout_s=60,
+                          max_blocks=max_blocks) as ar_one:  # any size one-shot
             for shape in sizes:
                 n = int(np.prod(shape))
                 base = np.random.default_rng([n, len(dtype)]).standard_normal(n, dtype=np.float32)
@@ -206,8 +219,9 @@ def plain_sweep(world, dtypes=("bfloat16", "float16", "float32"), max_blocks=Non
                 hashes = {}
                 for algo in ("one_shot", "two_shot"):
                     out = poisoned(shape, dtype)
-                    assert ar(x, out=out, algo=algo) is out
-                    ar.synchronize()
+                    op = ar if algo == "two_shot" else ar_one
+                    assert op(x, out=out, algo=algo) is out
+                    op.synchronize()
                     _close(cp.asnumpy(out), want, dtype, f"W={W} {dtype} {shape} {algo}")
                     hashes[algo] = _hash(cp, out)
                 assert hashes["one_shot"] == hashes["two_shot"], f"{dtype} {shape}: algos differ"
@@ -341,9 +355,7 @@ def norm_sweep(world, dtypes=("bfloat16", "float16", "float32")):
         hiddens = HIDDENS if _full() or dtype == "bfloat16" else (1024, 5128, 1001)
         for H in hiddens:
             Ts = _ts_for(world.size, dtype, H)
-            ops = {o: AllReduceRMSNorm(world, max(Ts), H, dtype, eps=1e-6, output=o,
-                                       timeout_s=60) for o in
-                   ("replicated", "sharded_residual", "sequence_parallel")}
+            ops = _norm_ops(world, max(Ts), H, dtype)
             try:
                 for T in Ts:
                     _norm_case(cp, world, ops, dtype, T, H, seed=[T, H, len(dtype)])
@@ -371,8 +383,7 @@ def wide_grid(world, T=1000, H=4096):
     SMs)."""
     import cupy as cp
 
-    ops = {o: AllReduceRMSNorm(world, T, H, "bfloat16", eps=1e-6, output=o, timeout_s=60,
-                               max_blocks=1 << 20) for o in ar.OUTPUTS}
+    ops = _norm_ops(world, T, H, "bfloat16", max_blocks=1 << 20)
     try:
         op = ops["replicated"]
         share = max(1, op.num_sms // op.sharers)

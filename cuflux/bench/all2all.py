@@ -31,8 +31,8 @@ import numpy as np
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, no_baseline_regimes, print_bench_table,
                                    regime_calls, speed_header, speed_measured)
-from cuflux.bench.common import (copy_bandwidth_gbps, hold_stream, ranks_share_gpu, time_ms,
-                                 write_results)
+from cuflux.bench.common import (copy_bandwidth_gbps, hold_stream, peer_copy_gbps,
+                                 ranks_share_gpu, time_ms, write_results)
 
 L2_BYTES = 60 << 20
 
@@ -191,29 +191,6 @@ def _copy_row(args, B, T, H, D):
             "gbps_all_ranks": 2 * nbytes / (ms * 1e-3) / 1e9}
 
 
-def _link_gbps(world, num_bytes=256 << 20) -> float:
-    """Measured one-way copy rate from this rank's GPU to the next rank's (cudaMemcpyPeer).
-
-    Peer access is enabled first: without it the driver stages the copy through the host
-    (35 GB/s between two H200s against 395 GB/s direct)."""
-    import cupy
-    from cupy.cuda import runtime
-
-    peer_dev = world.allgather(world.device)[(world.rank + 1) % world.size]
-    try:
-        runtime.deviceEnablePeerAccess(peer_dev)
-    except runtime.CUDARuntimeError as e:  # already enabled (by this process) is fine
-        if "PeerAccessAlreadyEnabled" not in str(e):
-            raise
-    src = cupy.empty(num_bytes, dtype=cupy.uint8)
-    with cupy.cuda.Device(peer_dev):
-        dst = cupy.empty(num_bytes, dtype=cupy.uint8)
-    s = cupy.cuda.get_current_stream()
-    ms = time_ms(lambda: runtime.memcpyPeerAsync(dst.data.ptr, peer_dev, src.data.ptr,
-                                                 world.device, num_bytes, s.ptr), iters=10)
-    return num_bytes / (ms * 1e-3) / 1e9
-
-
 def _nccl_row(world, args, B, T_total, H, D):
     """NCCL all-to-all of the head groups plus the two permute copies (bf16 moved as uint16)."""
     import cupy
@@ -283,7 +260,7 @@ def run(world, args):
     if distinct:
         from cupy.cuda import nccl
 
-        link = _link_gbps(world)
+        link = peer_copy_gbps(world)
         extra["link_gbps_one_way"] = max(world.allgather(link))
         if nccl.available:
             for B, T, H, D, _ in cases:

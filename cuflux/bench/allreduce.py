@@ -5,6 +5,12 @@ Per (hidden, T), bfloat16, output="replicated":
   cuflux_ms    the fused op (AllReduceRMSNorm, algo "auto")
   baseline_ms  unfused: cuflux.AllReduce, then rmsnorm_residual (the same row kernel alone)
   one_shot_ms / two_shot_ms   the fused op forced to each algorithm (W > 1): the crossover
+               (one-shot through an op built algo="one_shot": an "auto" op's stage holds
+               one-shot calls only up to its crossover)
+  peer_gbps, fraction_of_link   distinct GPUs only: bytes that leave each GPU in the auto
+               call's algorithm over its time, against the measured one-way peer copy rate
+               (common.peer_copy_gbps; ~395 GB/s between the two H200s). Issue 16's bar at
+               T = 8192: >= 0.85.
   nccl_ms      NCCL all-reduce + rmsnorm_residual (only when ranks sit on distinct GPUs)
   gbps, fraction_of_hbm       W = 1 only: bytes the fused kernel must move (x, residual read
                and written, out, weight) over time, against the measured device-to-device copy
@@ -29,7 +35,8 @@ from __future__ import annotations
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, on_stream, print_bench_table, regime_calls,
                                    speed_header, speed_measured)
-from cuflux.bench.common import copy_bandwidth_gbps, ranks_share_gpu, time_ms, write_results
+from cuflux.bench.common import (copy_bandwidth_gbps, peer_copy_gbps, ranks_share_gpu, time_ms,
+                                 write_results)
 
 L2_BYTES = 60 << 20
 
@@ -75,6 +82,7 @@ def run(world, args):
     measured = speed_measured(W, shared_gpu)
     ceiling = copy_bandwidth_gbps() if me == 0 else None
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
+    link = max(world.allgather(peer_copy_gbps(world))) if W > 1 and not shared_gpu else None
     world.barrier()
     Ts = [1, 128, 1024, 8192] if args.quick else [1, 16, 128, 512, 1024, 2048, 4096, 8192]
     rows = []
@@ -84,6 +92,7 @@ def run(world, args):
     for H in (4096, 8192):
         max_t = max(Ts)
         with AllReduceRMSNorm(world, max_t, H, dtype) as norm, \
+                AllReduceRMSNorm(world, max_t, H, dtype, algo="one_shot") as one, \
                 AllReduce(world, max_t * H, dtype) as arop:
             st = norm.dtype.storage
             weight = cupy.random.standard_normal(H, dtype=cupy.float32).astype(st)
@@ -100,7 +109,7 @@ def run(world, args):
 
                 def fused(algo=None):
                     x, res, out, _ = pick()
-                    norm(x, res, weight, out=out, algo=algo)
+                    (one if algo == "one_shot" else norm)(x, res, weight, out=out, algo=algo)
 
                 def unfused():
                     x, res, out, y = pick()
@@ -127,8 +136,8 @@ def run(world, args):
                 for key, fn in timed.items():
                     world.barrier()
                     ms = graph_ms(fn, calls, iters, stream)
-                    norm.synchronize(stream)
-                    arop.synchronize(stream)
+                    for op in (norm, one, arop):
+                        op.synchronize(stream)
                     row[key] = max(world.allgather(ms))
                 world.barrier()
                 with stream:
@@ -141,8 +150,8 @@ def run(world, args):
                                       measured)
 
                 def settle():
-                    norm.synchronize(stream)
-                    arop.synchronize(stream)
+                    for op in (norm, one, arop):
+                        op.synchronize(stream)
 
                 row.update(measure_regimes(
                     [("", on_stream(fused, stream), "AllReduceRMSNorm"),
@@ -151,6 +160,12 @@ def run(world, args):
                       "NCCL + rmsnorm_residual")],
                     stream, calls=rcalls, world=world, notes=notes, after=settle))
                 add_note(add_speedups(row), *notes)
+                if link is not None and me == 0:
+                    x_bytes = T * H * st.itemsize
+                    out_bytes = ((W - 1) * x_bytes if row["auto_algo"] == "one_shot" else
+                                 (W - 1) / W * x_bytes * 3)  # scatter, then out and residual
+                    row["peer_gbps"] = out_bytes / (row["cuflux_ms"] * 1e-3) / 1e9
+                    row["fraction_of_link"] = row["peer_gbps"] / link
                 if W == 1 and me == 0:
                     moved = (4 * T * H + H) * st.itemsize
                     row["gbps"] = moved / (row["cuflux_ms"] * 1e-3) / 1e9
@@ -165,12 +180,14 @@ def run(world, args):
     cols = ["case", "auto_algo", "cuflux_ms", "baseline_ms", "speedup", "eager_ms"]
     cols += ["one_shot_ms", "two_shot_ms"] if W > 1 else ["gbps", "fraction_of_hbm"]
     cols += ["nccl_ms"] if nccl is not None else []
+    cols += ["peer_gbps", "fraction_of_link"] if link is not None else []
     cols += REGIME_COLS
     cols += ["nccl_user_loop_ms", "nccl_host_us", "nccl_graph_ms"] if nccl is not None else []
     speed_cols = set(cols) - {"case", "auto_algo"}
     print_bench_table(rows, cols, speed_cols, measured)
     path = write_results("allreduce", W, rows, bench_extra(
-        args, measured, copy_ceiling_gbps=ceiling, ranks_share_gpu=shared_gpu),
+        args, measured, copy_ceiling_gbps=ceiling, ranks_share_gpu=shared_gpu,
+        link_gbps_one_way=link),
         outdir=args.outdir)
     print("wrote", path)
     return path

@@ -230,7 +230,7 @@ def stage_slot(mode: str, algo: str, world_size: int, max_elems: int, hidden: in
     two = 0
     if algo != "one_shot":  # two-shot: the largest slice of the largest call's rows
         cols = _plain_cols(d) if mode in _SUM_MODES else hidden
-        two = -(-(-(-max_elems // cols)) // world_size) * cols
+        two = min(max_elems, -(-(-(-max_elems // cols)) // world_size) * cols)
     per_128 = 128 // d.itemsize
     return one, max(1, -(-max(one, two) // per_128)) * per_128
 
@@ -318,8 +318,9 @@ class _P2PReduce(CommOp):
         if chosen == "one_shot" and num_elems > self.one_shot_elems and self.world.size > 1:
             raise ValueError(f"{self.op}: a one-shot call of {num_elems} elements does not fit "
                              f"this op's stage (one-shot up to {self.one_shot_elems}, the most "
-                             f"its algo={self.algo!r} runs one-shot); build it with "
-                             f"algo='one_shot' for one-shot calls of any size")
+                             f"its algo={self.algo!r} runs one-shot; a stage slot per sender "
+                             f"of the whole call would cost {self.world.size - 1}x its size): "
+                             f"build an op with algo='one_shot' for one-shot calls of any size")
         plan = plan_launch(mode, self.dtype, num_elems, cols, self.world.size, chosen,
                            aligned, self.max_blocks, self.num_sms)
         hit = self._entry(plan)
@@ -387,7 +388,9 @@ class AllReduce(_P2PReduce):
     @on_op_device
     def __call__(self, x, out=None, stream=None, algo: str | None = None):
         """x: any shape, C-contiguous, x.size <= max_elems, the same on every rank ->
-        out (same shape) = sum over ranks. `algo` overrides the op's choice for this call."""
+        out (same shape) = sum over ranks. `algo` overrides the op's choice for this call,
+        within what the op's stage holds: "two_shot" unless it was built "one_shot",
+        "one_shot" up to `one_shot_elems` (every size when it was built "one_shot")."""
         self._check_open()
         self._check_no_half()
         x_in, out_in = x, out  # the caller's: torch in, torch out
