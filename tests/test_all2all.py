@@ -427,7 +427,7 @@ def test_kernels_compile(arch):
     cubin, lowered = kernels.compile_source("all2all.cu", a2a.FAMILY.names, arch)
     assert cubin[:4] == b"\x7fELF"
     assert set(lowered) == set(a2a.FAMILY.names)
-    assert "a2a_push<16, true>" in lowered and "a2a_copy_out<1>" in lowered
+    assert "a2a_push<16, true>" in lowered and "a2a_recv<1, false>" in lowered
 
 
 class FakeWorld:
@@ -658,8 +658,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
     op.err_args = (u(1 << 40), DeviceArray(), u(10**9), np.uint32(2))
     op.err = SimpleNamespace(claim=op.err_args[1])
     op._push = {(v, g): f"push{v}{g}" for v in A._VEC_BYTES for g in (False, True)}
-    op._copy_out = {v: f"copy{v}" for v in A._VEC_BYTES}
-    op._wait = "wait"
+    op._recv = {(v, g): f"recv{v}{g}" for v in A._VEC_BYTES for g in (False, True)}
     tokens = (16, 5, 0, 9)
     plan = A._Plan(tokens, np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32))
     plan.prefix_dev = DeviceArray()
@@ -668,6 +667,56 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
     op._launch(gather, arr, arr if mode else None, arr, arr if mode else None, plan, 2, mode,
                12345, 0, False, None)
     names = [n for n, _ in captured]
-    assert names == ["a2a_push", "a2a_wait", "a2a_copy_out"]
-    for (name, args), kernel in zip(captured, ("a2a_push", "a2a_wait", "a2a_copy_out")):
+    assert names == ["a2a_push", "a2a_recv"]
+    for (name, args), kernel in zip(captured, ("a2a_push", "a2a_recv")):
         check_args("all2all.cu", kernel, args)
+    captured.clear()  # a view: a2a_recv only waits (null outputs, copy = 0)
+    op._launch(gather, arr, arr if mode else None, arr, arr if mode else None, plan, 2, mode,
+               12345, 0, True, None)
+    assert [n for n, _ in captured] == ["a2a_push", "a2a_recv"]
+    check_args("all2all.cu", "a2a_recv", captured[-1][1])
+
+
+def _row_map(gather, prefix, W, sender, target, B):
+    """a2a_push's RowMap of `sender` for `target` (kernels_cu/all2all.cu), restated: the
+    (src row, dst row) of each of its B * n_tok rows."""
+    S = int(prefix[W])
+    if gather:
+        n_tok = int(prefix[target + 1] - prefix[target])
+        m = (n_tok, S, 1, int(prefix[target]), n_tok * W, W, sender)
+    else:
+        n_tok = int(prefix[sender + 1] - prefix[sender])
+        m = (n_tok, n_tok * W, W, target, S, 1, int(prefix[sender]))
+    n, sb, st, sc, db, dt_, dc = m
+    return [(b * sb + t * st + sc, b * db + t * dt_ + dc) for b in range(B) for t in range(n)]
+
+
+def _recv_rows(gather, prefix, W, me, p, B):
+    """a2a_recv's rows for peer p on rank me: the destination rows of its map (restated)."""
+    S = int(prefix[W])
+    if gather:
+        n_tok = int(prefix[me + 1] - prefix[me])
+        return [b * n_tok * W + t * W + p for b in range(B) for t in range(n_tok)]
+    n_tok = int(prefix[p + 1] - prefix[p])
+    return [b * S + int(prefix[p]) + t for b in range(B) for t in range(n_tok)]
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("tokens", [(3,), (4, 0), (2, 5, 1), (0, 0, 7, 1), (1, 1, 1, 1, 9, 0, 2, 3)])
+def test_each_recv_block_copies_what_its_peer_pushed(gather, tokens):
+    """a2a_recv's block for peer p recomputes p's RowMap for this rank from the destination side:
+    its rows are the ones p pushed (the same order, so the same split among workers), and with
+    this rank's own rows (pushed straight to the output) they cover the output once."""
+    W, B = len(tokens), 2
+    prefix = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    S = int(prefix[W])
+    for me in range(W):
+        covered = [d for _, d in _row_map(gather, prefix, W, me, me, B)]
+        for p in range(W):
+            if p == me:
+                continue
+            pushed = [d for _, d in _row_map(gather, prefix, W, p, me, B)]
+            assert _recv_rows(gather, prefix, W, me, p, B) == pushed
+            covered += pushed
+        rows = B * int(tokens[me]) * W if gather else B * S  # x_me [B, T_me, W groups] / y_me
+        assert sorted(covered) == list(range(rows)), (me, gather)
