@@ -76,8 +76,14 @@ struct RowMap {
 
 // This block's share (worker of num_workers) of num_rows rows of row_bytes bytes. Rows narrower
 // than the block are packed several to a pass; wider ones are looped over by the whole block.
-template <int kVec, class Map>
-__device__ __forceinline__ void copy_rows(const u8* __restrict__ src, u8* dst, u64 row_bytes,
+// kSrcWritten: src is written during the kernel's lifetime (a peer pushes into our slot while
+// a2a_recv runs): coherent loads, after the acquire of the flag that published it; otherwise
+// (the caller's input) the read-only path. A non-coherent load could be served a line that
+// another block of this SM cached before the peer's rows in it landed (rows narrower than a
+// line belong to several workers). (src is not __restrict__: that would let the compiler turn
+// the coherent loads into read-only ones.)
+template <int kVec, bool kSrcWritten = false, class Map>
+__device__ __forceinline__ void copy_rows(const u8* src, u8* dst, u64 row_bytes,
                                           u32 num_rows, const Map& map, u32 worker,
                                           u32 num_workers) {
   const u32 vecs_per_row = static_cast<u32>(row_bytes / kVec);
@@ -103,7 +109,9 @@ __device__ __forceinline__ void copy_rows(const u8* __restrict__ src, u8* dst, u
       RawVec<kVec> v[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k)  // all loads first: kUnroll requests in flight
-        if (k < n) v[k] = ld_nc<kVec>(src + src_off[k] + col);
+        if (k < n)
+          v[k] = kSrcWritten ? ld_plain<kVec>(src + src_off[k] + col)
+                             : ld_nc<kVec>(src + src_off[k] + col);
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k)
         if (k < n) st_na<kVec>(dst + dst_off[k] + col, v[k]);
@@ -232,10 +240,10 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_recv(
       map = {n_tok, S, 1, at, S, 1, at};
     }
     const u32 num_rows = batch * map.n_tok;
-    copy_rows<kVec>(odd ? slot1 : slot0, out, row_bytes, num_rows, map, j, remote_blocks);
+    copy_rows<kVec, true>(odd ? slot1 : slot0, out, row_bytes, num_rows, map, j, remote_blocks);
     if (scale_cols != 0)
-      copy_rows<4>(odd ? slot_scale1 : slot_scale0, out_scale, 4ull * scale_cols, num_rows, map, j,
-                   remote_blocks);
+      copy_rows<4, true>(odd ? slot_scale1 : slot_scale0, out_scale, 4ull * scale_cols, num_rows,
+                         map, j, remote_blocks);
   }
   count_out(state, epoch);  // sync.cuh: the last block completes the call's epoch
 }
