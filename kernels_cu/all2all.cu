@@ -21,18 +21,22 @@
 //     Rows for t == me go straight to the caller's output (one pass over the data at W = 1);
 //     rows for a peer go into the peer's receive slot through its IPC pointer, already in the
 //     output's layout. Then each block raises its flag in the target's memory.
-//   a2a_recv<V, gather> (W > 1): one block per (peer p, worker j) that dealt rows to us, R per
-//     peer. The block waits (bounded, acquire) for the flag of p's block j alone, checks the
-//     call hash p stored beside it, then copies the rows that block pushed from our slot into
-//     the output (unless the caller asked for a view of the slot): the same rows, the same
-//     split among workers, recomputed from p's side (its RowMap with target = us), so a chunk
-//     leaves the slot as soon as its own flag lands. Its waits are only on flags the peers'
-//     a2a_push raises, and a2a_push never waits: no grid size can deadlock, whoever shares
-//     the GPU. The last block to finish completes the call's epoch (sync.cuh count_out).
+//   a2a_recv<V, gather> (W > 1): an assignment per (peer p, worker j) that dealt rows to us,
+//     R per peer, over a grid of at most this rank's SMs. For each, the block waits (bounded,
+//     acquire) for the flag of p's block j alone, checks the call hash p stored beside it,
+//     then copies the rows that block pushed from our slot into the output (unless the caller
+//     asked for a view of the slot): the same rows, the same split among workers (copy_rows:
+//     independent of the vector width), recomputed from p's side (its RowMap with target =
+//     us), so a chunk leaves the slot as soon as its own flag lands. Its waits are only on
+//     flags the peers' a2a_push raises, and a2a_push never waits: on distinct GPUs, or ranks
+//     time-slicing one, nothing can deadlock; ranks sharing a GPU concurrently (MPS) keep
+//     SMs free for each other's a2a_push by the grid cap. The last block to finish completes
+//     the call's epoch (sync.cuh count_out).
 //   a2a_copy_w1 (W = 1, 16-byte aligned): input and output have the same layout: one pass, one
 //     16-byte vector a thread, launched with programmatic dependent launch (below).
 // Remote buffers: the peers' receive slots and flags are written; nothing remote is ever read.
-// Reads are local only (x or y of the caller, our own slot) and use the read-only path.
+// Reads are local only: x or y of the caller through the read-only path, our own slot (which
+// peers write while a2a_recv runs) through coherent loads.
 //
 // Symmetric layout (built by cuflux/ops/all2all.py:build_layout, regions 128-byte aligned):
 //   data0, data1    u8  [slot_bytes]          receive slots, batch*max_tokens*H*D*itemsize bytes
@@ -76,6 +80,10 @@ struct RowMap {
 
 // This block's share (worker of num_workers) of num_rows rows of row_bytes bytes. Rows narrower
 // than the block are packed several to a pass; wider ones are looped over by the whole block.
+// Which worker takes which row depends only on row_bytes and the block size, never on kVec:
+// a2a_recv on one rank must take exactly the rows a2a_push's worker took on another, and each
+// rank picks its vector width from its own pointers (the split counts 16-byte pieces; a
+// narrower kVec loops over more columns).
 // kSrcWritten: src is written during the kernel's lifetime (a peer pushes into our slot while
 // a2a_recv runs): coherent loads, after the acquire of the flag that published it; otherwise
 // (the caller's input) the read-only path. A non-coherent load could be served a line that
@@ -88,8 +96,9 @@ __device__ __forceinline__ void copy_rows(const u8* src, u8* dst, u64 row_bytes,
                                           u32 num_workers) {
   const u32 vecs_per_row = static_cast<u32>(row_bytes / kVec);
   if (num_rows == 0 || vecs_per_row == 0) return;
-  const u32 threads_per_row = min(blockDim.x, vecs_per_row);
-  const u32 rows_per_pass = blockDim.x / threads_per_row;
+  const u32 pieces = static_cast<u32>((row_bytes + 15) / 16);  // the split's unit, any kVec
+  const u32 rows_per_pass = blockDim.x / min(blockDim.x, pieces);
+  const u32 threads_per_row = blockDim.x / rows_per_pass;
   const u32 sub = threadIdx.x / threads_per_row, col0 = threadIdx.x % threads_per_row;
   if (sub >= rows_per_pass) return;  // the few threads that do not fill a whole row
   const u32 row_step = num_workers * rows_per_pass;
@@ -109,9 +118,12 @@ __device__ __forceinline__ void copy_rows(const u8* src, u8* dst, u64 row_bytes,
       RawVec<kVec> v[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k)  // all loads first: kUnroll requests in flight
-        if (k < n)
-          v[k] = kSrcWritten ? ld_plain<kVec>(src + src_off[k] + col)
-                             : ld_nc<kVec>(src + src_off[k] + col);
+        if (k < n) {
+          if constexpr (kSrcWritten)
+            v[k] = ld_plain<kVec>(src + src_off[k] + col);
+          else
+            v[k] = ld_nc<kVec>(src + src_off[k] + col);
+        }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k)
         if (k < n) st_na<kVec>(dst + dst_off[k] + col, v[k]);
@@ -192,13 +204,16 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
   }
 }
 
-// Block i of (W - 1) * R: peer p = (me - 1 - i % (W - 1)) mod W, its worker j = i / (W - 1)
-// (the peer that dealt to us in its first remote block comes first). flags0 / flags1: our
-// flags of parity 0 / 1, [W][R][kFlagWords]; slot0 / slot1 (scale0 / scale1): our receive
-// slots; out / out_scale: the caller's output, or null (copy == 0: a view of the slot was
-// asked for, the block only waits). The call is e = state[0] + 1, parity e % 2. On a timeout or
-// a hash mismatch the block records who (the host raises) and copies nothing; every block
-// counts out either way, so a failed call completes too (the op is failed for good).
+// Assignment i of (W - 1) * R: peer p = (me - 1 - i % (W - 1)) mod W, its worker j = i / (W - 1)
+// (the peer that dealt to us in its first remote block comes first); block b takes the
+// assignments b, b + G, ... of a grid of G <= (W - 1) * R blocks (cuflux/ops/all2all.py caps G
+// at the SMs this rank may take: under MPS, ranks' waiting grids must leave room for the
+// peers' a2a_push). flags0 / flags1: our flags of parity 0 / 1, [W][R][kFlagWords]; slot0 /
+// slot1 (scale0 / scale1): our receive slots; out / out_scale: the caller's output, or null
+// (copy == 0: a view of the slot was asked for, the block only waits). The call is
+// e = state[0] + 1, parity e % 2. On a timeout or a hash mismatch the block records who (the
+// host raises) and copies nothing more; every block counts out either way, so a failed call
+// completes too (the op is failed for good).
 template <int kVec, bool kGather>
 __global__ void __launch_bounds__(kMaxThreads) a2a_recv(
     const u32* flags0, const u32* flags1, const u8* slot0, const u8* slot1,
@@ -209,41 +224,47 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_recv(
   __shared__ int s_ok;
   const u64 epoch = call_epoch(state);
   const bool odd = epoch & 1u;
-  const u32 k = blockIdx.x % (world - 1), j = blockIdx.x / (world - 1);
-  const u32 p = (me + world - 1 - k) % world;
-  if (threadIdx.x == 0) {
-    const WaitSite site{err, err_claim, timeout_ns, op, me};
-    const u32* flag = (odd ? flags1 : flags0) + (static_cast<u64>(p) * remote_blocks + j) * kFlagWords;
-    bool ok = wait_flag_acquire(reinterpret_cast<const u64*>(flag), epoch, site, p, blockIdx.x);
-    if (ok) {
-      const u32 hash = ld_relaxed_sys(flag + kHashWord);  // after the acquire: p's call e hash
-      if (hash != call_hash) {
-        record_error(site, kStatusMismatch, p, hash, call_hash, blockIdx.x);
-        ok = false;
+  const u32 assignments = (world - 1) * remote_blocks;
+  bool ok = true;  // the same in every thread (from s_ok)
+  for (u32 i = blockIdx.x; i < assignments && ok; i += gridDim.x) {
+    const u32 k = i % (world - 1), j = i / (world - 1);
+    const u32 p = (me + world - 1 - k) % world;
+    const u32 index = p * remote_blocks + j;  // the flag's, as the error record names it
+    if (threadIdx.x == 0) {
+      const WaitSite site{err, err_claim, timeout_ns, op, me};
+      const u32* flag = (odd ? flags1 : flags0) + static_cast<u64>(index) * kFlagWords;
+      bool got = wait_flag_acquire(reinterpret_cast<const u64*>(flag), epoch, site, p, index);
+      if (got) {
+        const u32 hash = ld_relaxed_sys(flag + kHashWord);  // after the acquire: p's call e hash
+        if (hash != call_hash) {
+          record_error(site, kStatusMismatch, p, hash, call_hash, index);
+          got = false;
+        }
       }
+      s_ok = got;
     }
-    s_ok = ok;
-  }
-  __syncthreads();  // thread 0's acquire precedes every thread's loads of the slot
-  if (s_ok && copy) {
-    // p's RowMap for target me (a2a_push), read on the destination side only: the rows sit in
-    // our slot exactly where they go in the output.
-    const u64 S = static_cast<u32>(prefix[world]);
-    RowMap map;
-    if (kGather) {  // p's y rows (b, P_me + tok) -> our x rows (b, tok), head group p
-      const u32 n_tok = prefix[me + 1] - prefix[me];
-      const u64 wt = static_cast<u64>(n_tok) * world;
-      map = {n_tok, wt, world, p, wt, world, p};
-    } else {  // p's x rows (b, tok), head group me -> our y rows (b, P_p + tok)
-      const u32 n_tok = prefix[p + 1] - prefix[p];
-      const u64 at = static_cast<u64>(prefix[p]);
-      map = {n_tok, S, 1, at, S, 1, at};
+    __syncthreads();  // thread 0's acquire precedes every thread's loads of the slot
+    ok = s_ok;
+    if (ok && copy) {
+      // p's RowMap for target me (a2a_push), read on the destination side only: the rows sit
+      // in our slot exactly where they go in the output.
+      RowMap map;
+      if constexpr (kGather) {  // p's y rows (b, P_me + tok) -> our x rows (b, tok), group p
+        const u32 n_tok = prefix[me + 1] - prefix[me];
+        const u64 wt = static_cast<u64>(n_tok) * world;
+        map = {n_tok, wt, world, p, wt, world, p};
+      } else {  // p's x rows (b, tok), head group me -> our y rows (b, P_p + tok)
+        const u32 n_tok = prefix[p + 1] - prefix[p];
+        const u64 S = static_cast<u32>(prefix[world]), at = static_cast<u64>(prefix[p]);
+        map = {n_tok, S, 1, at, S, 1, at};
+      }
+      const u32 num_rows = batch * map.n_tok;
+      copy_rows<kVec, true>(odd ? slot1 : slot0, out, row_bytes, num_rows, map, j, remote_blocks);
+      if (scale_cols != 0)
+        copy_rows<4, true>(odd ? slot_scale1 : slot_scale0, out_scale, 4ull * scale_cols,
+                           num_rows, map, j, remote_blocks);
     }
-    const u32 num_rows = batch * map.n_tok;
-    copy_rows<kVec, true>(odd ? slot1 : slot0, out, row_bytes, num_rows, map, j, remote_blocks);
-    if (scale_cols != 0)
-      copy_rows<4, true>(odd ? slot_scale1 : slot_scale0, out_scale, 4ull * scale_cols, num_rows,
-                         map, j, remote_blocks);
+    __syncthreads();  // s_ok is rewritten by the next assignment's wait
   }
   count_out(state, epoch);  // sync.cuh: the last block completes the call's epoch
 }

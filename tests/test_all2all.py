@@ -649,6 +649,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
     op.spec = A.Spec(W, me, 0, 16, 8, 64, dtype_info("bfloat16"), 2)
     op._row_bytes, op.num_blocks, op.w1 = op.spec.row_bytes, 264, "pdl"
     op.grid, op.local_blocks, op.blocks_per_target = A.deal_blocks(264, W)
+    op.recv_grid = 132
     op.buf = SimpleNamespace(ptrs_dev=DeviceArray())
     u = np.uint64
     op._push_slots = tuple(u(i) for i in range(6))
@@ -699,6 +700,48 @@ def _recv_rows(gather, prefix, W, me, p, B):
         return [b * n_tok * W + t * W + p for b in range(B) for t in range(n_tok)]
     n_tok = int(prefix[p + 1] - prefix[p])
     return [b * S + int(prefix[p]) + t for b in range(B) for t in range(n_tok)]
+
+
+def _copy_rows_model(row_bytes, vec, num_rows, worker, num_workers, threads=512, unroll=4):
+    """kernels_cu/all2all.cu copy_rows restated: {row: set of byte offsets} this worker moves."""
+    vecs_per_row = row_bytes // vec
+    pieces = -(-row_bytes // 16)
+    rows_per_pass = threads // min(threads, pieces)
+    threads_per_row = threads // rows_per_pass
+    row_step = num_workers * rows_per_pass
+    got = {}
+    for t in range(threads):
+        sub, col0 = divmod(t, threads_per_row)
+        if sub >= rows_per_pass:
+            continue
+        for r0 in range(worker * rows_per_pass + sub, num_rows, unroll * row_step):
+            for k in range(unroll):
+                r = r0 + k * row_step
+                if r < num_rows:
+                    for c in range(col0, vecs_per_row, threads_per_row):
+                        cols = got.setdefault(r, [])
+                        cols += range(c * vec, (c + 1) * vec)
+    return got
+
+
+@pytest.mark.parametrize("row_bytes", [4, 12, 67, 256, 1000, 8192, 10240, 40000])
+def test_copy_rows_splits_rows_the_same_at_every_vector_width(row_bytes):
+    """Which worker takes which row must not depend on the vector width: a2a_recv on one rank
+    takes the rows a2a_push's worker took on another, and each rank picks its width from its
+    own pointers. Every byte of every row is moved once, by one worker."""
+    num_rows, R = 37, 5
+    split = None
+    for vec in [v for v in (16, 8, 4, 2, 1) if row_bytes % v == 0]:
+        owners, moved = {}, {}
+        for w in range(R):
+            for r, cols in _copy_rows_model(row_bytes, vec, num_rows, w, R).items():
+                assert r not in owners, (vec, r)
+                owners[r] = w
+                moved[r] = sorted(cols)
+        assert sorted(owners) == list(range(num_rows))
+        assert all(moved[r] == list(range(row_bytes)) for r in moved), vec
+        split = split or owners
+        assert owners == split, f"vec {vec} splits the rows differently"
 
 
 @pytest.mark.parametrize("gather", [False, True])

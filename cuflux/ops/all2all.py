@@ -303,6 +303,10 @@ class All2AllHeads(CommOp):
                          f"batch, blocks)")
         self.grid, self.local_blocks, self.blocks_per_target = deal_blocks(self.num_blocks, W)
         flag_rows = max(1, self.blocks_per_target)  # W = 1 raises no flag: one unused row
+        # a2a_recv's grid: its blocks wait, so at most the SMs this rank may take (ranks that
+        # share a GPU concurrently leave each other room for a2a_push, which never waits).
+        self.recv_grid = max(1, min((W - 1) * self.blocks_per_target,
+                                    self.num_sms // self.sharers))
         self.layout = layout = build_layout(self.spec, flag_rows)
         self._alloc(layout)
         mod = kernels.load("all2all.cu", world.device)  # eager: nothing may load while we spin
@@ -525,7 +529,7 @@ class All2AllHeads(CommOp):
         # view: waits only); completes the call's epoch.
         (d0, d1), (s0, s1) = self._copy_slots
         kernels.launch(
-            self._recv[vec, gather], (self.blocks_per_target * (W - 1),), (THREADS,),
+            self._recv[vec, gather], (self.recv_grid,), (THREADS,),
             self._wait_flags + (d0, d1, s0, s1, np.uint64(0 if view else out.data.ptr),
                                 np.uint64(0) if view else out_scale_ptr, self.state,
                                 plan.prefix_dev, np.uint32(me), np.uint32(W), np.uint32(B),
