@@ -37,7 +37,8 @@
 //   start[max_blocks][stride], mid[max_blocks][stride]   u64 epochs; slot [b][p] lives in the
 //                         memory of the rank that waits and is written by rank p's block b.
 //                         64-bit: a block slot the grid does not reach goes unwritten for as
-//                         long as calls stay small, and must never compare as reached.
+//                         long as calls stay small, and must never compare as reached. start
+//                         holds e * kChunkSlots + chunk + 1 (pipelined START, below), mid e.
 //
 // One-shot (small T). Block b of a G-block grid owns rows t = b (mod G) of all T rows.
 //   push those rows to every peer -> START barrier -> reduce them from x and our slots,
@@ -48,10 +49,15 @@
 //   into every peer's tmp_out/tmp_res -> MID barrier -> copy the rows = b of every peer's
 //   slice from our own tmp into out/residual.
 //   kSequenceParallel stops before MID (no all-gather).                    (2 barriers)
+// START is pipelined: a block splits its rows into up to kChunkSlots chunks (the same split of
+// every slice on every rank), pushes chunk c and releases START with e * kChunkSlots + c + 1,
+// then waits for that value minus one from every peer (their chunk c - 1) and reduces chunk
+// c - 1 while chunk c's stores drain. START(e) below is the first of these waits.
 //
 // Why these barriers suffice (calls of one op are stream-ordered on every rank):
-//   * START(e) releases the rows this block pushed into the peer's stage in call e; MID(e)
-//     the rows it pushed into the peer's tmp.
+//   * START(e, c) releases the rows of chunk c this block pushed into the peer's stage in call
+//     e (and, its values only growing, every chunk before); MID(e) the rows it pushed into the
+//     peer's tmp. The values of call e exceed every value of call e-1 (at most e*kChunkSlots).
 //   * A block passing any barrier of call e has heard from every peer's kernel e, so every
 //     peer's kernel e-1 is complete. Hence, in call e: pushing into a peer's stage[e & 1] is
 //     safe (its last reader, the peer's kernel e-2, is complete because this rank's kernel e-1
@@ -81,6 +87,13 @@ enum : int { kPlain = 0, kReplicated = 1, kShardedResidual = 2, kSequenceParalle
 constexpr bool is_norm(int mode) { return mode >= kReplicated && mode <= kSequenceParallel; }
 constexpr int kLoadBatch = 8;  // rank loads of one vector issued before any is added (W > 1)
 constexpr int kCopyBatch = 4;  // vectors per thread in flight in row copies
+// A call's rows, per block, go in up to kChunkSlots chunks of at least kRowsPerChunk rows: the
+// block pushes chunk c, releases START with value e * kChunkSlots + c + 1, then waits for the
+// peers' chunk c - 1 and reduces it while chunk c's stores drain (the push and the reduction
+// overlap instead of running one after the other).
+constexpr int kChunkSlots = 8;
+constexpr int kRowsPerChunk = 4;
+constexpr int kAllIters = 0x7fffffff;  // an iteration range with no upper end
 
 struct Slice {
   int start, stop;
@@ -118,18 +131,20 @@ __device__ __forceinline__ RawVec<kBytes> pack_from(const float (&v)[kBytes / si
   return r;
 }
 
-// Copy the rows t = s.start + b + i*G (i >= 0, t < s.stop) from src (indexed by global row)
-// to dst (indexed by global row, less dst_shift elements: a stage slot of slice rows),
-// kCopyBatch vectors per thread in flight. kSrcLocal: src is the caller's read-only input
-// (non-coherent path); else memory written during the kernel (coherent loads).
+// Copy the rows t = s.start + b + i*G (it0 <= i < it1, t < s.stop) from src (indexed by
+// global row) to dst (indexed by global row, less dst_shift elements: a stage slot of slice
+// rows), kCopyBatch vectors per thread in flight. kSrcLocal: src is the caller's read-only
+// input (non-coherent path); else memory written during the kernel (coherent loads).
 template <typename T, int kBytes, bool kSrcLocal>
 __device__ __forceinline__ void copy_rows(T* dst, const T* src, Slice s, int cols,
-                                          long long num_elems, long long dst_shift = 0) {
+                                          long long num_elems, long long dst_shift = 0,
+                                          int it0 = 0, int it1 = kAllIters) {
   constexpr int kElems = kBytes / sizeof(T);
-  const int first = s.start + blockIdx.x;
-  if (first >= s.stop) return;
+  const int first = s.start + blockIdx.x + it0 * static_cast<int>(gridDim.x);
+  if (first >= s.stop || it1 <= it0) return;
   // 32-bit indices: the op keeps max_elems < 2^31 (cuflux/ops/allreduce.py).
-  const int num_rows = (s.stop - first + gridDim.x - 1) / gridDim.x;
+  const int num_rows = min((s.stop - first + static_cast<int>(gridDim.x) - 1) /
+                               static_cast<int>(gridDim.x), it1 - it0);
   const int vecs_per_row = cols / kElems;
   const int total = num_rows * vecs_per_row;
   for (int i0 = threadIdx.x; i0 < total; i0 += blockDim.x * kCopyBatch) {
@@ -161,7 +176,7 @@ __device__ __forceinline__ void push_to_peers(const u64* s_base, u64 region_off,
     st_na<kVecBytes>(reinterpret_cast<T*>(s_base[(me + i) % W] + region_off) + off, v);
 }
 
-// Phase 1 for the rows t = s.start + blockIdx.x + i*gridDim.x of slice s: sum rank 0..W-1's
+// Phase 1 for the rows t = s.start + blockIdx.x + i*gridDim.x (it0 <= i < it1) of slice s: sum rank 0..W-1's
 // row (this rank's from x, peer p's from the byte address s_src[p] + element offset * size,
 // our own stage slot for p), then either store the sum (kPlain) or add the residual, store it
 // back, and normalise with one block reduction per row. publish: also push finished rows
@@ -173,10 +188,11 @@ __device__ __forceinline__ void reduce_rows(
     const T* __restrict__ x, T* __restrict__ out, T* __restrict__ residual,
     const T* __restrict__ weight, const u64* s_src, const u64* s_base, u64 tmp_out_off,
     u64 tmp_res_off, bool publish, Slice s, int cols, long long num_elems, int W, int me,
-    float eps, float* s_h, float* s_scratch) {
+    float eps, float* s_h, float* s_scratch, int it0 = 0, int it1 = kAllIters) {
   constexpr int kElems = kVecBytes / sizeof(T);
   constexpr bool kNorm = is_norm(kMode);
-  for (int t = s.start + blockIdx.x; t < s.stop; t += gridDim.x) {
+  const int G = static_cast<int>(gridDim.x);
+  for (int i = it0, t = s.start + blockIdx.x + it0 * G; i < it1 && t < s.stop; ++i, t += G) {
     const long long row = static_cast<long long>(t) * cols;
     const int nvec = static_cast<int>(min(static_cast<long long>(cols), num_elems - row) / kElems);
     // Sequence-parallel outputs hold only this rank's slice.
@@ -295,24 +311,42 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
   __syncthreads();
   const bool publish = kTwoShot && kMode != kSequenceParallel && kMode != kReduceScatter && W > 1;
 
-  bool ok = s_failed == 0;
-  if (!kHalf2 && W > 1 && ok) {
-    // Phase 0: push to each peer q the rows q's block b will reduce (one-shot: this block's
-    // rows of all; two-shot: this block's rows of q's slice), into q's slot for this rank.
-    for (int i = 1; i < W; ++i) {
-      const int q = (me + i) % W;
-      const Slice sq = kTwoShot ? token_slice(rows, W, q) : all;
-      T* slot = reinterpret_cast<T*>(s_base[q] + stage_now +
-                                     static_cast<u64>((me - q - 1 + W) % W) * slot_bytes);
-      copy_rows<T, kVecBytes, true>(slot, x, sq, cols, num_elems,
-                                    static_cast<long long>(sq.start) * cols);
+  bool ok = s_failed == 0;  // the same in every thread (s_failed, after a __syncthreads)
+  if (!kHalf2) {
+    // Phases 0 and 1, pipelined by chunks of this block's rows. Block b's rows of a slice are
+    // the iterations i of t = slice start + b + i*G; chunk c is i in [c*ipc, (c+1)*ipc), the
+    // same split of every slice on every rank (n_iter is a function of rows, W and G).
+    const int slice_rows = kTwoShot ? (rows + W - 1) / W : rows;
+    const int n_iter = (slice_rows + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
+    const int chunks = max(1, min(kChunkSlots, n_iter / kRowsPerChunk));
+    const int ipc = (n_iter + chunks - 1) / chunks;
+    const u64 v0 = e * kChunkSlots;  // START values of call e: v0 + 1 .. v0 + chunks
+    for (int c = 0; c <= chunks && ok; ++c) {
+      if (c < chunks && W > 1) {
+        // Phase 0, chunk c: push to each peer q the rows q's block b will reduce (one-shot:
+        // this block's rows of all; two-shot: this block's rows of q's slice), into q's slot
+        // for this rank; then release them.
+        for (int i = 1; i < W; ++i) {
+          const int q = (me + i) % W;
+          const Slice sq = kTwoShot ? token_slice(rows, W, q) : all;
+          T* slot = reinterpret_cast<T*>(s_base[q] + stage_now +
+                                         static_cast<u64>((me - q - 1 + W) % W) * slot_bytes);
+          copy_rows<T, kVecBytes, true>(slot, x, sq, cols, num_elems,
+                                        static_cast<long long>(sq.start) * cols, c * ipc,
+                                        (c + 1) * ipc);
+        }
+        block_release(s_base, start_off, flag_stride, W, me, v0 + c + 1);
+      }
+      if (c >= 1) {
+        // Phase 1, chunk c - 1 (kReduceScatter: the op passes this rank's tmp_out as out).
+        if (W > 1) ok = block_wait(s_base, start_off, flag_stride, W, me, v0 + c, site, 0,
+                                   &s_failed);
+        if (ok)
+          reduce_rows<T, kVecBytes, kMode, kLoadBatch>(
+              x, out, residual, weight, s_src, s_base, tmp_out_off, tmp_res_off, publish, mine,
+              cols, num_elems, W, me, eps, s_h, s_scratch, (c - 1) * ipc, c * ipc);
+      }
     }
-    ok = block_barrier(s_base, start_off, flag_stride, W, me, e, site, 0, &s_failed);
-  }
-  if (!kHalf2 && ok) {  // kReduceScatter: the op passes this rank's tmp_out as out
-    reduce_rows<T, kVecBytes, kMode, kLoadBatch>(x, out, residual, weight, s_src, s_base,
-                                                 tmp_out_off, tmp_res_off, publish, mine, cols,
-                                                 num_elems, W, me, eps, s_h, s_scratch);
   }
   // Phase 2 (two-shot all-gather). kAllGather first pushes this rank's share (its slice of its
   // own tmp_out, rewritten between the halves) into every peer's tmp_out; the full call pushed

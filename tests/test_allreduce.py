@@ -765,6 +765,32 @@ def test_pushed_rows_land_where_their_reducer_reads_them(W, two_shot):
         assert reads == len(stage)  # every pushed element is read, once
 
 
+@pytest.mark.parametrize("W", [1, 2, 3, 8])
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_start_chunks_cover_every_row_of_every_block_once(W, two_shot):
+    """The pipelined START (kernels_cu/allreduce.cu, kChunkSlots / kRowsPerChunk restated):
+    chunk c of a block is iterations [c * ipc, (c + 1) * ipc) of its rows in a slice; every row
+    of every slice falls in exactly one chunk below `chunks` <= 8, the same on every rank."""
+    slots, per_chunk = 8, 4
+    for rows in (1, 2, 7, 33, 100, 1000, 8192):
+        for G in (1, 3, 32, 132):
+            slice_rows = -(-rows // W) if two_shot else rows
+            n_iter = -(-slice_rows // G)
+            chunks = max(1, min(slots, n_iter // per_chunk))
+            ipc = -(-n_iter // chunks) if n_iter else 0
+            assert chunks <= slots and chunks * ipc >= n_iter
+            for q in range(W):
+                start, stop = token_slice(rows, W, q) if two_shot else (0, rows)
+                seen = []
+                for b in range(G):
+                    for c in range(chunks):
+                        for i in range(c * ipc, (c + 1) * ipc):
+                            t = start + b + i * G
+                            if t < stop:
+                                seen.append(t)
+                assert sorted(seen) == list(range(start, stop)), (rows, G, q)
+
+
 def test_a_one_shot_override_past_the_stage_is_refused():
     op = object.__new__(AllReduce)
     op.op, op.world = "AllReduce", SimpleNamespace(size=4, rank=0)
