@@ -85,7 +85,10 @@ enum : int { kPlain = 0, kReplicated = 1, kShardedResidual = 2, kSequenceParalle
              kReduceScatter = 4, kAllGather = 5 };
 // Modes that add a residual and normalise (the others only sum).
 constexpr bool is_norm(int mode) { return mode >= kReplicated && mode <= kSequenceParallel; }
-constexpr int kLoadBatch = 8;  // rank loads of one vector issued before any is added (W > 1)
+// Rank loads of one vector issued before any is added (W > 1). They are local since the push:
+// 4 in flight suffice, and 8 made every 16-byte kernel spill under the 64-register cap of
+// 1024-thread blocks (ptxas -v).
+constexpr int kLoadBatch = 4;
 constexpr int kCopyBatch = 4;  // vectors per thread in flight in row copies
 // A call's rows, per block, go in up to kChunkSlots chunks of at least kRowsPerChunk rows: the
 // block pushes chunk c, releases START with value e * kChunkSlots + c + 1, then waits for the
@@ -318,14 +321,19 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
     // same split of every slice on every rank (n_iter is a function of rows, W and G).
     const int slice_rows = kTwoShot ? (rows + W - 1) / W : rows;
     const int n_iter = (slice_rows + static_cast<int>(gridDim.x) - 1) / static_cast<int>(gridDim.x);
-    const int chunks = max(1, min(kChunkSlots, n_iter / kRowsPerChunk));
-    const int ipc = (n_iter + chunks - 1) / chunks;
+    const int ipc0 = (n_iter + kChunkSlots - 1) / kChunkSlots;  // at most kChunkSlots chunks
+    const int ipc = max(kRowsPerChunk, ipc0);  // of at least kRowsPerChunk iterations
+    const int chunks = max(1, (n_iter + ipc - 1) / ipc);  // no empty trailing chunk
     const u64 v0 = e * kChunkSlots;  // START values of call e: v0 + 1 .. v0 + chunks
+    // Push chunk c, then wait for and reduce chunk c - 1, then release chunk c: the release's
+    // system fence (warp 0 holds the releasing threads) then finds chunk c's stores drained by
+    // the reduction instead of stalling the block on them. Deadlock-free: chunk 0 is released
+    // before any wait, and the wait for chunk c - 1 needs only the peers' release of it.
     for (int c = 0; c <= chunks && ok; ++c) {
       if (c < chunks && W > 1) {
         // Phase 0, chunk c: push to each peer q the rows q's block b will reduce (one-shot:
         // this block's rows of all; two-shot: this block's rows of q's slice), into q's slot
-        // for this rank; then release them.
+        // for this rank.
         for (int i = 1; i < W; ++i) {
           const int q = (me + i) % W;
           const Slice sq = kTwoShot ? token_slice(rows, W, q) : all;
@@ -335,7 +343,6 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
                                         static_cast<long long>(sq.start) * cols, c * ipc,
                                         (c + 1) * ipc);
         }
-        block_release(s_base, start_off, flag_stride, W, me, v0 + c + 1);
       }
       if (c >= 1) {
         // Phase 1, chunk c - 1 (kReduceScatter: the op passes this rank's tmp_out as out).
@@ -346,6 +353,8 @@ __global__ void __launch_bounds__(1024) allreduce_rmsnorm(
               x, out, residual, weight, s_src, s_base, tmp_out_off, tmp_res_off, publish, mine,
               cols, num_elems, W, me, eps, s_h, s_scratch, (c - 1) * ipc, c * ipc);
       }
+      if (c < chunks && W > 1 && ok)
+        block_release(s_base, start_off, flag_stride, W, me, v0 + c + 1);
     }
   }
   // Phase 2 (two-shot all-gather). kAllGather first pushes this rank's share (its slice of its

@@ -776,9 +776,10 @@ def test_start_chunks_cover_every_row_of_every_block_once(W, two_shot):
         for G in (1, 3, 32, 132):
             slice_rows = -(-rows // W) if two_shot else rows
             n_iter = -(-slice_rows // G)
-            chunks = max(1, min(slots, n_iter // per_chunk))
-            ipc = -(-n_iter // chunks) if n_iter else 0
+            ipc = max(per_chunk, -(-n_iter // slots))
+            chunks = max(1, -(-n_iter // ipc))
             assert chunks <= slots and chunks * ipc >= n_iter
+            assert n_iter == 0 or (chunks - 1) * ipc < n_iter  # no empty trailing chunk
             for q in range(W):
                 start, stop = token_slice(rows, W, q) if two_shot else (0, rows)
                 seen = []

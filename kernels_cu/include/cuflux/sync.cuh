@@ -221,15 +221,23 @@ __device__ __forceinline__ bool block_wait(const u64* s_base, u64 flags_off, int
                                            int world_size, int me, u64 value,
                                            const WaitSite& site, int which, int* s_failed) {
   const int b = blockIdx.x;
+  int failed = 0;
   for (int p = threadIdx.x; p < world_size; p += blockDim.x) {
     if (p == me) continue;
     const u64* slot =
         reinterpret_cast<const u64*>(s_base[me] + flags_off) + static_cast<u64>(b) * stride + p;
     const u32 index = static_cast<u32>((which * gridDim.x + b) * world_size + p);
-    if (!wait_flag_acquire(slot, value, site, p, index)) *s_failed = 1;
+    if (!wait_flag_acquire(slot, value, site, p, index)) failed = 1;
   }
-  __syncthreads();  // the acquires precede every thread's loads after the barrier
-  return *reinterpret_cast<volatile int*>(s_failed) == 0;
+  // The acquires precede every thread's loads after the barrier. The verdict comes out of the
+  // barrier itself, the same in every thread: read from shared memory, a thread could see a
+  // later wait's failure (a block that waits again with no barrier between, allreduce.cu's
+  // last chunk) and leave the block's barriers out of step.
+  if (__syncthreads_or(failed)) {
+    if (threadIdx.x == 0) *s_failed = 1;
+    return false;
+  }
+  return true;
 }
 
 __device__ __forceinline__ bool block_barrier(const u64* s_base, u64 flags_off, int stride,
