@@ -229,6 +229,46 @@ def test_wide_rows_misaligned_views_streams_torch(W):
 
 
 @on_ranks
+def one_rank_misaligned(world, seed):
+    """Only rank 0's input sits 2 bytes past an aligned address (2-byte vectors there, 16-byte
+    ones on the other ranks), with 256-byte rows, narrower than a block: every receive block
+    must still copy exactly the rows its peer's push worker wrote (copy_rows splits rows the
+    same at every vector width). Scatter, then gather back, each exact."""
+    import cupy
+
+    W, me = world.size, world.rank
+    H, D = 2 * W, 64  # hpr * D * 2 bytes = 256-byte rows
+
+    def placed(host):  # rank 0: a contiguous copy 2 bytes past a 16-byte boundary
+        if me != 0:
+            return cupy.asarray(host)
+        big = cupy.empty(host.size + 1, dtype=host.dtype)
+        arr = big[1:].reshape(host.shape)
+        arr[...] = cupy.asarray(host)
+        assert arr.data.ptr % 16 == 2
+        return arr
+
+    with All2AllHeads(world, 40, H, D, "bfloat16", timeout_s=60) as op:
+        for k in range(2):
+            tokens = _tokens(W, 40, seed, 80, k)
+            xs = [_data((1, tokens[r], H, D), "bfloat16", seed, 80, k, r) for r in range(W)]
+            ys = reference_scatter_heads(xs, tokens, W)
+            s = cupy.cuda.Stream(non_blocking=True)
+            with s:  # inputs made on the stream that uses them
+                x, y_in = placed(xs[me]), placed(ys[me])
+            y = op.scatter_heads(x, tokens, stream=s)
+            back = op.gather_heads(y_in, tokens, stream=s)
+            op.synchronize(stream=s)
+            _same_bits(y, ys[me], f"scatter, rank {me} of {W}, rank 0 misaligned, call {k}")
+            _same_bits(back, xs[me], f"gather, rank {me} of {W}, rank 0 misaligned, call {k}")
+    return True
+
+
+test_one_rank_misaligned_with_narrow_rows = one_rank_misaligned.test(
+    expect=True, sizes=[w for w in WS if w > 1], timeout_s=240, seed=fresh_seed)
+
+
+@on_ranks
 def errors(world, seed):
     """Bad input raises before any launch and writes nothing to any peer."""
     import cupy

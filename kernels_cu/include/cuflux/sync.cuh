@@ -3,7 +3,9 @@
 // Rules every kernel follows (DESIGN.md section 3):
 //   writer: data stores, then st_release_sys(flag, epoch)  -> the data is visible before the flag;
 //   reader: wait_flag_acquire(flag, epoch, ...) then reads  -> reads see what the writer stored.
-// Flags are epoch counters (call i writes i) and are compared with wrap-around arithmetic, so
+// Flags are epoch counters (call i writes i; AllReduce's START slots i * 8 + chunk + 1, still
+// growing call to call: a timeout's record then shows those values, not the epoch) and are
+// compared with wrap-around arithmetic, so
 // nothing resets them between calls. Two widths: 32-bit flags for ops whose host counts the
 // calls (CommOp re-arms them every 2^30 calls, long before a stale slot could compare as
 // reached at 2^31), 64-bit flags for ops whose epoch lives in device memory (AllReduce,
