@@ -43,8 +43,9 @@
 //   scale0, scale1  f32 [batch*max_tokens*H]  receive slots of the scales
 //   flags           u32 [2][W][R][kFlagWords] flags[e % 2][p][j], 128 bytes each: words 0-1 = the
 //                   u64 epoch of the call whose rows block j of sender p has written here, word
-//                   2 = that call's hash; R = blocks each sender deals to each peer. 64-bit: the epoch lives on the
-//                   device (nothing could re-arm under a replayed graph), and a slot of a block
+//                   2 = that call's hash; R = blocks each sender deals to each peer. 64-bit:
+//                   the epoch lives on the device (nothing could re-arm under a replayed
+//                   graph), and a slot of a block
 //                   a small grid does not reach must never compare as reached, however long.
 // Sync points. Double buffering instead of a start barrier: call e uses slot and flags e % 2.
 //   The epoch lives in device memory (state = [calls completed, blocks finished], completed by

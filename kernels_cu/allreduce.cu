@@ -179,13 +179,13 @@ __device__ __forceinline__ void push_to_peers(const u64* s_base, u64 region_off,
     st_na<kVecBytes>(reinterpret_cast<T*>(s_base[(me + i) % W] + region_off) + off, v);
 }
 
-// Phase 1 for the rows t = s.start + blockIdx.x + i*gridDim.x (it0 <= i < it1) of slice s: sum rank 0..W-1's
-// row (this rank's from x, peer p's from the byte address s_src[p] + element offset * size,
-// our own stage slot for p), then either store the sum (kPlain) or add the residual, store it
-// back, and normalise with one block reduction per row. publish: also push finished rows
-// into every peer's tmp_out (and the new residual into its tmp_res) for the two-shot
-// all-gather. kBatch: rank loads in flight per vector; 1 for the local kernel (W = 1), which
-// keeps it at few registers, hence full occupancy.
+// Phase 1 for the rows t = s.start + blockIdx.x + i*gridDim.x (it0 <= i < it1) of slice s:
+// sum rank 0..W-1's row (this rank's from x, peer p's from the byte address s_src[p] +
+// element offset * size, our own stage slot for p), then either store the sum (kPlain) or add
+// the residual, store it back, and normalise with one block reduction per row. publish: also
+// push finished rows into every peer's tmp_out (and the new residual into its tmp_res) for the
+// two-shot all-gather. kBatch: rank loads in flight per vector; 1 for the local kernel
+// (W = 1), which keeps it at few registers, hence full occupancy.
 template <typename T, int kVecBytes, int kMode, int kBatch>
 __device__ __forceinline__ void reduce_rows(
     const T* __restrict__ x, T* __restrict__ out, T* __restrict__ residual,

@@ -785,7 +785,8 @@ def test_copy_rows_splits_rows_the_same_at_every_vector_width(row_bytes):
 
 
 @pytest.mark.parametrize("gather", [False, True])
-@pytest.mark.parametrize("tokens", [(3,), (4, 0), (2, 5, 1), (0, 0, 7, 1), (1, 1, 1, 1, 9, 0, 2, 3)])
+@pytest.mark.parametrize("tokens", [(3,), (4, 0), (2, 5, 1), (0, 0, 7, 1),
+                                    (1, 1, 1, 1, 9, 0, 2, 3)])
 def test_each_recv_block_copies_what_its_peer_pushed(gather, tokens):
     """a2a_recv's block for peer p recomputes p's RowMap for this rank from the destination side:
     its rows are the ones p pushed (the same order, so the same split among workers), and with

@@ -3,11 +3,11 @@ the peers' symmetric memory; every load is local).
 
 The kernel and its protocol (one-shot / two-shot, staging, barriers, why no end barrier) are
 described at the top of kernels_cu/allreduce.cu. This module owns, per op: the symmetric
-buffer (a stage slot per sender, sized by `stage_slot`; tmp rows; start/mid epoch flags), the device epoch counter, the error record
-and the compiled kernels; it checks arguments before any launch, plans each launch (vector
-width, block, grid), and holds the one place where one-shot vs two-shot is decided
-(`choose_algo`). The NumPy float64 golden models live here too (`reference_allreduce`,
-`reference_allreduce_rmsnorm`).
+buffer (a stage slot per sender, sized by `stage_slot`; tmp rows; start/mid epoch flags), the
+device epoch counter, the error record and the compiled kernels; it checks arguments before
+any launch, plans each launch (vector width, block, grid), and holds the one place where
+one-shot vs two-shot is decided (`choose_algo`). The NumPy float64 golden models live here too
+(`reference_allreduce`, `reference_allreduce_rmsnorm`).
 
 Calls never synchronise the host (the epoch lives in device memory), so they can be captured
 in a CUDA graph and replayed. Calls of one op must be ordered on each rank (one stream, or
@@ -30,8 +30,8 @@ from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
 __all__ = ["AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "choose_algo", "token_slice",
-           "plan_launch", "default_max_blocks", "stage_slot", "plain_share", "reference_allreduce", "reference_allreduce_rmsnorm",
-           "MODES"]
+           "plan_launch", "default_max_blocks", "stage_slot", "plain_share",
+           "reference_allreduce", "reference_allreduce_rmsnorm", "MODES"]
 
 _SRC = "allreduce.cu"
 DTYPES = ("bfloat16", "float16", "float32")
@@ -102,9 +102,10 @@ def token_slice(rows: int, world_size: int, rank: int) -> tuple[int, int]:
 
 # The crossover, the one place it lives. One-shot: every rank pushes all its rows to every
 # peer, (W - 1) * B bytes out (and in), one barrier; it also needs a stage slot of the whole
-# call per sender (stage_slot), so a large one-shot costs (W - 1) x its size in memory. Two-shot: (W - 1) / W * B for the reduce-scatter,
-# plus (W - 1) / W * B per gathered tensor (out; out and residual when replicated), and a second
-# barrier (~ a few microseconds of NVLink round trip). So one-shot always wins for W = 2 (plain)
+# call per sender (stage_slot), so a large one-shot costs (W - 1) x its size in memory.
+# Two-shot: (W - 1) / W * B for the reduce-scatter, plus (W - 1) / W * B per gathered tensor
+# (out; out and residual when replicated), and a second barrier (~ a few microseconds of
+# NVLink round trip). So one-shot always wins for W = 2 (plain)
 # and W <= 3 (replicated: two-shot gathers two tensors); above that only below a size where
 # the extra barrier costs more than the extra bytes. Byte limits are per rank's x; the values
 # follow vLLM's measured custom all-reduce thresholds (512 KiB at W <= 4, 256 KiB at W <= 8)
