@@ -37,6 +37,9 @@
 # the sanitize group runs: which tools, at which world sizes, for how many seconds each.
 # A cubin cache compiled elsewhere with the same NVRTC (bash scripts/precompile.sh) can be
 # carried in .cubins/; cubins compiled here come back in $OUT/logs.tgz under cubins/.
+# Everything comes back in $OUT/logs.tgz alone (the device tool returns at most 8 files):
+# give each run of this script in one call its own OUT ($OUT/a, $OUT/b, ...);
+# CUFLUX_KEEP_LOGS=1 keeps the loose logs beside the archive.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
@@ -132,6 +135,9 @@ finish() {
     [ -e "$f" ] || continue; echo "##### $f"
     grep -E "^=== |passed|failed|FAILED|Error| us$|^soak |^small |\"ok\"|ERROR SUMMARY" "$f" | tail -30; done
   [ -e "$B" ] && { echo "##### bench"; grep -vE "^\s*$" "$B" | cut -c1-220 | tail -70; }
+  # The device tool returns at most 8 files from $OUT: keep the archive alone (every log and
+  # JSON is in it; `tar -xzf logs.tgz` here), so several runs of this script fit in one call.
+  [ "${CUFLUX_KEEP_LOGS:-0}" = 1 ] || rm -rf "$L"
 }
 
 sweep
