@@ -304,8 +304,9 @@ class All2AllHeads(CommOp):
         self.grid, self.local_blocks, self.blocks_per_target = deal_blocks(self.num_blocks, W)
         flag_rows = max(1, self.blocks_per_target)  # W = 1 raises no flag: one unused row
         # a2a_recv's grid: its blocks wait, so at most the SMs this rank may take (ranks that
-        # share a GPU concurrently leave each other room for a2a_push, which never waits).
-        self.recv_grid = max(1, min((W - 1) * self.blocks_per_target,
+        # share a GPU concurrently leave each other room for a2a_push, which never waits), and
+        # no more than the SMs the copy kernels were given (num_sms).
+        self.recv_grid = max(1, min((W - 1) * self.blocks_per_target, int(num_sms),
                                     self.num_sms // self.sharers))
         self.layout = layout = build_layout(self.spec, flag_rows)
         self._alloc(layout)
