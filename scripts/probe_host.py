@@ -186,10 +186,16 @@ def main():
     ops["cupy.matmul 128x8192x8192 nk, stream s"] = lambda: _on(s, lambda: cupy.matmul(a, w.T))
     for label, fn in ops.items():
         row(f"user loop: {label}", user_loop(fn))
-    os.environ["CUFLUX_GEMM_CUBLASLT"] = "1"  # gemm's cuBLAS route through cublasLt's plan
+    # The loop above took gemm's default cuBLAS route (cublasLt); the same calls through
+    # cublasGemmEx, beside it. The caller's own setting of the knob is put back.
+    saved = os.environ.get("CUFLUX_GEMM_CUBLASLT")
+    os.environ["CUFLUX_GEMM_CUBLASLT"] = "0"
     for label in [k for k in ops if k.startswith("gemm")]:
-        row(f"user loop: {label} (cublasLt)", user_loop(ops[label]))
-    del os.environ["CUFLUX_GEMM_CUBLASLT"]
+        row(f"user loop: {label} (cublasGemmEx)", user_loop(ops[label]))
+    if saved is None:
+        del os.environ["CUFLUX_GEMM_CUBLASLT"]
+    else:
+        os.environ["CUFLUX_GEMM_CUBLASLT"] = saved
     for label, fn in ops.items():
         if "only" in label or "gemm" in label:
             continue

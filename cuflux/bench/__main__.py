@@ -66,14 +66,14 @@ REGIME_ROUNDS = 3  # rounds of interleaved regimes when an op is measured beside
 
 def measure_regimes(variants, stream, *, calls: int, world=None, graph: bool = True,
                     prefix: str = "", notes: list | None = None, what: str = "",
-                    rounds: int | None = None, after=None) -> dict:
+                    after=None) -> dict:
     """common.regimes of an op and its baselines on every rank of `world` (None: this rank
     alone), as {prefix + "user_loop_ms", prefix + "host_us", prefix + "graph_ms"} per variant,
     each the slowest rank's.
 
     `variants`: one callable (its columns named with `prefix`, `what` in notes), or a list of
-    (prefix, fn, what); a None fn is left out. Several variants are measured in `rounds`
-    (default: REGIME_ROUNDS rounded up to a multiple of the variant count) interleaved rounds,
+    (prefix, fn, what); a None fn is left out. Several variants are measured in REGIME_ROUNDS
+    rounded up to a multiple of the variant count interleaved rounds,
     each variant's regimes once a round in an order rotated round to round, and each figure is
     the median over the rounds: the GPU's clock
     drifts between blocks of timing (a cuBLAS call timed in the block after its rival's read
@@ -97,7 +97,7 @@ def measure_regimes(variants, stream, *, calls: int, world=None, graph: bool = T
     # A multiple of the variant count: each variant as often in each position of the rotated
     # order (two variants over three rounds put one first twice, and its median in that spot).
     n = len(variants)
-    rounds = rounds or (-(-REGIME_ROUNDS // n) * n if n > 1 else 1)
+    rounds = -(-REGIME_ROUNDS // n) * n if n > 1 else 1
     barrier = world.barrier if world is not None and world.size > 1 else None
     runs: dict[str, list[dict]] = {p: [] for p, _, _ in variants}
     for r in range(rounds):

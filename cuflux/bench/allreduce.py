@@ -80,7 +80,7 @@ def run(world, args):
     measured = speed_measured(W, shared_gpu)
     ceiling = copy_bandwidth_gbps() if me == 0 else None
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
-    link = max(world.allgather(peer_copy_gbps(world))) if W > 1 and not shared_gpu else None
+    link = peer_copy_gbps(world) if W > 1 and not shared_gpu else None
     world.barrier()
     Ts = [1, 128, 1024, 8192] if args.quick else [1, 16, 128, 512, 1024, 2048, 4096, 8192]
     rows = []
