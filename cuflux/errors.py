@@ -276,8 +276,10 @@ class ErrorRecord:
         if w[STATUS] == STATUS_PEER_FAILED:
             raise PeerFailedError(name, w[RANK], w[PEER], self.timeout_s,
                                   -1 if self.board is None else self.board.told())
-        detail = self.host_detail or (f"flag {w[INDEX]}: observed epoch {w[OBSERVED]}, "
-                                      f"expected {w[EXPECTED]}")
+        # Flags hold epochs (AllReduce's START slots e * 8 + chunk + 1: kernels_cu/sync.cuh),
+        # low 32 bits.
+        detail = self.host_detail or (f"flag {w[INDEX]}: observed {w[OBSERVED]}, "
+                                      f"expected {w[EXPECTED]} (low 32 bits)")
         raise CommTimeoutError(name, w[RANK], w[PEER], self.timeout_s, detail)
 
     def abort(self) -> None:

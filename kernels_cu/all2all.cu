@@ -10,7 +10,7 @@
 // (row_bytes = hpr * D * itemsize), so a row is the unit of work. Optional fp32 scales (per token,
 // or per token and head) are rows too (1 or hpr floats) and move the same way.
 //
-// Push model, up to three kernels per call on the caller's stream:
+// Push model, two kernels per call on the caller's stream (one at W = 1):
 //   a2a_push<V, gather>: the first L blocks copy this rank's own rows (a local copy at HBM
 //     speed), the other R * (W - 1) serve the peers, R each, block L + i going to peer
 //     (me + 1 + i % (W - 1)) % W (rank-offset order: the senders do not all hit one peer at
@@ -21,30 +21,38 @@
 //     Rows for t == me go straight to the caller's output (one pass over the data at W = 1);
 //     rows for a peer go into the peer's receive slot through its IPC pointer, already in the
 //     output's layout. Then each block raises its flag in the target's memory.
-//   a2a_wait (one block, W > 1): bounded acquire-waits on the flags of every peer block dealt to
-//     this rank, and checks the call hash each sender stored beside its flag.
-//   a2a_copy_out<V> (W > 1, unless the caller asked for a view of the slot): copies the peers'
-//     rows from our slot into the output. It has no waits (it runs after a2a_wait on the stream),
-//     so no grid size can deadlock against peers that share the GPU.
+//   a2a_recv<V, gather> (W > 1): an assignment per (peer p, worker j) that dealt rows to us,
+//     R per peer, over a grid of at most this rank's SMs. For each, the block waits (bounded,
+//     acquire) for the flag of p's block j alone, checks the call hash p stored beside it,
+//     then copies the rows that block pushed from our slot into the output (unless the caller
+//     asked for a view of the slot): the same rows, the same split among workers (copy_rows:
+//     independent of the vector width), recomputed from p's side (its RowMap with target =
+//     us), so a chunk leaves the slot as soon as its own flag lands. Its waits are only on
+//     flags the peers' a2a_push raises, and a2a_push never waits: on distinct GPUs, or ranks
+//     time-slicing one, nothing can deadlock; ranks sharing a GPU concurrently (MPS) keep
+//     SMs free for each other's a2a_push by the grid cap. The last block to finish completes
+//     the call's epoch (sync.cuh count_out).
 //   a2a_copy_w1 (W = 1, 16-byte aligned): input and output have the same layout: one pass, one
 //     16-byte vector a thread, launched with programmatic dependent launch (below).
 // Remote buffers: the peers' receive slots and flags are written; nothing remote is ever read.
-// Reads are local only (x or y of the caller, our own slot) and use the read-only path.
+// Reads are local only: x or y of the caller through the read-only path, our own slot (which
+// peers write while a2a_recv runs) through coherent loads.
 //
 // Symmetric layout (built by cuflux/ops/all2all.py:build_layout, regions 128-byte aligned):
 //   data0, data1    u8  [slot_bytes]          receive slots, batch*max_tokens*H*D*itemsize bytes
 //   scale0, scale1  f32 [batch*max_tokens*H]  receive slots of the scales
 //   flags           u32 [2][W][R][kFlagWords] flags[e % 2][p][j], 128 bytes each: words 0-1 = the
 //                   u64 epoch of the call whose rows block j of sender p has written here, word
-//                   2 = that call's hash; R = blocks each sender deals to each peer. 64-bit: the epoch lives on the
-//                   device (nothing could re-arm under a replayed graph), and a slot of a block
+//                   2 = that call's hash; R = blocks each sender deals to each peer. 64-bit:
+//                   the epoch lives on the device (nothing could re-arm under a replayed
+//                   graph), and a slot of a block
 //                   a small grid does not reach must never compare as reached, however long.
 // Sync points. Double buffering instead of a start barrier: call e uses slot and flags e % 2.
-//   The epoch lives in device memory (state[0], completed by a2a_wait), so calls captured in a
-//   CUDA graph replay with fresh epochs.
+//   The epoch lives in device memory (state = [calls completed, blocks finished], completed by
+//   a2a_recv), so calls captured in a CUDA graph replay with fresh epochs.
 //   Sender p writes our slot e % 2 only in call e, after its call e-1 has finished; that needed our
 //   call e-1 flags, which our a2a_push(e-1) raised after everything earlier on our stream, our
-//   copy-out of call e-2 (the last reader of slot e % 2) included. The op keeps all its calls in
+//   a2a_recv of call e-2 (the last reader of slot e % 2) included. The op keeps all its calls in
 //   one stream order (cuflux/ops/all2all.py joins streams when the caller changes stream).
 //   End barrier: the epoch flags (block: data stores -> __syncthreads -> release; waiter: acquire).
 #include <cuflux/sync.cuh>
@@ -71,30 +79,27 @@ struct RowMap {
   }
 };
 
-// Copy-out: the rows of our slot that came from peers, at the same place in slot and output:
-// r -> outer o = r / n_keep, k = r % n_keep, inner i = k < skip_at ? k : k + skip_len (our own
-// rows, written straight to the output by a2a_push, are skipped), row o*(n_keep+skip_len) + i.
-//   scatter: n_keep = S - T_me, skip_at = P_me, skip_len = T_me  (outer = batch, inner = token)
-//   gather:  n_keep = W - 1,    skip_at = me,   skip_len = 1 (outer = batch*token, inner = rank)
-struct SkipMap {
-  u32 n_keep, skip_at, skip_len;
-  __device__ __forceinline__ void operator()(u32 r, u64& src, u64& dst) const {
-    const u32 o = r / n_keep, k = r - o * n_keep;
-    const u32 i = k < skip_at ? k : k + skip_len;
-    src = dst = static_cast<u64>(o) * (n_keep + skip_len) + i;
-  }
-};
-
 // This block's share (worker of num_workers) of num_rows rows of row_bytes bytes. Rows narrower
 // than the block are packed several to a pass; wider ones are looped over by the whole block.
-template <int kVec, class Map>
-__device__ __forceinline__ void copy_rows(const u8* __restrict__ src, u8* dst, u64 row_bytes,
+// Which worker takes which row depends only on row_bytes and the block size, never on kVec:
+// a2a_recv on one rank must take exactly the rows a2a_push's worker took on another, and each
+// rank picks its vector width from its own pointers (the split counts 16-byte pieces; a
+// narrower kVec loops over more columns).
+// kSrcWritten: src is written during the kernel's lifetime (a peer pushes into our slot while
+// a2a_recv runs): coherent loads, after the acquire of the flag that published it; otherwise
+// (the caller's input) the read-only path. A non-coherent load could be served a line that
+// another block of this SM cached before the peer's rows in it landed (rows narrower than a
+// line belong to several workers). (src is not __restrict__: that would let the compiler turn
+// the coherent loads into read-only ones.)
+template <int kVec, bool kSrcWritten = false, class Map>
+__device__ __forceinline__ void copy_rows(const u8* src, u8* dst, u64 row_bytes,
                                           u32 num_rows, const Map& map, u32 worker,
                                           u32 num_workers) {
   const u32 vecs_per_row = static_cast<u32>(row_bytes / kVec);
   if (num_rows == 0 || vecs_per_row == 0) return;
-  const u32 threads_per_row = min(blockDim.x, vecs_per_row);
-  const u32 rows_per_pass = blockDim.x / threads_per_row;
+  const u32 pieces = static_cast<u32>((row_bytes + 15) / 16);  // the split's unit, any kVec
+  const u32 rows_per_pass = blockDim.x / min(blockDim.x, pieces);
+  const u32 threads_per_row = blockDim.x / rows_per_pass;
   const u32 sub = threadIdx.x / threads_per_row, col0 = threadIdx.x % threads_per_row;
   if (sub >= rows_per_pass) return;  // the few threads that do not fill a whole row
   const u32 row_step = num_workers * rows_per_pass;
@@ -114,7 +119,12 @@ __device__ __forceinline__ void copy_rows(const u8* __restrict__ src, u8* dst, u
       RawVec<kVec> v[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k)  // all loads first: kUnroll requests in flight
-        if (k < n) v[k] = ld_nc<kVec>(src + src_off[k] + col);
+        if (k < n) {
+          if constexpr (kSrcWritten)
+            v[k] = ld_plain<kVec>(src + src_off[k] + col);
+          else
+            v[k] = ld_nc<kVec>(src + src_off[k] + col);
+        }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k)
         if (k < n) st_na<kVec>(dst + dst_off[k] + col, v[k]);
@@ -134,7 +144,7 @@ using namespace cuflux::a2a;
 // symmetric buffer; data_off / scale_off / flags_off: byte offsets of the slots and flags of
 // parity 0 and 1. state[0]: the epoch of the last call completed on this rank (device memory, so
 // a captured CUDA graph replays with fresh epochs); this call is e = state[0] + 1, parity e % 2.
-// Nothing writes state before a2a_wait, which runs after this kernel on the stream.
+// Nothing writes state before a2a_recv, which runs after this kernel on the stream.
 // prefix: W+1 token prefix sums (device). scale_cols: floats per scale row (0: no scales);
 // scale_per_head: scatter's source scales are [B, T_me, H] (else [B, T_me]).
 template <int kVec, bool kGather>
@@ -195,60 +205,69 @@ __global__ void __launch_bounds__(kMaxThreads) a2a_push(
   }
 }
 
-// One block. flags0 / flags1: our flags of parity 0 / 1, [W][R][kFlagWords]; this call's are
-// parity e % 2, e = state[0] + 1. Waits for the R blocks each peer dealt to us; on timeout or a
-// hash mismatch records who and stops waiting (the host raises). Last, it completes the call's
-// epoch (state[0] = e): a2a_copy_out, after it on the stream, reads the parity from there.
-extern "C" __global__ void a2a_wait(const u32* flags0, const u32* flags1, u64* state, u32 me,
-                                    u32 world, u32 remote_blocks, u32 call_hash, u32* err,
-                                    u32* err_claim,
-                                    u64 timeout_ns, u32 op) {
-  __shared__ u64 s_epoch;
-  __shared__ volatile int s_failed;
-  if (threadIdx.x == 0) {
-    s_epoch = call_epoch(state);
-    s_failed = 0;
-  }
-  __syncthreads();
-  const u64 epoch = s_epoch;
-  const u32* flags = (epoch & 1u) ? flags1 : flags0;
-  const WaitSite site{err, err_claim, timeout_ns, op, me};
-  const u32 R = remote_blocks;
-  for (u32 i = threadIdx.x; i < world * R && !s_failed; i += blockDim.x) {
-    const u32 p = i / R, j = i % R;
-    if (p == me) continue;
-    const u32* flag = flags + (static_cast<u64>(p) * R + j) * kFlagWords;
-    if (!wait_flag_acquire(reinterpret_cast<const u64*>(flag), epoch, site, p, i)) {
-      s_failed = 1;
-      break;
+// Assignment i of (W - 1) * R: peer p = (me - 1 - i % (W - 1)) mod W, its worker j = i / (W - 1)
+// (the peer that dealt to us in its first remote block comes first); block b takes the
+// assignments b, b + G, ... of a grid of G <= (W - 1) * R blocks (cuflux/ops/all2all.py caps G
+// at the SMs this rank may take: under MPS, ranks' waiting grids must leave room for the
+// peers' a2a_push). flags0 / flags1: our flags of parity 0 / 1, [W][R][kFlagWords]; slot0 /
+// slot1 (scale0 / scale1): our receive slots; out / out_scale: the caller's output, or null
+// (copy == 0: a view of the slot was asked for, the block only waits). The call is
+// e = state[0] + 1, parity e % 2. On a timeout or a hash mismatch the block records who (the
+// host raises) and copies nothing more; every block counts out either way, so a failed call
+// completes too (the op is failed for good).
+template <int kVec, bool kGather>
+__global__ void __launch_bounds__(kMaxThreads) a2a_recv(
+    const u32* flags0, const u32* flags1, const u8* slot0, const u8* slot1,
+    const u8* slot_scale0, const u8* slot_scale1, u8* out, u8* out_scale, u64* state,
+    const int* __restrict__ prefix, u32 me, u32 world, u32 batch, u64 row_bytes,
+    u32 scale_cols, u32 copy, u32 remote_blocks, u32 call_hash, u32* err, u32* err_claim,
+    u64 timeout_ns, u32 op) {
+  __shared__ int s_ok;
+  const u64 epoch = call_epoch(state);
+  const bool odd = epoch & 1u;
+  const u32 assignments = (world - 1) * remote_blocks;
+  bool ok = true;  // the same in every thread (from s_ok)
+  for (u32 i = blockIdx.x; i < assignments && ok; i += gridDim.x) {
+    const u32 k = i % (world - 1), j = i / (world - 1);
+    const u32 p = (me + world - 1 - k) % world;
+    const u32 index = p * remote_blocks + j;  // the flag's, as the error record names it
+    if (threadIdx.x == 0) {
+      const WaitSite site{err, err_claim, timeout_ns, op, me};
+      const u32* flag = (odd ? flags1 : flags0) + static_cast<u64>(index) * kFlagWords;
+      bool got = wait_flag_acquire(reinterpret_cast<const u64*>(flag), epoch, site, p, index);
+      if (got) {
+        const u32 hash = ld_relaxed_sys(flag + kHashWord);  // after the acquire: p's call e hash
+        if (hash != call_hash) {
+          record_error(site, kStatusMismatch, p, hash, call_hash, index);
+          got = false;
+        }
+      }
+      s_ok = got;
     }
-    const u32 hash = ld_relaxed_sys(flag + kHashWord);  // after the acquire: the sender's hash of call e
-    if (hash != call_hash) {
-      record_error(site, kStatusMismatch, p, hash, call_hash, i);
-      s_failed = 1;
-      break;
+    __syncthreads();  // thread 0's acquire precedes every thread's loads of the slot
+    ok = s_ok;
+    if (ok && copy) {
+      // p's RowMap for target me (a2a_push), read on the destination side only: the rows sit
+      // in our slot exactly where they go in the output.
+      RowMap map;
+      if constexpr (kGather) {  // p's y rows (b, P_me + tok) -> our x rows (b, tok), group p
+        const u32 n_tok = prefix[me + 1] - prefix[me];
+        const u64 wt = static_cast<u64>(n_tok) * world;
+        map = {n_tok, wt, world, p, wt, world, p};
+      } else {  // p's x rows (b, tok), head group me -> our y rows (b, P_p + tok)
+        const u32 n_tok = prefix[p + 1] - prefix[p];
+        const u64 S = static_cast<u32>(prefix[world]), at = static_cast<u64>(prefix[p]);
+        map = {n_tok, S, 1, at, S, 1, at};
+      }
+      const u32 num_rows = batch * map.n_tok;
+      copy_rows<kVec, true>(odd ? slot1 : slot0, out, row_bytes, num_rows, map, j, remote_blocks);
+      if (scale_cols != 0)
+        copy_rows<4, true>(odd ? slot_scale1 : slot_scale0, out_scale, 4ull * scale_cols,
+                           num_rows, map, j, remote_blocks);
     }
+    __syncthreads();  // s_ok is rewritten by the next assignment's wait
   }
-  // Every thread has read the epoch (above); a failed call completes too: the op is failed for
-  // good and the host refuses further calls.
-  __syncthreads();
-  if (threadIdx.x == 0) state[0] = epoch;
-}
-
-// Copy the peers' rows (and scale rows) from our slot into the output; see SkipMap. The call's
-// slot is parity state[0] % 2 (a2a_wait, ahead on the stream, completed the call's epoch).
-template <int kVec>
-__global__ void __launch_bounds__(kMaxThreads) a2a_copy_out(
-    const u8* slot0, const u8* slot1, u8* out, u64 row_bytes, const u8* slot_scale0,
-    const u8* slot_scale1, u8* out_scale, u64 scale_row_bytes, const u64* state, u32 num_rows,
-    u32 n_keep, u32 skip_at, u32 skip_len) {
-  const bool odd = *reinterpret_cast<const volatile u64*>(state) & 1u;
-  const u8* __restrict__ slot = odd ? slot1 : slot0;
-  const u8* __restrict__ slot_scale = odd ? slot_scale1 : slot_scale0;
-  const SkipMap map{n_keep, skip_at, skip_len};
-  copy_rows<kVec>(slot, out, row_bytes, num_rows, map, blockIdx.x, gridDim.x);
-  if (scale_row_bytes != 0)
-    copy_rows<4>(slot_scale, out_scale, scale_row_bytes, num_rows, map, blockIdx.x, gridDim.x);
+  count_out(state, epoch);  // sync.cuh: the last block completes the call's epoch
 }
 
 // W = 1: the whole call is one copy of n_vec 16-byte vectors (input and output have the same

@@ -229,6 +229,46 @@ def test_wide_rows_misaligned_views_streams_torch(W):
 
 
 @on_ranks
+def one_rank_misaligned(world, seed):
+    """Only rank 0's input sits 2 bytes past an aligned address (2-byte vectors there, 16-byte
+    ones on the other ranks), with 256-byte rows, narrower than a block: every receive block
+    must still copy exactly the rows its peer's push worker wrote (copy_rows splits rows the
+    same at every vector width). Scatter, then gather back, each exact."""
+    import cupy
+
+    W, me = world.size, world.rank
+    H, D = 2 * W, 64  # hpr * D * 2 bytes = 256-byte rows
+
+    def placed(host):  # rank 0: a contiguous copy 2 bytes past a 16-byte boundary
+        if me != 0:
+            return cupy.asarray(host)
+        big = cupy.empty(host.size + 1, dtype=host.dtype)
+        arr = big[1:].reshape(host.shape)
+        arr[...] = cupy.asarray(host)
+        assert arr.data.ptr % 16 == 2
+        return arr
+
+    with All2AllHeads(world, 40, H, D, "bfloat16", timeout_s=60) as op:
+        for k in range(2):
+            tokens = _tokens(W, 40, seed, 80, k)
+            xs = [_data((1, tokens[r], H, D), "bfloat16", seed, 80, k, r) for r in range(W)]
+            ys = reference_scatter_heads(xs, tokens, W)
+            s = cupy.cuda.Stream(non_blocking=True)
+            with s:  # inputs made on the stream that uses them
+                x, y_in = placed(xs[me]), placed(ys[me])
+            y = op.scatter_heads(x, tokens, stream=s)
+            back = op.gather_heads(y_in, tokens, stream=s)
+            op.synchronize(stream=s)
+            _same_bits(y, ys[me], f"scatter, rank {me} of {W}, rank 0 misaligned, call {k}")
+            _same_bits(back, xs[me], f"gather, rank {me} of {W}, rank 0 misaligned, call {k}")
+    return True
+
+
+test_one_rank_misaligned_with_narrow_rows = one_rank_misaligned.test(
+    expect=True, sizes=[w for w in WS if w > 1], timeout_s=240, seed=fresh_seed)
+
+
+@on_ranks
 def errors(world, seed):
     """Bad input raises before any launch and writes nothing to any peer."""
     import cupy
@@ -427,7 +467,7 @@ def test_kernels_compile(arch):
     cubin, lowered = kernels.compile_source("all2all.cu", a2a.FAMILY.names, arch)
     assert cubin[:4] == b"\x7fELF"
     assert set(lowered) == set(a2a.FAMILY.names)
-    assert "a2a_push<16, true>" in lowered and "a2a_copy_out<1>" in lowered
+    assert "a2a_push<16, true>" in lowered and "a2a_recv<1, false>" in lowered
 
 
 class FakeWorld:
@@ -649,6 +689,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
     op.spec = A.Spec(W, me, 0, 16, 8, 64, dtype_info("bfloat16"), 2)
     op._row_bytes, op.num_blocks, op.w1 = op.spec.row_bytes, 264, "pdl"
     op.grid, op.local_blocks, op.blocks_per_target = A.deal_blocks(264, W)
+    op.recv_grid = 132
     op.buf = SimpleNamespace(ptrs_dev=DeviceArray())
     u = np.uint64
     op._push_slots = tuple(u(i) for i in range(6))
@@ -658,8 +699,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
     op.err_args = (u(1 << 40), DeviceArray(), u(10**9), np.uint32(2))
     op.err = SimpleNamespace(claim=op.err_args[1])
     op._push = {(v, g): f"push{v}{g}" for v in A._VEC_BYTES for g in (False, True)}
-    op._copy_out = {v: f"copy{v}" for v in A._VEC_BYTES}
-    op._wait = "wait"
+    op._recv = {(v, g): f"recv{v}{g}" for v in A._VEC_BYTES for g in (False, True)}
     tokens = (16, 5, 0, 9)
     plan = A._Plan(tokens, np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32))
     plan.prefix_dev = DeviceArray()
@@ -668,6 +708,99 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
     op._launch(gather, arr, arr if mode else None, arr, arr if mode else None, plan, 2, mode,
                12345, 0, False, None)
     names = [n for n, _ in captured]
-    assert names == ["a2a_push", "a2a_wait", "a2a_copy_out"]
-    for (name, args), kernel in zip(captured, ("a2a_push", "a2a_wait", "a2a_copy_out")):
+    assert names == ["a2a_push", "a2a_recv"]
+    for (name, args), kernel in zip(captured, ("a2a_push", "a2a_recv")):
         check_args("all2all.cu", kernel, args)
+    captured.clear()  # a view: a2a_recv only waits (null outputs, copy = 0)
+    op._launch(gather, arr, arr if mode else None, arr, arr if mode else None, plan, 2, mode,
+               12345, 0, True, None)
+    assert [n for n, _ in captured] == ["a2a_push", "a2a_recv"]
+    check_args("all2all.cu", "a2a_recv", captured[-1][1])
+
+
+def _row_map(gather, prefix, W, sender, target, B):
+    """a2a_push's RowMap of `sender` for `target` (kernels_cu/all2all.cu), restated: the
+    (src row, dst row) of each of its B * n_tok rows."""
+    S = int(prefix[W])
+    if gather:
+        n_tok = int(prefix[target + 1] - prefix[target])
+        m = (n_tok, S, 1, int(prefix[target]), n_tok * W, W, sender)
+    else:
+        n_tok = int(prefix[sender + 1] - prefix[sender])
+        m = (n_tok, n_tok * W, W, target, S, 1, int(prefix[sender]))
+    n, sb, st, sc, db, dt_, dc = m
+    return [(b * sb + t * st + sc, b * db + t * dt_ + dc) for b in range(B) for t in range(n)]
+
+
+def _recv_rows(gather, prefix, W, me, p, B):
+    """a2a_recv's rows for peer p on rank me: the destination rows of its map (restated)."""
+    S = int(prefix[W])
+    if gather:
+        n_tok = int(prefix[me + 1] - prefix[me])
+        return [b * n_tok * W + t * W + p for b in range(B) for t in range(n_tok)]
+    n_tok = int(prefix[p + 1] - prefix[p])
+    return [b * S + int(prefix[p]) + t for b in range(B) for t in range(n_tok)]
+
+
+def _copy_rows_model(row_bytes, vec, num_rows, worker, num_workers, threads=512, unroll=4):
+    """kernels_cu/all2all.cu copy_rows restated: {row: set of byte offsets} this worker moves."""
+    vecs_per_row = row_bytes // vec
+    pieces = -(-row_bytes // 16)
+    rows_per_pass = threads // min(threads, pieces)
+    threads_per_row = threads // rows_per_pass
+    row_step = num_workers * rows_per_pass
+    got = {}
+    for t in range(threads):
+        sub, col0 = divmod(t, threads_per_row)
+        if sub >= rows_per_pass:
+            continue
+        for r0 in range(worker * rows_per_pass + sub, num_rows, unroll * row_step):
+            for k in range(unroll):
+                r = r0 + k * row_step
+                if r < num_rows:
+                    for c in range(col0, vecs_per_row, threads_per_row):
+                        cols = got.setdefault(r, [])
+                        cols += range(c * vec, (c + 1) * vec)
+    return got
+
+
+@pytest.mark.parametrize("row_bytes", [4, 12, 67, 256, 1000, 8192, 10240, 40000])
+def test_copy_rows_splits_rows_the_same_at_every_vector_width(row_bytes):
+    """Which worker takes which row must not depend on the vector width: a2a_recv on one rank
+    takes the rows a2a_push's worker took on another, and each rank picks its width from its
+    own pointers. Every byte of every row is moved once, by one worker."""
+    num_rows, R = 37, 5
+    split = None
+    for vec in [v for v in (16, 8, 4, 2, 1) if row_bytes % v == 0]:
+        owners, moved = {}, {}
+        for w in range(R):
+            for r, cols in _copy_rows_model(row_bytes, vec, num_rows, w, R).items():
+                assert r not in owners, (vec, r)
+                owners[r] = w
+                moved[r] = sorted(cols)
+        assert sorted(owners) == list(range(num_rows))
+        assert all(moved[r] == list(range(row_bytes)) for r in moved), vec
+        split = split or owners
+        assert owners == split, f"vec {vec} splits the rows differently"
+
+
+@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("tokens", [(3,), (4, 0), (2, 5, 1), (0, 0, 7, 1),
+                                    (1, 1, 1, 1, 9, 0, 2, 3)])
+def test_each_recv_block_copies_what_its_peer_pushed(gather, tokens):
+    """a2a_recv's block for peer p recomputes p's RowMap for this rank from the destination side:
+    its rows are the ones p pushed (the same order, so the same split among workers), and with
+    this rank's own rows (pushed straight to the output) they cover the output once."""
+    W, B = len(tokens), 2
+    prefix = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int64)
+    S = int(prefix[W])
+    for me in range(W):
+        covered = [d for _, d in _row_map(gather, prefix, W, me, me, B)]
+        for p in range(W):
+            if p == me:
+                continue
+            pushed = [d for _, d in _row_map(gather, prefix, W, p, me, B)]
+            assert _recv_rows(gather, prefix, W, me, p, B) == pushed
+            covered += pushed
+        rows = B * int(tokens[me]) * W if gather else B * S  # x_me [B, T_me, W groups] / y_me
+        assert sorted(covered) == list(range(rows)), (me, gather)

@@ -79,8 +79,18 @@ def _same_everywhere(world, value, what):
     assert len(set(values)) == 1, f"{what} differs between ranks: {values}"
 
 
+def _norm_ops(world, max_t, H, dtype, **kw) -> dict:
+    """The three outputs' ops, and "one_shot": replicated built algo="one_shot" (an "auto" op's
+    stage holds one-shot calls only up to its crossover; this one's holds any)."""
+    ops = {o: AllReduceRMSNorm(world, max_t, H, dtype, eps=1e-6, output=o, timeout_s=60, **kw)
+           for o in ar.OUTPUTS}
+    ops["one_shot"] = AllReduceRMSNorm(world, max_t, H, dtype, eps=1e-6, algo="one_shot",
+                                       timeout_s=60, **kw)
+    return ops
+
+
 def _norm_case(cp, world, ops, dtype, T, H, seed):
-    """One T for the three outputs (replicated both one-shot and two-shot)."""
+    """One T for the three outputs (replicated both one-shot and two-shot; ops: _norm_ops)."""
     W, me = world.size, world.rank
     st = dtype_info(dtype).storage
     base, res, w = _draw(seed, T, H)
@@ -96,7 +106,8 @@ def _norm_case(cp, world, ops, dtype, T, H, seed):
     for algo in ("one_shot", "two_shot"):
         residual = cp.asarray(res_q)
         out = poisoned((T, H), dtype)
-        got = ops["replicated"](x, residual, weight, out=out, algo=algo)
+        got = ops["replicated" if algo == "two_shot" else "one_shot"](x, residual, weight,
+                                                                       out=out, algo=algo)
         assert got is out
         ops["replicated"].synchronize()
         _close(cp.asnumpy(out[a:b]), want[0], dtype, f"{label} replicated {algo} out")
@@ -196,7 +207,9 @@ def plain_sweep(world, dtypes=("bfloat16", "float16", "float32"), max_blocks=Non
     sizes = [(1,), (max(1, W - 1),), (7,), (1000,), (3, 5, 7), (8192 * 3 + 5,), (1 << 20,),
              (4096, 1024)]
     for dtype in dtypes:
-        with AllReduce(world, 4096 * 1024, dtype, timeout_s=60, max_blocks=max_blocks) as ar:
+        with AllReduce(world, 4096 * 1024, dtype, timeout_s=60, max_blocks=max_blocks) as ar, \
+                AllReduce(world, 4096 * 1024, dtype, "one_shot", timeout_s=60,
+                          max_blocks=max_blocks) as ar_one:  # any size one-shot
             for shape in sizes:
                 n = int(np.prod(shape))
                 base = np.random.default_rng([n, len(dtype)]).standard_normal(n, dtype=np.float32)
@@ -206,8 +219,9 @@ def plain_sweep(world, dtypes=("bfloat16", "float16", "float32"), max_blocks=Non
                 hashes = {}
                 for algo in ("one_shot", "two_shot"):
                     out = poisoned(shape, dtype)
-                    assert ar(x, out=out, algo=algo) is out
-                    ar.synchronize()
+                    op = ar if algo == "two_shot" else ar_one
+                    assert op(x, out=out, algo=algo) is out
+                    op.synchronize()
                     _close(cp.asnumpy(out), want, dtype, f"W={W} {dtype} {shape} {algo}")
                     hashes[algo] = _hash(cp, out)
                 assert hashes["one_shot"] == hashes["two_shot"], f"{dtype} {shape}: algos differ"
@@ -341,9 +355,7 @@ def norm_sweep(world, dtypes=("bfloat16", "float16", "float32")):
         hiddens = HIDDENS if _full() or dtype == "bfloat16" else (1024, 5128, 1001)
         for H in hiddens:
             Ts = _ts_for(world.size, dtype, H)
-            ops = {o: AllReduceRMSNorm(world, max(Ts), H, dtype, eps=1e-6, output=o,
-                                       timeout_s=60) for o in
-                   ("replicated", "sharded_residual", "sequence_parallel")}
+            ops = _norm_ops(world, max(Ts), H, dtype)
             try:
                 for T in Ts:
                     _norm_case(cp, world, ops, dtype, T, H, seed=[T, H, len(dtype)])
@@ -371,8 +383,7 @@ def wide_grid(world, T=1000, H=4096):
     SMs)."""
     import cupy as cp
 
-    ops = {o: AllReduceRMSNorm(world, T, H, "bfloat16", eps=1e-6, output=o, timeout_s=60,
-                               max_blocks=1 << 20) for o in ar.OUTPUTS}
+    ops = _norm_ops(world, T, H, "bfloat16", max_blocks=1 << 20)
     try:
         op = ops["replicated"]
         share = max(1, op.num_sms // op.sharers)
@@ -674,6 +685,124 @@ def test_default_grid_is_every_sm_on_a_gpu_of_its_own():
     assert ar.default_max_blocks(78, 8) == 32  # CommOp._grid_cap then splits the SMs: 9 each
 
 
+@pytest.mark.parametrize("W", [2, 3, 4, 8])
+@pytest.mark.parametrize("mode,algo", [("plain", "auto"), ("plain", "two_shot"),
+                                       ("replicated", "auto"), ("replicated", "one_shot"),
+                                       ("sharded_residual", "auto"),
+                                       ("sequence_parallel", "two_shot")])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_stage_slot_holds_every_call_it_may_run(W, mode, algo, dtype):
+    """A sender's stage slot (kernels_cu/allreduce.cu) takes every one-shot call the op may run
+    whole, and every rank's two-shot slice of every call up to max_elems; one_shot_elems is
+    exactly where choose_algo stops sending auto calls one-shot."""
+    d = dtype_info(dtype)
+    flat = mode == "plain"
+    for max_elems, hidden in ((1, 8), (1000, 8), (8192 * 5 + 3, 1000), (1 << 22, 4096),
+                              (1 << 24, 8192)):
+        hidden = None if flat else hidden
+        one, slot = ar.stage_slot(mode, algo, W, max_elems, hidden, d)
+        assert slot * d.itemsize % 128 == 0 and slot >= one
+        if algo == "one_shot":
+            assert one == max_elems
+        elif algo == "two_shot" or mode in ("sharded_residual", "sequence_parallel"):
+            assert one == 0
+        else:
+            assert choose_algo(one * d.itemsize, W, mode) == "one_shot" or one == 0
+            assert one == max_elems or choose_algo((one + 1) * d.itemsize, W, mode) == "two_shot"
+        if algo == "one_shot":
+            continue
+        cols = ar._plain_cols(d) if flat else hidden
+        for n in sorted({1, max_elems // 3 + 1, max_elems - 1, max_elems} - {0}):
+            rows = -(-n // cols)
+            for q in range(W):
+                a, b = token_slice(rows, W, q)
+                assert max(0, min(b * cols, n) - a * cols) <= slot, (n, q, slot)
+    assert ar.stage_slot("plain", "auto", 1, 1000, None, "bfloat16") == (0, 0)
+
+
+@pytest.mark.parametrize("W", [2, 3, 5, 8])
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_pushed_rows_land_where_their_reducer_reads_them(W, two_shot):
+    """The push protocol's index arithmetic, restated from kernels_cu/allreduce.cu and run on
+    the host: sender p's block b stores each element of the rows q's block b reduces at slot
+    (p - q - 1) mod W of q's stage, at (element - shift) with shift = the first element of q's
+    slice (two-shot) or 0; receiver q's block b reads it back from the same place. Every
+    element lands inside the slot stage_slot sizes, exactly once, and is read by the block that
+    reduces its row."""
+    d = dtype_info("float32")
+    for num_elems, cols, grid in ((1, 4, 1), (37, 4, 3), (1000, 8, 7), (4096, 64, 5),
+                                  (999, 10, 16)):
+        mode, hidden = "replicated", cols
+        _, slot_elems = ar.stage_slot(mode, "two_shot" if two_shot else "one_shot", W,
+                                      num_elems + cols, hidden, d)
+        rows = -(-num_elems // cols)
+        slices = [token_slice(rows, W, q) if two_shot else (0, rows) for q in range(W)]
+        stage = {}  # (receiver, slot, index) -> (sender, element)
+        for p in range(W):
+            for i in range(1, W):
+                q = (p + i) % W
+                start, stop = slices[q]
+                j = (p - q - 1 + W) % W
+                for b in range(grid):
+                    for t in range(start + b, stop, grid):
+                        for off in range(t * cols, min((t + 1) * cols, num_elems)):
+                            idx = off - start * cols
+                            assert 0 <= idx < slot_elems, (p, q, off, idx, slot_elems)
+                            assert (q, j, idx) not in stage, "two stores to one place"
+                            stage[(q, j, idx)] = (p, off, b)
+        reads = 0
+        for q in range(W):
+            start, stop = slices[q]
+            for b in range(grid):
+                for t in range(start + b, stop, grid):
+                    for off in range(t * cols, min((t + 1) * cols, num_elems)):
+                        for p in range(W):
+                            if p == q:
+                                continue
+                            got = stage[(q, (p - q - 1 + W) % W, off - start * cols)]
+                            assert got == (p, off, b), (q, p, off, got)
+                            reads += 1
+        assert reads == len(stage)  # every pushed element is read, once
+
+
+@pytest.mark.parametrize("W", [1, 2, 3, 8])
+@pytest.mark.parametrize("two_shot", [False, True])
+def test_start_chunks_cover_every_row_of_every_block_once(W, two_shot):
+    """The pipelined START (kernels_cu/allreduce.cu, kChunkSlots / kRowsPerChunk restated):
+    chunk c of a block is iterations [c * ipc, (c + 1) * ipc) of its rows in a slice; every row
+    of every slice falls in exactly one chunk below `chunks` <= 8, the same on every rank."""
+    slots, per_chunk = 8, 4
+    for rows in (1, 2, 7, 33, 100, 1000, 8192):
+        for G in (1, 3, 32, 132):
+            slice_rows = -(-rows // W) if two_shot else rows
+            n_iter = -(-slice_rows // G)
+            ipc = max(per_chunk, -(-n_iter // slots))
+            chunks = max(1, -(-n_iter // ipc))
+            assert chunks <= slots and chunks * ipc >= n_iter
+            assert n_iter == 0 or (chunks - 1) * ipc < n_iter  # no empty trailing chunk
+            for q in range(W):
+                start, stop = token_slice(rows, W, q) if two_shot else (0, rows)
+                seen = []
+                for b in range(G):
+                    for c in range(chunks):
+                        for i in range(c * ipc, (c + 1) * ipc):
+                            t = start + b + i * G
+                            if t < stop:
+                                seen.append(t)
+                assert sorted(seen) == list(range(start, stop)), (rows, G, q)
+
+
+def test_a_one_shot_override_past_the_stage_is_refused():
+    op = object.__new__(AllReduce)
+    op.op, op.world = "AllReduce", SimpleNamespace(size=4, rank=0)
+    op.mode, op.algo, op.dtype, op._plans, op.two_shot_ok = "plain", "auto", \
+        dtype_info("bfloat16"), {}, True
+    op.one_shot_elems, _ = ar.stage_slot("plain", "auto", 4, 1 << 24, None, op.dtype)
+    assert 0 < op.one_shot_elems < 1 << 24
+    with pytest.raises(ValueError, match="does not fit this op's stage"):
+        op._plan(op.one_shot_elems + 1, None, "one_shot", True)
+
+
 def test_crossover():
     for mode in ("sharded_residual", "sequence_parallel"):
         assert all(choose_algo(n, W, mode) == "two_shot" for n in (2, 1 << 30) for W in (1, 2, 8))
@@ -711,7 +840,7 @@ def test_norm_plans(dtype, mode, W, T, H):
             assert in_registers == (nvec <= ar.LOCAL_REG_VECS * ar.LOCAL_REG_THREADS)
         else:
             assert not p.local and not in_registers and p.grid <= 16
-            assert p.shared_mem >= 4 * H + 8 * W
+            assert p.shared_mem >= 4 * H + 16 * W
             assert p.grid <= (-(-T // W) if algo == "two_shot" else T)
         assert plan_launch(mode, dtype, T * H, H, W, algo, False, 16, 132).vec_bytes == d.itemsize
 
@@ -740,7 +869,7 @@ def test_plain_plans(dtype, n):
         assert p.vec_bytes == (16 if n * d.itemsize % 16 == 0 else d.itemsize)
         assert p.cols == ar.PLAIN_ROW_VECS * 16 // d.itemsize
         assert (p.rows - 1) * p.cols < n <= p.rows * p.cols
-        assert p.block == 1024 and p.shared_mem == 8 * W
+        assert p.block == 1024 and p.shared_mem == 16 * W
 
 
 # ---- argument checks --------------------------------------------------------------------------
@@ -877,6 +1006,7 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, W, T):
     op.mode, op.dtype, op.module = "replicated", dtype_info("bfloat16"), None
     op._offsets, op._stage_parity_bytes, op.flag_stride = {"stage": 0, "start": 4096,
                                                            "mid": 8192}, 1 << 20, 32
+    op._slot_bytes = 1 << 19
     op.buf, op.state = SimpleNamespace(ptrs_dev=DeviceArray()), DeviceArray()
     op.err_args = (np.uint64(1 << 40), DeviceArray(), np.uint64(10**9), np.uint32(4))
     op._static_args()

@@ -5,7 +5,9 @@ Per (hidden, T), bfloat16, output="replicated":
   cuflux_ms    the fused op (AllReduceRMSNorm, algo "auto")
   baseline_ms  unfused: cuflux.AllReduce, then rmsnorm_residual (the same row kernel alone)
   one_shot_ms / two_shot_ms   the fused op forced to each algorithm (W > 1): the crossover
-  peer_gbps, fraction_of_link   distinct GPUs only: bytes that cross each GPU's link in the auto
+               (one-shot through an op built algo="one_shot": an "auto" op's stage holds
+               one-shot calls only up to its crossover)
+  peer_gbps, fraction_of_link   distinct GPUs only: bytes that leave each GPU in the auto
                call's algorithm over its time, against the measured one-way peer copy rate
                (common.peer_copy_gbps; ~395 GB/s between the two H200s). Issue 16's bar at
                T = 8192: >= 0.85.
@@ -90,6 +92,7 @@ def run(world, args):
     for H in (4096, 8192):
         max_t = max(Ts)
         with AllReduceRMSNorm(world, max_t, H, dtype) as norm, \
+                AllReduceRMSNorm(world, max_t, H, dtype, algo="one_shot") as one, \
                 AllReduce(world, max_t * H, dtype) as arop:
             st = norm.dtype.storage
             weight = cupy.random.standard_normal(H, dtype=cupy.float32).astype(st)
@@ -106,7 +109,7 @@ def run(world, args):
 
                 def fused(algo=None):
                     x, res, out, _ = pick()
-                    norm(x, res, weight, out=out, algo=algo)
+                    (one if algo == "one_shot" else norm)(x, res, weight, out=out, algo=algo)
 
                 def unfused():
                     x, res, out, y = pick()
@@ -133,8 +136,8 @@ def run(world, args):
                 for key, fn in timed.items():
                     world.barrier()
                     ms = graph_ms(fn, calls, iters, stream)
-                    norm.synchronize(stream)
-                    arop.synchronize(stream)
+                    for op in (norm, one, arop):
+                        op.synchronize(stream)
                     row[key] = max(world.allgather(ms))
                 world.barrier()
                 with stream:
@@ -147,8 +150,8 @@ def run(world, args):
                                       measured)
 
                 def settle():
-                    norm.synchronize(stream)
-                    arop.synchronize(stream)
+                    for op in (norm, one, arop):
+                        op.synchronize(stream)
 
                 row.update(measure_regimes(
                     [("", on_stream(fused, stream), "AllReduceRMSNorm"),

@@ -197,9 +197,10 @@ class AllReduceAcrossNodes(_AcrossNodes):
         try:
             # The node op's grid counts every rank of the World on this GPU, emulated nodes
             # included (the node World carries its parent's gpu_sharers). One rank a node: the
-            # node op is never called, the rail's all-reduce is the op.
-            self.inner = AllReduce(self.node, max_elems, dtype,
-                                   "auto" if algo == "one_shot" else algo, timeout_s,
+            # node op is never called, the rail's all-reduce is the op. It only runs the
+            # halves of two-shot calls: built "two_shot", its stage holds a slice, not a
+            # one-shot call whole per sender.
+            self.inner = AllReduce(self.node, max_elems, dtype, "two_shot", timeout_s,
                                    max_blocks)
             self.dtype, self.max_elems = self.inner.dtype, self.inner.max_elems
         except Exception as e:

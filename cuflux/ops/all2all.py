@@ -54,14 +54,14 @@ def _name_push(vec: int, gather: bool) -> str:
     return f"a2a_push<{vec}, {'true' if gather else 'false'}>"
 
 
-def _name_copy_out(vec: int) -> str:
-    return f"a2a_copy_out<{vec}>"
+def _name_recv(vec: int, gather: bool) -> str:
+    return f"a2a_recv<{vec}, {'true' if gather else 'false'}>"
 
 
 FAMILY = kernels.register(
     "all2all.cu",
     [_name_push(v, g) for v in _VEC_BYTES for g in (False, True)]
-    + [_name_copy_out(v) for v in _VEC_BYTES] + ["a2a_wait", "a2a_copy_w1"])
+    + [_name_recv(v, g) for v in _VEC_BYTES for g in (False, True)] + ["a2a_copy_w1"])
 
 
 # ---- argument checks (pure Python: the CPU tests call them) --------------------------------------
@@ -303,12 +303,16 @@ class All2AllHeads(CommOp):
                          f"batch, blocks)")
         self.grid, self.local_blocks, self.blocks_per_target = deal_blocks(self.num_blocks, W)
         flag_rows = max(1, self.blocks_per_target)  # W = 1 raises no flag: one unused row
+        # a2a_recv's grid: its blocks wait, so at most the SMs this rank may take (ranks that
+        # share a GPU concurrently leave each other room for a2a_push, which never waits), and
+        # no more than the SMs the copy kernels were given (num_sms).
+        self.recv_grid = max(1, min((W - 1) * self.blocks_per_target, int(num_sms),
+                                    self.num_sms // self.sharers))
         self.layout = layout = build_layout(self.spec, flag_rows)
         self._alloc(layout)
         mod = kernels.load("all2all.cu", world.device)  # eager: nothing may load while we spin
         self._push = {(v, g): mod[_name_push(v, g)] for v in _VEC_BYTES for g in (False, True)}
-        self._copy_out = {v: mod[_name_copy_out(v)] for v in _VEC_BYTES}
-        self._wait = mod["a2a_wait"]
+        self._recv = {(v, g): mod[_name_recv(v, g)] for v in _VEC_BYTES for g in (False, True)}
         self._copy_w1 = mod["a2a_copy_w1"]
         # Launch arguments that never change, as the kernels take them (per-call cost matters:
         # at W = 1 a call moves 128 MiB in ~31 us).
@@ -316,7 +320,7 @@ class All2AllHeads(CommOp):
         base = self.buf.base_ptrs[world.rank]
         flags_bytes = W * flag_rows * FLAG_BYTES
         # Both parities' slots and flags: the kernels pick call e's (e % 2) from the device
-        # epoch, self.state[0] (completed by a2a_wait), so captured graphs replay correctly.
+        # epoch, self.state[0] (completed by a2a_recv), so captured graphs replay correctly.
         f0, f1 = off["flags"], off["flags"] + flags_bytes
         u64 = np.uint64
         self._push_slots = (u64(off["data0"]), u64(off["data1"]), u64(off["scale0"]),
@@ -325,7 +329,8 @@ class All2AllHeads(CommOp):
         self._copy_slots = ((u64(base + off["data0"]), u64(base + off["data1"])),
                             (u64(base + off["scale0"]), u64(base + off["scale1"])))
         with world.device_context():
-            self.state = zeros_settled(1, np.uint64)  # [epoch of the last completed call]
+            # [epoch of the last completed call, a2a_recv blocks finished] (sync.cuh count_out)
+            self.state = zeros_settled(2, np.uint64)
         self._captured = False  # once captured, the host no longer knows the device's epoch
         self._row_bytes = self.spec.row_bytes
         self._plans: collections.OrderedDict = collections.OrderedDict()
@@ -521,27 +526,18 @@ class All2AllHeads(CommOp):
             s, op=_OP, name="a2a_push")
         if W == 1:
             return
-        kernels.launch(
-            self._wait, (1,), (256,),
-            self._wait_flags + (self.state, np.uint32(me), np.uint32(W),
-                                np.uint32(self.blocks_per_target), h) + self.err_args,
-            s, op=_OP, name="a2a_wait")
-        if view:
-            return
-        T, S, P = plan.tokens[me], plan.total, int(plan.prefix[me])
-        if gather:
-            num_rows, n_keep, skip_at, skip_len = B * T * (W - 1), W - 1, me, 1
-        else:
-            num_rows, n_keep, skip_at, skip_len = B * (S - T), S - T, P, T
-        if num_rows == 0:
-            return
+        # Waits for each peer block's flag, then copies that block's rows out of our slot (a
+        # view: waits only); completes the call's epoch.
         (d0, d1), (s0, s1) = self._copy_slots
         kernels.launch(
-            self._copy_out[vec], (self.num_blocks,), (THREADS,),
-            (d0, d1, np.uint64(out.data.ptr), np.uint64(row_bytes), s0, s1, out_scale_ptr,
-             np.uint64(4 * scale_cols), self.state, np.uint32(num_rows), np.uint32(n_keep),
-             np.uint32(skip_at), np.uint32(skip_len)),
-            s, op=_OP, name="a2a_copy_out")
+            self._recv[vec, gather], (self.recv_grid,), (THREADS,),
+            self._wait_flags + (d0, d1, s0, s1, np.uint64(0 if view else out.data.ptr),
+                                np.uint64(0) if view else out_scale_ptr, self.state,
+                                plan.prefix_dev, np.uint32(me), np.uint32(W), np.uint32(B),
+                                np.uint64(row_bytes), np.uint32(scale_cols),
+                                np.uint32(not view), np.uint32(self.blocks_per_target), h)
+            + self.err_args,
+            s, op=_OP, name="a2a_recv")
 
     def _output(self, arr, name, shape, dtype, s):
         import cupy

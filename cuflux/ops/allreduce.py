@@ -1,12 +1,13 @@
-"""AllReduce and fused AllReduce + residual add + RMSNorm over P2P loads and stores.
+"""AllReduce and fused AllReduce + residual add + RMSNorm over P2P pushes (posted stores into
+the peers' symmetric memory; every load is local).
 
 The kernel and its protocol (one-shot / two-shot, staging, barriers, why no end barrier) are
 described at the top of kernels_cu/allreduce.cu. This module owns, per op: the symmetric
-buffer (stage, tmp rows, start/mid epoch flags), the device epoch counter, the error record
-and the compiled kernels; it checks arguments before any launch, plans each launch (vector
-width, block, grid), and holds the one place where one-shot vs two-shot is decided
-(`choose_algo`). The NumPy float64 golden models live here too (`reference_allreduce`,
-`reference_allreduce_rmsnorm`).
+buffer (a stage slot per sender, sized by `stage_slot`; tmp rows; start/mid epoch flags), the
+device epoch counter, the error record and the compiled kernels; it checks arguments before
+any launch, plans each launch (vector width, block, grid), and holds the one place where
+one-shot vs two-shot is decided (`choose_algo`). The NumPy float64 golden models live here too
+(`reference_allreduce`, `reference_allreduce_rmsnorm`).
 
 Calls never synchronise the host (the epoch lives in device memory), so they can be captured
 in a CUDA graph and replayed. Calls of one op must be ordered on each rank (one stream, or
@@ -29,8 +30,8 @@ from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
 __all__ = ["AllReduce", "AllReduceRMSNorm", "rmsnorm_residual", "choose_algo", "token_slice",
-           "plan_launch", "default_max_blocks", "plain_share", "reference_allreduce", "reference_allreduce_rmsnorm",
-           "MODES"]
+           "plan_launch", "default_max_blocks", "stage_slot", "plain_share",
+           "reference_allreduce", "reference_allreduce_rmsnorm", "MODES"]
 
 _SRC = "allreduce.cu"
 DTYPES = ("bfloat16", "float16", "float32")
@@ -42,10 +43,10 @@ OUTPUTS = ("replicated", "sharded_residual", "sequence_parallel")
 ALGOS = ("auto", "one_shot", "two_shot")
 MAX_THREADS = 1024
 PLAIN_ROW_VECS = 1024       # AllReduce views its flat array as rows of 1024 vectors
-# Grid of a call at W > 1 (a block pulls one row at a time: a 16-byte load per thread in
-# flight per peer, then a block reduction). On distinct GPUs: one block per SM. 32 blocks there
-# pulled only ~90 GB/s of the H200 pair's ~395 GB/s peer rate (issue 16: ~256 KiB in flight
-# against a ~2.5 us round trip); a block per SM puts ~4x as much in flight. Ranks sharing a GPU
+# Grid of a call at W > 1. On distinct GPUs: one block per SM. The kernel of 2026-11-29 pulled
+# with 32 blocks and moved only ~90 GB/s of the H200 pair's ~395 GB/s peer rate (issue 16:
+# ~256 KiB in flight against a ~2.5 us round trip); it now pushes (posted stores, no round trip
+# per load) and a block per SM pushes and reduces ~4x as many rows at once. Ranks sharing a GPU
 # keep SHARED_GPU_MAX_BLOCKS each: their spinning grids must all stay resident side by side,
 # and the slack leaves SMs to whatever else their streams run.
 SHARED_GPU_MAX_BLOCKS = 32
@@ -99,10 +100,12 @@ def token_slice(rows: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, start + base + (1 if rank < rem else 0)
 
 
-# The crossover, the one place it lives. One-shot: every rank loads all W copies of all rows,
-# (W - 1) * B bytes from peers, one barrier. Two-shot: (W - 1) / W * B for the reduce-scatter,
-# plus (W - 1) / W * B per gathered tensor (out; out and residual when replicated), and a second
-# barrier (~ a few microseconds of NVLink round trip). So one-shot always wins for W = 2 (plain)
+# The crossover, the one place it lives. One-shot: every rank pushes all its rows to every
+# peer, (W - 1) * B bytes out (and in), one barrier; it also needs a stage slot of the whole
+# call per sender (stage_slot), so a large one-shot costs (W - 1) x its size in memory.
+# Two-shot: (W - 1) / W * B for the reduce-scatter, plus (W - 1) / W * B per gathered tensor
+# (out; out and residual when replicated), and a second barrier (~ a few microseconds of
+# NVLink round trip). So one-shot always wins for W = 2 (plain)
 # and W <= 3 (replicated: two-shot gathers two tensors); above that only below a size where
 # the extra barrier costs more than the extra bytes. Byte limits are per rank's x; the values
 # follow vLLM's measured custom all-reduce thresholds (512 KiB at W <= 4, 256 KiB at W <= 8)
@@ -179,7 +182,7 @@ def plan_launch(mode: str, dtype, num_elems: int, cols: int | None, world_size: 
         grid = max(1, min(work, max_blocks))
     two_shot = algo == "two_shot"
     return LaunchPlan(_kernel_name(d.cuda_type, vec_bytes, mode, two_shot), False, vec_bytes,
-                      rows, cols, num_elems, grid, block, h_bytes + 8 * world_size, two_shot)
+                      rows, cols, num_elems, grid, block, h_bytes + 16 * world_size, two_shot)
 
 
 def default_max_blocks(num_sms: int, sharers: int) -> int:
@@ -199,6 +202,38 @@ def plain_share(num_elems: int, dtype, world_size: int, rank: int) -> tuple[int,
     cols = _plain_cols(dtype_info(dtype))
     start, stop = token_slice(-(-num_elems // cols), world_size, rank)
     return min(num_elems, start * cols), min(num_elems, stop * cols)
+
+
+def stage_slot(mode: str, algo: str, world_size: int, max_elems: int, hidden: int | None,
+               dtype) -> tuple[int, int]:
+    """(one-shot elements, slot elements) of an op's stage: the largest call it may run
+    one-shot (its algo; "auto": the largest size choose_algo sends one-shot), and the elements
+    of one sender's slot, which holds a one-shot call whole or a two-shot call's slice of the
+    largest call (kernels_cu/allreduce.cu), 128-byte padded. W = 1 stages nothing: (0, 0)."""
+    d = dtype_info(dtype)
+    if world_size == 1:
+        return 0, 0
+    one = 0
+    if algo == "one_shot":
+        one = max_elems
+    elif algo == "auto" and not _two_shot_only(mode):
+        if choose_algo(max_elems * d.itemsize, world_size, mode) == "one_shot":
+            one = max_elems
+        else:  # choose_algo is one threshold in size (test_crossover): its last one-shot size
+            lo, hi = 0, max_elems  # one_shot at lo (or lo = 0), two_shot at hi
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                if choose_algo(mid * d.itemsize, world_size, mode) == "one_shot":
+                    lo = mid
+                else:
+                    hi = mid
+            one = lo
+    two = 0
+    if algo != "one_shot":  # two-shot: the largest slice of the largest call's rows
+        cols = _plain_cols(d) if mode in _SUM_MODES else hidden
+        two = min(max_elems, -(-(-(-max_elems // cols)) // world_size) * cols)
+    per_128 = 128 // d.itemsize
+    return one, max(1, -(-max(one, two) // per_128)) * per_128
 
 
 def _aligned(*arrays) -> bool:
@@ -221,8 +256,8 @@ class _P2PReduce(CommOp):
         rt = cupy.cuda.runtime
         self.smem_optin = rt.deviceGetAttribute(rt.cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                 world.device)
-        if hidden is not None:  # a row of h in fp32, the peers' bases, static shared memory
-            need = -(-hidden * 4 // 16) * 16 + 8 * W + 1024
+        if hidden is not None:  # a row of h in fp32, two u64 per rank, static shared memory
+            need = -(-hidden * 4 // 16) * 16 + 16 * W + 1024
             if need > self.smem_optin:
                 raise ValueError(f"{op}: hidden={hidden} needs {need} bytes of shared memory "
                                  f"per block, the device allows {self.smem_optin}")
@@ -231,8 +266,10 @@ class _P2PReduce(CommOp):
         self.two_shot_ok = algo != "one_shot" and W > 1
         layout = Layout()
         padded = -(-self.max_elems * self.dtype.itemsize // 128) * 128 // self.dtype.itemsize
-        if W > 1:
-            layout.add("stage", (2, padded), self.dtype.storage)
+        self.one_shot_elems, self.slot_elems = stage_slot(mode, algo, W, self.max_elems,
+                                                          hidden, self.dtype)
+        if W > 1:  # by call parity, then by sender (kernels_cu/allreduce.cu)
+            layout.add("stage", (2, W - 1, self.slot_elems), self.dtype.storage)
             if self.two_shot_ok and mode != "sequence_parallel":
                 layout.add("tmp_out", (padded,), self.dtype.storage)
             if self.two_shot_ok and mode == "replicated":
@@ -244,7 +281,8 @@ class _P2PReduce(CommOp):
         layout.add("mid", (self.max_blocks, self.flag_stride), np.uint64)
         self.layout = layout
         self._offsets = {n: r.offset for n, r in layout.regions.items()}
-        self._stage_parity_bytes = padded * self.dtype.itemsize
+        self._slot_bytes = self.slot_elems * self.dtype.itemsize
+        self._stage_parity_bytes = (W - 1) * self._slot_bytes
         self._alloc(layout)
         with world.device_context():
             self.state = zeros_settled(2, np.uint64)  # [epoch, blocks finished this call]
@@ -258,7 +296,8 @@ class _P2PReduce(CommOp):
         """Kernel arguments that never change, built once (small calls are host-bound)."""
         o = self._offsets
         self._args_mid = (self.buf.ptrs_dev, np.uint64(o.get("stage", 0)),
-                          np.uint64(self._stage_parity_bytes), np.uint64(o.get("tmp_out", 0)),
+                          np.uint64(self._stage_parity_bytes), np.uint64(self._slot_bytes),
+                          np.uint64(o.get("tmp_out", 0)),
                           np.uint64(o.get("tmp_res", 0)), np.uint64(o["start"]),
                           np.uint64(o["mid"]), np.int32(self.flag_stride), self.state)
         self._args_tail = (np.int32(self.world.size), np.int32(self.world.rank))
@@ -277,6 +316,12 @@ class _P2PReduce(CommOp):
         if chosen == "two_shot" and not self.two_shot_ok and self.world.size > 1:
             raise ValueError(f"{self.op}: this op was built with algo='one_shot'; "
                              f"build it with algo='auto' or 'two_shot' to run two-shot")
+        if chosen == "one_shot" and num_elems > self.one_shot_elems and self.world.size > 1:
+            raise ValueError(f"{self.op}: a one-shot call of {num_elems} elements does not fit "
+                             f"this op's stage (one-shot up to {self.one_shot_elems}, the most "
+                             f"its algo={self.algo!r} runs one-shot; a stage slot per sender "
+                             f"of the whole call would cost {self.world.size - 1}x its size): "
+                             f"build an op with algo='one_shot' for one-shot calls of any size")
         plan = plan_launch(mode, self.dtype, num_elems, cols, self.world.size, chosen,
                            aligned, self.max_blocks, self.num_sms)
         hit = self._entry(plan)
@@ -344,7 +389,9 @@ class AllReduce(_P2PReduce):
     @on_op_device
     def __call__(self, x, out=None, stream=None, algo: str | None = None):
         """x: any shape, C-contiguous, x.size <= max_elems, the same on every rank ->
-        out (same shape) = sum over ranks. `algo` overrides the op's choice for this call."""
+        out (same shape) = sum over ranks. `algo` overrides the op's choice for this call,
+        within what the op's stage holds: "two_shot" unless it was built "one_shot",
+        "one_shot" up to `one_shot_elems` (every size when it was built "one_shot")."""
         self._check_open()
         self._check_no_half()
         x_in, out_in = x, out  # the caller's: torch in, torch out

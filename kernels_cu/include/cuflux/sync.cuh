@@ -3,7 +3,9 @@
 // Rules every kernel follows (DESIGN.md section 3):
 //   writer: data stores, then st_release_sys(flag, epoch)  -> the data is visible before the flag;
 //   reader: wait_flag_acquire(flag, epoch, ...) then reads  -> reads see what the writer stored.
-// Flags are epoch counters (call i writes i) and are compared with wrap-around arithmetic, so
+// Flags are epoch counters (call i writes i; AllReduce's START slots i * 8 + chunk + 1, still
+// growing call to call: a timeout's record then shows those values, not the epoch) and are
+// compared with wrap-around arithmetic, so
 // nothing resets them between calls. Two widths: 32-bit flags for ops whose host counts the
 // calls (CommOp re-arms them every 2^30 calls, long before a stale slot could compare as
 // reached at 2^31), 64-bit flags for ops whose epoch lives in device memory (AllReduce,
@@ -204,25 +206,47 @@ __device__ __forceinline__ void count_out(u64* state, u64 epoch) {
 // acquires the flag; the acquire makes every peer's such stores visible to this block's
 // loads after it. `which` (0 START, 1 MID) only labels a timeout. Flags: u64 [gridDim.x][stride]
 // at byte offset flags_off of every rank's symmetric buffer (s_base: the ranks' bases).
-__device__ __forceinline__ bool block_barrier(const u64* s_base, u64 flags_off, int stride,
-                                              int world_size, int me, u64 e, const WaitSite& site,
-                                              int which, int* s_failed) {
+// block_release and block_wait are its two halves, for a block that releases a slot several
+// times a call (allreduce.cu's chunks: increasing values, compared as epochs).
+__device__ __forceinline__ void block_release(const u64* s_base, u64 flags_off, int stride,
+                                              int world_size, int me, u64 value) {
   __syncthreads();  // the whole block's stores precede the releases below
   const int b = blockIdx.x;
   for (int p = threadIdx.x; p < world_size; p += blockDim.x) {
     if (p == me) continue;
     u64* slot = reinterpret_cast<u64*>(s_base[p] + flags_off) + static_cast<u64>(b) * stride + me;
-    st_release_sys(slot, e);
+    st_release_sys(slot, value);
   }
+}
+
+__device__ __forceinline__ bool block_wait(const u64* s_base, u64 flags_off, int stride,
+                                           int world_size, int me, u64 value,
+                                           const WaitSite& site, int which, int* s_failed) {
+  const int b = blockIdx.x;
+  int failed = 0;
   for (int p = threadIdx.x; p < world_size; p += blockDim.x) {
     if (p == me) continue;
     const u64* slot =
         reinterpret_cast<const u64*>(s_base[me] + flags_off) + static_cast<u64>(b) * stride + p;
     const u32 index = static_cast<u32>((which * gridDim.x + b) * world_size + p);
-    if (!wait_flag_acquire(slot, e, site, p, index)) *s_failed = 1;
+    if (!wait_flag_acquire(slot, value, site, p, index)) failed = 1;
   }
-  __syncthreads();  // the acquires precede every thread's loads after the barrier
-  return *reinterpret_cast<volatile int*>(s_failed) == 0;
+  // The acquires precede every thread's loads after the barrier. The verdict comes out of the
+  // barrier itself, the same in every thread: read from shared memory, a thread could see a
+  // later wait's failure (a block that waits again with no barrier between, allreduce.cu's
+  // last chunk) and leave the block's barriers out of step.
+  if (__syncthreads_or(failed)) {
+    if (threadIdx.x == 0) *s_failed = 1;
+    return false;
+  }
+  return true;
+}
+
+__device__ __forceinline__ bool block_barrier(const u64* s_base, u64 flags_off, int stride,
+                                              int world_size, int me, u64 e, const WaitSite& site,
+                                              int which, int* s_failed) {
+  block_release(s_base, flags_off, stride, world_size, me, e);
+  return block_wait(s_base, flags_off, stride, world_size, me, e, site, which, s_failed);
 }
 
 }  // namespace cuflux
