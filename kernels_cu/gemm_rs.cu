@@ -21,6 +21,8 @@
 //   rs_tiles<T, OutT, kAtomic>                         comm-only: partial [M, N] in OutT
 //                                                      (e.g. from cuBLAS) instead of a GEMM,
 //                                                      128x128 tiles, 512 threads
+//   rs_sum<T, OutT>                                    the chunked route's last step: the W
+//                                                      received partials summed (no waits)
 // The trailing arguments (from `out` on) are the same for the three (RsArgs below).
 #include <cuflux/gemm_hooks.cuh>
 #include <cuflux/gemm_sm80.cuh>
@@ -152,4 +154,37 @@ __global__ void __launch_bounds__(512, 1)
     h.epi.template run<OutT>(m0, n0, body);
   }
   count_out(state, h.epi.epoch);
+}
+
+// ---- the chunked route's reduction -------------------------------------------------------------
+// route="chunked" (cuflux/ops/gemm_rs.py ChunkedRs): cuBLAS computes each owner's rows as a
+// chunk, copy engines deliver the peers' chunks into this rank's data region (rank p's partial
+// of our rows at p * elems), and the call's stream has waited for all of them before this
+// kernel runs. out [R, N] = the W partials summed in fp32 in rank order 0..W-1, then + bias:
+// the fused kernels' arithmetic (RsEpilogue::finish), bit-identical run to run. elems = R * N;
+// N % 8 == 0, every pointer 16-byte aligned, so a 16-byte vector never crosses a row.
+template <typename T, typename OutT>
+__global__ void __launch_bounds__(256)
+    rs_sum(const OutT* data, long long elems, int world_size, int N, const T* bias, OutT* out) {
+  constexpr int kElems = 16 / sizeof(OutT);
+  constexpr int kBiasBytes = kElems * sizeof(T);
+  const long long vecs = elems / kElems;
+  for (long long v = blockIdx.x * static_cast<long long>(blockDim.x) + threadIdx.x; v < vecs;
+       v += static_cast<long long>(gridDim.x) * blockDim.x) {
+    const long long i = v * kElems;
+    float acc[kElems];
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) acc[j] = 0.0f;
+    for (int p = 0; p < world_size; ++p)  // rank order: bit-identical sums
+      rs::add_vec<OutT, 16>(acc, ld_plain<16>(data + p * elems + i));
+    float b[kElems];
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) b[j] = 0.0f;
+    if (bias != nullptr) rs::add_vec<T, kBiasBytes>(b, ld_nc<kBiasBytes>(bias + i % N));
+    RawVec<16> packed;
+    OutT* pe = reinterpret_cast<OutT*>(&packed);
+#pragma unroll
+    for (int j = 0; j < kElems; ++j) pe[j] = from_float<OutT>(acc[j] + b[j]);
+    st_na<16>(out + i, packed);
+  }
 }

@@ -12,7 +12,8 @@
          bound. Writes campaign-kill-<machine>-W<W>-<date>.json.
   small  (under mpirun, W = 1 or 2): three small checked calls of each op, of AllGather and
          AllGatherGemm built with path="sm" (SM_PATH_OPS), and of GemmReduceScatter and
-         AllGatherGemm with route="fused" (FUSED_OPS), each synchronised: the workload
+         AllGatherGemm with route="fused" (FUSED_OPS), and of GemmReduceScatter with
+         route="chunked" (copy engines, rs_sum), each synchronised: the workload
          compute-sanitizer runs (memcheck, racecheck, synccheck).
 
   mpirun -np 4 python scripts/campaign.py soak --calls 10000 --outdir scripts/results/campaigns
@@ -43,7 +44,9 @@ SM_PATH_OPS = ("allgather_sm", "ag_gemm_sm")
 # The fused GEMM ops forced onto their fused kernels (route="fused"): the small shapes here
 # (M < 256) run unfused under route="auto", so the sanitizer would never see those kernels.
 FUSED_OPS = ("gemm_rs_fused", "ag_gemm_fused")
-VARIANTS = SM_PATH_OPS + FUSED_OPS
+# GemmReduceScatter's cuBLAS chunks moved by copy engines (route="chunked", issue 15).
+CHUNKED_OPS = ("gemm_rs_chunked",)
+VARIANTS = SM_PATH_OPS + FUSED_OPS + CHUNKED_OPS
 H_NORM = 1024  # hidden size of the AllReduceRMSNorm soak
 KILL_SLACK_S = 2.0  # issue 19: the survivors raise within timeout + 2 s
 
@@ -61,8 +64,8 @@ class Case:
         if kind not in OPS + VARIANTS:
             raise ValueError(f"unknown op {kind!r}; known: {', '.join(OPS + VARIANTS)}")
         path = "sm" if kind in SM_PATH_OPS else "copy"
-        route = "fused" if kind in FUSED_OPS else "auto"
-        kind = kind.removesuffix("_sm").removesuffix("_fused")  # the calls and checks: the op's
+        route = "fused" if kind in FUSED_OPS else "chunked" if kind in CHUNKED_OPS else "auto"
+        kind = kind.removesuffix("_sm").removesuffix("_fused").removesuffix("_chunked")
         self.cp, self.world, self.kind = cupy, world, kind
         W = world.size
         self.W, self.me = W, world.rank

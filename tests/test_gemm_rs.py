@@ -235,7 +235,8 @@ def exact_routing(world, seed, impls):
     b layouts, both Hopper configurations, odd shapes (rows per rank 1, 37, 64, 129, 300:
     tiles shared by several owners), with and without bias; at W = 1 also the fused kernel
     itself (not only the plain GEMM the op uses there); at W > 1 also the unfused route
-    (cuflux.gemm into a partial, then the op's reduce-scatter) with the first core."""
+    (cuflux.gemm into a partial, then the op's reduce-scatter) with the first core, and the
+    chunked route (cuBLAS chunks moved by copy engines, deterministic only)."""
     count = 0
     for impl in impls:
         for reduce in REDUCE_MODES:
@@ -250,6 +251,10 @@ def exact_routing(world, seed, impls):
                     if world.size > 1 and impl == impls[0]:
                         _exact_case(world, impl, reduce, layout, case, None, seed + i,
                                     route="unfused")
+                        count += 1
+                    if world.size > 1 and impl == impls[0] and reduce == "deterministic":
+                        _exact_case(world, impl, reduce, layout, case, None, seed + i,
+                                    route="chunked")
                         count += 1
     return count
 
@@ -421,6 +426,121 @@ def test_back_to_back_calls_with_changing_m(W, reduce):
     assert issued == [1000] * W
 
 
+@on_ranks
+def chunked_back_to_back(world, seed, calls=60):
+    """route="chunked": `calls` calls without a host sync (the copy lanes' guards and the
+    staging reuse under load), rows per rank changing every call (1..160, uneven against every
+    tile), bias on every third, fp32 output on a second op interleaved; every result against
+    the float64 reference; the same inputs twice give the same bits (rank-order sums); a call
+    under CUDA-graph capture is refused before anything is queued."""
+    import cupy as cp
+
+    from cuflux.errors import CaptureError
+
+    W, me = world.size, world.rank
+    n, k, max_rows, sets = 136, 72, 160, 3
+    max_m = max_rows * W
+    dtype = "bfloat16"
+    ops_in, totals = [], []
+    for st in range(sets):
+        (a, _), (b, _) = _inputs(seed + st, me, max_m, n, k, dtype, "nk")
+        ops_in.append((a, b))
+        totals.append(_all_rows(world, seed + st, max_m, n, k, dtype, "nk"))
+    bias, bias32 = _operand((n,), dtype, _seed(seed, 99, 8), scale=4.0)
+    issued = []
+    cp.cuda.Device().synchronize()
+    world.barrier()  # every rank's operands ready: the waits' bound is for the protocol
+    with _op(world, max_m, n, k, dtype, b_layout="nk", route="chunked") as op, \
+            _op(world, max_m, n, k, dtype, out_dtype="float32", b_layout="nk",
+                route="chunked") as op32:
+        if W > 1:
+            assert op.plan(W) == op.plan(max_m) == "chunked"
+        for i in range(calls):
+            rows = 1 + (i * 37) % max_rows
+            M, st, with_bias = rows * W, i % sets, i % 3 == 0
+            a, b = ops_in[st]
+            use = op32 if i % 4 == 1 else op
+            out = use(a[:M], b, bias=bias if with_bias else None,
+                      out=poisoned((rows, n), use.out_dtype.name))
+            issued.append((i, rows, totals[st], with_bias, out, use.out_dtype.name))
+        a, b = ops_in[0]
+        again = [op(a[:W * 100], b, bias=bias) for _ in range(2)]
+        op.synchronize()
+        op32.synchronize()
+        assert bool(cp.array_equal(again[0], again[1])), f"rank {me}: run-to-run bits differ"
+        if W > 1:
+            s = cp.cuda.Stream(non_blocking=True)
+            with s:
+                s.begin_capture()
+                try:
+                    op(a[:W], b, stream=s)
+                    raise AssertionError("a chunked call was captured")
+                except CaptureError as e:
+                    assert "chunked" in str(e), str(e)
+                finally:
+                    s.end_capture()
+            op(a[:W], b).get()  # the op still runs after the refusal
+            op.synchronize()
+    for i, rows, total, with_bias, out, odt in issued:
+        ref = total[me * rows:(me + 1) * rows]  # rows of the first M only depend on those rows
+        if with_bias:
+            ref = ref + bias32.astype(cp.float64)[None, :]
+        bad, rel, worst = _errors(_to_f32(out, odt), ref)
+        tol = TOL[dtype]
+        assert bad == 0 and rel < tol and worst < 10 * tol, \
+            f"rank {me} call {i} (rows {rows}, {odt}): {bad} not finite, rel {rel:.3g}, " \
+            f"worst {worst:.3g}"
+    return len(issued)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", WS)
+def test_chunked_route_back_to_back(W):
+    issued = chunked_back_to_back.run(W, timeout_s=300, seed=fresh_seed())
+    assert issued == [60] * W
+
+
+@on_ranks
+def chunked_timeout(world, timeout_s=2.0):
+    """route="chunked": the last rank never makes the second call: the others raise
+    CommTimeoutError naming it within the timeout plus a margin (the chunk wait is watched),
+    the failed op refuses to run again, and it closes; a new chunked op runs exactly."""
+    W, me = world.size, world.rank
+    late = W - 1
+    waited = None
+    op = GemmReduceScatter(world, 256 * W, 512, 64, "bfloat16", route="chunked",
+                           timeout_s=timeout_s)
+    (a, _), (b, _) = _inputs(1, me, 256 * W, 512, 64, "bfloat16", "kn")
+    op(a, b)  # every rank: this M is now agreed, so the next call queues at once
+    op.synchronize()
+    if me != late:
+        t0 = time.perf_counter()
+        try:
+            op(a, b)
+            op.synchronize()
+            raise AssertionError("no CommTimeoutError although a rank never called")
+        except CommTimeoutError as e:
+            waited = time.perf_counter() - t0
+            assert e.op == "GemmReduceScatter" and e.rank == me and e.peer == late, str(e)
+            assert waited < timeout_s + 3.0, waited
+        try:
+            op(a, b)
+            raise AssertionError("a failed op ran again")
+        except CommTimeoutError:
+            pass
+    world.barrier()
+    op.close()
+    _exact_case(world, "auto", "deterministic", "kn", EXACT_CASES[3], None, 7, route="chunked")
+    return {"waited": waited}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("W", [w for w in WS if w > 1])
+def test_chunked_timeout_names_the_rank_that_never_calls(W):
+    res = chunked_timeout.run(W, timeout_s=150)
+    assert all(r["waited"] is not None for r in res[:-1]) and res[-1]["waited"] is None
+
+
 # ---- device epochs past 2^32 ------------------------------------------------------------------
 @on_ranks
 def epochs_past_32_bits(world, seed):
@@ -553,7 +673,7 @@ test_bad_input_raises_before_launch = bad_input.test(
 def test_family_registered():
     fam = kernels.families()["gemm_rs.cu"]  # registered when cuflux.ops.gemm_rs is imported
     assert fam == R.FAMILY
-    assert fam.min_arch == 80 and len(set(fam.names)) == len(fam.names) == 32
+    assert fam.min_arch == 80 and len(set(fam.names)) == len(fam.names) == 36
     for dt in ("__nv_bfloat16", "__half"):
         for tr in (False, True):
             for at in (False, True):
@@ -562,6 +682,8 @@ def test_family_registered():
                     assert R.sm90_kernel(dt, c, tr, at) in fam.names
             for o in (dt, "float"):
                 assert R.copy_kernel(dt, o, tr) in fam.names
+        for o in (dt, "float"):
+            assert R.sum_kernel(dt, o) in fam.names
     assert R.SM90_RS_DEFAULT in R.SM90_RS_CONFIGS
     for c in R.SM90_RS_CONFIGS:  # the fused kernels instantiate 4 stages, 1-CTA clusters
         cfg = G.SM90_CONFIGS[c]
@@ -778,7 +900,9 @@ def _fake_world(W=2, rank=0, device=None, kind="nvlink", peer_values=None):
     (dict(impl="cuda"), ValueError, "impl must be"),
     (dict(config="128x128s6c1"), ValueError, "config must be one of"),
     (dict(w1="plain"), ValueError, r"w1 must be one of \('gemm', 'fused'\)"),
-    (dict(route="cublas"), ValueError, r"route must be one of \('auto', 'fused', 'unfused'\)"),
+    (dict(route="cublas"), ValueError,
+     r"route must be one of \('auto', 'fused', 'unfused', 'chunked'\)"),
+    (dict(route="chunked", reduce="atomic"), ValueError, "route='chunked' sums the partials"),
     (dict(timeout_s=0), ValueError, "timeout_s must be a finite number of seconds > 0"),
     (dict(max_m=0), ValueError, "max_m must be an int"),
     (dict(max_m=1.5), ValueError, "max_m must be an int"),
@@ -806,6 +930,9 @@ def test_constructor_checks(kwargs, exc, text):
     (2, "gemm", "unfused", 8192, "unfused"),
     (1, "gemm", "fused", 4096, "gemm"),    # W = 1: w1 decides, nothing to reduce
     (1, "fused", "unfused", 8, "fused"),
+    (2, "gemm", "chunked", 2, "chunked"),  # every M: the route is the caller's choice
+    (8, "gemm", "chunked", 8192, "chunked"),
+    (1, "gemm", "chunked", 4096, "gemm"),
 ])
 def test_plan_is_a_function_of_m_and_the_agreed_arguments(W, w1, route, M, want):
     """Every rank must take the same route (the two use different flag protocols): plan(M)
@@ -983,3 +1110,103 @@ def test_bench_cases_are_valid_shapes(W):
         assert M % W == 0 and M >= W and n % 8 == 0 and K % W == 0 and k % 8 == 0 and k > 0, name
     if W in (1, 2, 4, 8):  # the issue's shapes, unchanged
         assert dict((c[0], c[1:]) for c in full)["flux-rs"] == (4096, 12288, 49152)
+
+
+# ---- route="chunked": what one call queues ------------------------------------------------------
+@pytest.mark.parametrize("W,me,bias", [(2, 0, False), (4, 2, True), (3, 1, True)])
+def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
+    """ChunkedRs.run on recording fakes: the peer chunks' GEMMs in the copy order, each followed
+    by its lane's event wait, guard (from the second call), copy to the owner's data at me * R
+    rows and chunk flag; the own chunk's GEMM into this rank's data last; then the chunk waits,
+    rs_sum (arguments against its C signature), free[me] to every peer, the lanes joined."""
+    import cupy
+
+    log = []
+    n, rows, row_bytes = 64, 5, 64 * 2
+    M = rows * W
+
+    class Lane:
+        def __init__(self, i):
+            self.i, self.ptr = i, 100 + i
+
+        def wait_event(self, ev):
+            log.append(("lane wait event", self.i, ev.peer))
+
+    class Ev:
+        def __init__(self, p):
+            self.peer = p
+
+        def record(self, s):
+            log.append(("record", self.peer))
+
+    class Rows:  # a row slice: its first row's index stands for its pointer
+        def __init__(self, name, r0=0):
+            self.name, self.r0 = name, r0
+            self.data = SimpleNamespace(ptr=(name, r0))
+
+        def __getitem__(self, sl):
+            return Rows(self.name, self.r0 + sl.start)
+
+        def reshape(self, *shape):
+            return self
+
+    op = object.__new__(R.ChunkedRs)
+    op.world = SimpleNamespace(size=W, rank=me)
+    op.n, op.row_bytes, op.max_chunks, op.epoch, op._last_stream = n, row_bytes, 1, 0, None
+    op.mode = "push"
+    op.out_dtype = dtype_info("bfloat16")
+    op.order = [[(me + i) % W] for i in range(1, W)]  # one peer a stage
+    op.lanes = [Lane(0)]
+    op.peers = [st[0] for st in op.order]
+    op.lane_of = {p: op.lanes[0] for p in op.peers}
+    op.ready = {p: Ev(p) for p in op.peers}
+    op.staging = Rows("staging")
+    op.data = Rows("data")
+    op.module = {R.sum_kernel("__nv_bfloat16", "__nv_bfloat16"): "rs_sum"}
+    op.sum_name, op.sum_blocks = R.sum_kernel("__nv_bfloat16", "__nv_bfloat16"), 1056
+    op.buf = SimpleNamespace(ptr=lambda rank, name, off=0: (rank, name, off))
+    op._no_capture = lambda s, why: log.append(("no capture",))
+    op._next_epoch = lambda s: setattr(op, "epoch", op.epoch + 1) or op.epoch
+    op._guard = lambda lane, name, e, p: log.append(("guard", name, e, p))
+    op._wait = lambda s, name, e, first, num_groups, per_group, group_stride: log.append(
+        ("wait", name, e, first, num_groups))
+    op._join_guarded = lambda s, lanes: log.append(("join", len(lanes)))
+    op._flag = lambda rank, name, i=0: (rank, name, i)
+    op._chunk_flag = lambda rank, src, c: (rank, "chunk", src)
+    monkeypatch.setattr(R, "gemm", lambda a, b, out, b_layout, impl, stream: log.append(
+        ("gemm", a.r0, out.name, out.r0, b_layout, impl)))
+    monkeypatch.setattr(cupy.cuda.runtime, "memcpyAsync", lambda dst, src, nb, kind, sptr:
+                        log.append(("copy", dst, src, nb, sptr)))
+    monkeypatch.setattr(R.driver, "stream_write_value32", lambda st, addr, v: log.append(
+        ("write", "s" if st == "S" else st.i, addr, v)))
+    launched = []
+    monkeypatch.setattr(R.kernels, "launch", lambda fn, grid, block, args, stream, **kw:
+                        launched.append(args) or log.append(("launch", kw["name"], grid)))
+    a = Rows("a")
+    bias_arg = DeviceArray() if bias else None
+    out = DeviceArray()
+    for call in (1, 2):
+        log.clear()
+        launched.clear()
+        op.run(a, "b", bias_arg, out, M, "S", "nk", "auto")
+        want = [("no capture",)]
+        for j, p in enumerate(op.peers):
+            want += [("gemm", p * rows, "staging", j * rows, "nk", "auto"), ("record", p),
+                     ("lane wait event", 0, p)]
+            if call > 1:
+                want.append(("guard", "free", call - 1, p))
+            want += [("copy", (p, "data", me * rows * row_bytes), ("staging", j * rows),
+                      rows * row_bytes, 100),
+                     ("write", 0, (p, "chunk", me), call)]
+        want += [("gemm", me * rows, "data", me * rows * n, "nk", "auto"),
+                 ("write", "s", (me, "chunk", me), call), ("wait", "chunk", call, 0, W)]
+        want += [("launch", op.sum_name, (1,))]
+        want += [("write", "s", (p, "free", me), call) for p in range(W) if p != me]
+        want += [("join", 1)]
+        assert log == want
+        (args,) = launched
+        assert args[0] is op.data  # a CuPy array on the GPU: stands for the data pointer
+        check_args("gemm_rs.cu", "rs_sum", (DeviceArray(),) + args[1:])
+        assert int(args[1]) == rows * n and int(args[2]) == W and int(args[3]) == n
+        assert (args[4] is bias_arg) if bias else int(args[4]) == 0
+        assert args[5] is out

@@ -5,6 +5,10 @@ bf16 in and out, rows of a per rank [M, K / W] (a row-parallel layer), b as a Li
 Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
   cuflux_ms        the fused op, reduce="deterministic" (the default)
   atomic_ms        the fused op, reduce="atomic" (absent over PCIe)
+  chunked_ms       W > 1: the op built route="chunked" (cuBLAS in owner chunks, peer chunks
+                   moved by copy engines while the next computes); chunked_to_cublas =
+                   chunked_ms / cublas_ms (issue 15's bar: <= 1.03), chunked_speedup_nccl =
+                   nccl_ms / chunked_ms
   gemm_ms          the GEMM alone on the same core and tile configuration ([M, n] written
                    locally): exposed_comm_ms = cuflux_ms - gemm_ms, ratio_to_gemm =
                    cuflux_ms / gemm_ms; at W = 1, where the op itself runs the plain GEMM,
@@ -69,6 +73,8 @@ def op_args(world_size: int, rows) -> dict:
     GemmReduceScatter runs at W = 1 (ignored at W > 1), and route (every shape here has
     M >= UNFUSED_BELOW_M: "auto" runs the fused kernel)."""
     args = {"cuflux_ms": {"w1": "gemm", "route": "auto"}}
+    if any("chunked_ms" in r for r in rows):
+        args["chunked_ms"] = {"route": "chunked"}
     if world_size == 1 and any("fused_kernel_ms" in r for r in rows):
         args["fused_kernel_ms"] = {"w1": "fused"}
     return args
@@ -110,6 +116,9 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     # W = 1: the same op run through the fused kernel instead of the plain GEMM
     fused = (GemmReduceScatter(world, M, n, k, "bfloat16", b_layout=layout, w1="fused")
              if W == 1 and det.impl == "sm90" else None)
+    if W > 1:
+        extra["chunked"] = GemmReduceScatter(world, M, n, k, "bfloat16", b_layout=layout,
+                                             route="chunked")
     state = {"i": 0}
 
     def pick():
@@ -137,7 +146,8 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     if "atomic" in ops:
         timed["atomic_ms"] = lambda: ops["atomic"](*pick(), out=out, stream=stream)
     for c, op in extra.items():
-        timed[f"cuflux_{c}_ms"] = lambda op=op: op(*pick(), out=out, stream=stream)
+        timed[f"{c}_ms" if c == "chunked" else f"cuflux_{c}_ms"] = \
+            lambda op=op: op(*pick(), out=out, stream=stream)
     if nccl is not None:
         lib, comm = nccl
 
@@ -174,6 +184,7 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
             [(prefix, timed.get(key), what) for prefix, key, what in (
                 ("", "cuflux_ms", "GemmReduceScatter"),
                 ("baseline_", "baseline_ms", "cuBLAS + reduce_scatter"),
+                ("chunked_", "chunked_ms", "GemmReduceScatter route=chunked"),
                 ("nccl_", "nccl_ms", "cuBLAS + NCCL reduce-scatter"))],
             stream, calls=calls, world=world, notes=notes, after=raise_pending))
         add_note(row, *notes)
@@ -188,6 +199,10 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     row["tflops"] = 2.0 * M * n * k / row["cuflux_ms"] / 1e9
     if "atomic_ms" in row:
         row["atomic_wins"] = row["atomic_ms"] < row["cuflux_ms"]
+    if "chunked_ms" in row:
+        row["chunked_to_cublas"] = row["chunked_ms"] / row["cublas_ms"]
+        if "nccl_ms" in row:
+            row["chunked_speedup_nccl"] = row["nccl_ms"] / row["chunked_ms"]
     return row
 
 

@@ -747,12 +747,13 @@ class _GemmAcrossNodes(_AcrossNodes):
     call's row count agreed across the World."""
 
     def _gemm_args(self, n: int, k: int, dtype, out_dtype, b_layout: str, impl: str,
-                   route: str, config: str | None = None, group_m: int = 8) -> None:
+                   route: str, config: str | None = None, group_m: int = 8,
+                   routes: tuple | None = None) -> None:
         from cuflux import gemm_core as core
-        from cuflux.ops.base import check_route
+        from cuflux.ops.base import ROUTES, check_route
         from cuflux.sizes import count
 
-        check_route(self.op, route)
+        check_route(self.op, route, routes or ROUTES)  # the node op's (GemmReduceScatter: more)
         core.check_b_layout(b_layout, self.op)
         if type(group_m) is not int or group_m < 1:  # else gemm refuses it after the gather
             raise ValueError(f"{self.op}: group_m must be an int >= 1, got {group_m!r}")
@@ -874,10 +875,10 @@ class GemmReduceScatterAcrossNodes(_GemmAcrossNodes):
                  timeout_s: float = DEFAULT_TIMEOUT_S, impl: str = "auto",
                  config: str | None = None, w1: str = "gemm", route: str = "auto",
                  rail: str = "auto"):
-        from cuflux.ops.gemm_rs import GemmReduceScatter
+        from cuflux.ops.gemm_rs import RS_ROUTES, GemmReduceScatter
         from cuflux.sizes import count
 
-        self._gemm_args(n, k, dtype, out_dtype, b_layout, impl, route, config)
+        self._gemm_args(n, k, dtype, out_dtype, b_layout, impl, route, config, routes=RS_ROUTES)
         self.max_m = count(self.op, "max_m", max_m, what="rows of a")
         self._split(world, timeout_s, rail, (self.max_m, self.n, self.k, self.dtype.name,
                                              self.out_dtype.name, b_layout, reduce, impl,

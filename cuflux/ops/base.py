@@ -94,9 +94,9 @@ def ranks_on_my_gpu(world) -> int:
                    if link.same_gpu and link.peer != world.rank)
 
 
-def check_route(op: str, route) -> str:
-    if route not in ROUTES:
-        raise ValueError(f"{op}: route must be one of {ROUTES}, got {route!r}")
+def check_route(op: str, route, routes: tuple = ROUTES) -> str:
+    if route not in routes:
+        raise ValueError(f"{op}: route must be one of {routes}, got {route!r}")
     return route
 
 

@@ -20,6 +20,13 @@ Small M runs unfused (route="auto", `op.plan(M)` says which): cuflux.gemm (cuBLA
 partial, then `reduce_scatter` — the fused kernel is cuflux's GEMM core, which loses to cuBLAS
 below UNFUSED_BELOW_M rows (cuflux.ops.base.ROUTES says why the rule depends on M alone).
 
+route="chunked" (W > 1) hides the transfer behind cuBLAS instead of fusing it into our core
+(issue 15): the GEMM runs as W row chunks, one per owner, in the copy order (peers first, own
+rows last); as each peer chunk is computed, a copy engine moves it into the owner's memory
+(ChunkedRs below: AllGather's push protocol, sources per peer) while the next chunk computes,
+and one small kernel (rs_sum) sums the W partials in rank order once every chunk has landed.
+Its epochs are counted on the host: not capturable (refused under capture).
+
 `GemmReduceScatter.reduce_scatter(partial)` is the same reduce-scatter on an already computed
 partial (e.g. cuBLAS's): the unfused baseline, through the same buffers, flags and order.
 `reference_gemm_rs` is the float64 golden model.
@@ -30,10 +37,12 @@ import contextlib
 
 import numpy as np
 
-from cuflux import gemm_core as core
+from cuflux import driver, gemm_core as core
 from cuflux import kernels
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller, zeros_settled
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias,
+from cuflux.errors import ABORT
+from cuflux.ops.allgather import _MEMCPY_DEFAULT, CopyGather
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, ROUTES, CommOp, check_no_alias,
                              check_route, check_timeout, fused_route, max_unfused_m,
                              on_op_device, require_world_device)
 from cuflux.ops.gemm import gemm
@@ -41,12 +50,14 @@ from cuflux.sizes import count
 from cuflux.symmetric import Layout
 
 __all__ = ["GemmReduceScatter", "reference_gemm_rs", "tile_order", "own_tile_rows",
-           "make_layout", "REDUCE_MODES", "SM90_RS_CONFIGS", "W1_MODES"]
+           "make_layout", "REDUCE_MODES", "SM90_RS_CONFIGS", "W1_MODES", "RS_ROUTES",
+           "ChunkedRs"]
 
 _OP = "GemmReduceScatter"
 _SRC = "gemm_rs.cu"
 REDUCE_MODES = ("deterministic", "atomic")
 W1_MODES = ("gemm", "fused")  # what a call runs at W = 1 (constructor argument w1)
+RS_ROUTES = ROUTES + ("chunked",)  # cuBLAS chunks + copy engines (module docstring)
 # Hopper tile configurations compiled into gemm_rs.cu (names of cuflux.gemm_core.SM90_CONFIGS:
 # 4 stages, 1-CTA clusters, register epilogue).
 SM90_RS_CONFIGS = ("256x128s4c1", "128x256s4c1")
@@ -74,6 +85,10 @@ def copy_kernel(cuda_type: str, out_cuda_type: str, atomic: bool) -> str:
     return f"rs_tiles<{cuda_type}, {out_cuda_type}, {_b(atomic)}>"
 
 
+def sum_kernel(cuda_type: str, out_cuda_type: str) -> str:
+    return f"rs_sum<{cuda_type}, {out_cuda_type}>"
+
+
 def _names() -> list[str]:
     names = []
     for t in ("__nv_bfloat16", "__half"):
@@ -82,6 +97,7 @@ def _names() -> list[str]:
                 names += [sm90_kernel(t, c, tr, atomic) for c in SM90_RS_CONFIGS]
                 names.append(sm80_kernel(t, tr, atomic))
             names += [copy_kernel(t, o, atomic) for o in (t, "float")]
+        names += [sum_kernel(t, o) for o in (t, "float")]
     return names
 
 
@@ -162,6 +178,86 @@ def reference_gemm_rs(a_list, b_list, bias=None, b_layout: str = "kn", rank: int
     return outs if rank is None else outs[0]
 
 
+# ---- route="chunked": cuBLAS chunks, copy engines, one summing kernel -------------------------
+SUM_THREADS = 256
+SUM_BLOCKS_PER_SM = 8
+
+
+class ChunkedRs(CopyGather):
+    """The chunked route of GemmReduceScatter (W > 1), an op of its own inside it (its own
+    communicator, error record, symmetric buffer, copy lanes and stream-wait watchdog).
+
+    AllGather's push protocol (allgather.py, module docstring) with a different source for each
+    peer: rank p's data region holds, at q * R rows, rank q's partial of p's rows. Call e:
+      S: for each peer p in the copy order: cuflux.gemm(a[p*R:(p+1)*R]) -> staging chunk j
+         (this op's private memory); lane(p) follows it (event), guard free[p] >= e-1 (p has
+         summed call e-1, so its rows of us may be overwritten; a timeout never releases a
+         guard), copies the chunk into p's data at me * R rows, raises chunk[me] on p;
+      S: cuflux.gemm(a[me*R:(me+1)*R]) straight into our data at me * R rows, chunk[me] = e;
+         waits (bounded, watched) for chunk[q] >= e of every rank; rs_sum; free[me] = e on
+         every peer; joins the lanes (their staging chunks are rewritten by the next call).
+    The chunk GEMM for a peer runs while the previous chunk is on the link, and the own chunk,
+    last, while the last peer chunk is: only the summing kernel (a read of W partials of R rows,
+    a write of one) is not hidden. Chunks are whole owners' rows (one flag each), so a GEMM
+    never gets a tile shape smaller than M / W rows.
+    """
+
+    def __init__(self, world, timeout_s: float, max_rows: int, n: int, dtype, out_dtype):
+        import cupy
+
+        super().__init__(world, _OP, timeout_s, max_rows, n, out_dtype, mode="push",
+                         chunk_rows=max_rows, wait="stream")
+        W = world.size
+        self.in_dtype, self.out_dtype, self.n = dtype, out_dtype, n
+        self.module = kernels.load(_SRC, world.device)
+        kernels.load("gemm.cu", world.device)
+        # peers in the copy order (stage by stage), the lane that carries each one
+        self.peers = [p for stage in self.order for p in stage]
+        self.lane_of = {p: lane for stage in self.order for lane, p in zip(self.lanes, stage)}
+        self.ready = {p: cupy.cuda.Event(disable_timing=True) for p in self.peers}
+        with world.device_context():
+            self.staging = cupy.empty(((W - 1) * max_rows, n), out_dtype.storage)
+        self.data = self.buf.local("data").view(out_dtype.storage).reshape(-1)
+        self.sum_name = sum_kernel(dtype.cuda_type, out_dtype.cuda_type)
+        self.sum_blocks = SUM_BLOCKS_PER_SM * self.num_sms
+
+    def run(self, a, b, bias, out, M: int, s, b_layout: str, impl: str) -> None:
+        """One call (arguments checked by GemmReduceScatter, M agreed, 1 <= M <= max_m)."""
+        from cupy.cuda import runtime
+
+        self._no_capture(s, "route='chunked' counts its call epochs on the host (copy engines "
+                            "gated by stream waits); build the op with route='auto' to capture")
+        W, me, n = self.world.size, self.world.rank, self.n
+        R = M // W
+        e = self._next_epoch(s if self._last_stream is None else self._last_stream)
+        self._last_stream = s  # abort() and close() look at it
+        nbytes = R * self.row_bytes
+        for j, p in enumerate(self.peers):
+            chunk = self.staging[j * R:(j + 1) * R]
+            gemm(a[p * R:(p + 1) * R], b, out=chunk, b_layout=b_layout, impl=impl, stream=s)
+            lane = self.lane_of[p]
+            self.ready[p].record(s)
+            lane.wait_event(self.ready[p])
+            if e > 1:  # p's sum of call e-1 read its rows of us: a late p's never overwritten
+                self._guard(lane, "free", e - 1, p)
+            runtime.memcpyAsync(self.buf.ptr(p, "data", me * nbytes), chunk.data.ptr, nbytes,
+                                _MEMCPY_DEFAULT, lane.ptr)
+            driver.stream_write_value32(lane, self._chunk_flag(p, me, 0), e)
+        own = self.data[me * R * n:(me + 1) * R * n].reshape(R, n)
+        gemm(a[me * R:(me + 1) * R], b, out=own, b_layout=b_layout, impl=impl, stream=s)
+        driver.stream_write_value32(s, self._chunk_flag(me, me, 0), e)
+        self._wait(s, "chunk", e, 0, num_groups=W, per_group=1, group_stride=self.max_chunks)
+        elems = R * n
+        vecs = elems * self.out_dtype.itemsize // 16
+        grid = max(1, min(-(-vecs // SUM_THREADS), self.sum_blocks))
+        kernels.launch(self.module[self.sum_name], (grid,), (SUM_THREADS,),
+                       (self.data, np.int64(elems), np.int32(W), np.int32(n),
+                        bias if bias is not None else np.uint64(0), out),
+                       s, op=_OP, name=self.sum_name)
+        self.release(s)
+        self._join_guarded(s, self.lanes)
+
+
 # ---- the op -------------------------------------------------------------------------------------
 class GemmReduceScatter(CommOp):
     """out [M / W, n] = rows [r * M / W, (r + 1) * M / W) of sum over ranks of a @ b (+ bias).
@@ -185,8 +281,11 @@ class GemmReduceScatter(CommOp):
         kernel itself, flags and all; tests and benchmarks compare it with the plain GEMM).
         Ignored at W > 1.
       route: at W > 1, "auto" (default: unfused below UNFUSED_BELOW_M rows, fused from
-        there), "fused" (always the fused kernel) or "unfused" (always cuflux.gemm into a
-        partial, then reduce_scatter). `plan(M)` says what a call with M rows runs.
+        there), "fused" (always the fused kernel), "unfused" (always cuflux.gemm into a
+        partial, then reduce_scatter) or "chunked" (cuBLAS in owner chunks, each peer's sent
+        by copy engines while the next computes: ChunkedRs; reduce="deterministic" only, not
+        capturable, and it holds a second buffer of M rows plus a staging of (W-1) M / W).
+        `plan(M)` says what a call with M rows runs.
 
     Calls of one op must be ordered on each rank (one stream, or streams the caller orders),
     and every rank must make the same calls with the same M. The call epoch lives on the
@@ -217,7 +316,10 @@ class GemmReduceScatter(CommOp):
             raise ValueError(f"{_OP}: config must be one of {SM90_RS_CONFIGS}, got {config!r}")
         if w1 not in W1_MODES:
             raise ValueError(f"{_OP}: w1 must be one of {W1_MODES}, got {w1!r}")
-        check_route(_OP, route)
+        check_route(_OP, route, RS_ROUTES)
+        if route == "chunked" and reduce != "deterministic":
+            raise ValueError(f"{_OP}: route='chunked' sums the partials in rank order "
+                             f"(reduce='deterministic'); got reduce={reduce!r}")
         check_timeout(_OP, timeout_s)
         max_m = count(_OP, "max_m", max_m, W, MAX_DIM,
                       f"the GEMM's M: world size {W} * the rows each rank receives")
@@ -282,20 +384,28 @@ class GemmReduceScatter(CommOp):
         # only this rank reads it), never a per-call temporary, which a captured graph would
         # keep using after the pool handed it to someone else. Rows: every M the route can
         # take unfused (auto: below UNFUSED_BELOW_M).
-        partial_rows = max_unfused_m(route, self.max_m) if W > 1 else 0
+        partial_rows = (max_unfused_m(route, self.max_m) if W > 1 and route != "chunked"
+                        else 0)
         with world.device_context():
             self.state = zeros_settled(2, np.uint64)
             self._partial = zeros_settled((partial_rows, self.n), odt.storage)
         self._static_args()
+        # Last (a constructor failing in it leaves nothing of its own): collective, every rank
+        # agreed the route above.
+        self._chunked = (ChunkedRs(world, timeout_s, self.max_m // W, self.n, dt, odt)
+                         if route == "chunked" and W > 1 else None)
         self._closed = False
+
+    _chunked = None  # route="chunked" at W > 1: its ChunkedRs
 
     def plan(self, M: int) -> str:
         """What a call whose a has M rows runs: "gemm" (W = 1, w1="gemm": the plain GEMM),
-        "fused" (the fused kernel) or "unfused" (cuflux.gemm into a partial, then
-        reduce_scatter). The same on every rank (a function of M and the agreed route)."""
+        "fused" (the fused kernel), "unfused" (cuflux.gemm into a partial, then
+        reduce_scatter) or "chunked" (ChunkedRs). The same on every rank (a function of M and
+        the agreed route)."""
         if self.world.size == 1:
             return "fused" if self.w1 == "fused" else "gemm"
-        return fused_route(self.route, M)
+        return "chunked" if self.route == "chunked" else fused_route(self.route, M)
 
     # ---- checks -------------------------------------------------------------------------------
     def _check_rows(self, M: int, what: str) -> None:
@@ -419,6 +529,8 @@ class GemmReduceScatter(CommOp):
         stream (default: CuPy's current stream). Returns out (a CuPy array).
         """
         self._check_open()
+        if self._chunked is not None:
+            self._chunked.err.check()
         a_in, out_in = a, out  # the caller's: torch in, torch out
         given = out is not None
         s = stream_of(stream, a_in)
@@ -437,6 +549,8 @@ class GemmReduceScatter(CommOp):
             return to_caller(out, a_in, out_in)
         if route == "fused":
             self._launch_fused(a, b, bias, out, M, s)
+        elif route == "chunked":
+            self._chunked.run(a, b, bias, out, M, s, self.b_layout, self._impl_arg)
         else:  # cuflux.gemm's own choice (cuBLAS at small M), then the op's reduce-scatter
             partial = gemm(a, b, out=self._partial[:M], b_layout=self.b_layout,
                            impl=self._impl_arg, stream=s)
@@ -462,6 +576,23 @@ class GemmReduceScatter(CommOp):
         self._last_stream = s
         self._reduce_scatter(partial, bias, out, M, s)
         return to_caller(out, p_in, out_in)
+
+    # ---- lifetime (route="chunked": its ChunkedRs too) -----------------------------------------
+    @on_op_device
+    def synchronize(self, stream=None) -> None:
+        if self._chunked is not None:  # its lanes, and its failed waits
+            self._chunked.synchronize(stream)
+        super().synchronize(stream)
+
+    def _free(self) -> None:
+        """close() closes the chunked route's op with it (collective, bounded); abort() (the
+        abort word set) aborts it."""
+        inner = self._chunked
+        if inner is not None:
+            if int(self.err.words[ABORT]):
+                inner.abort()
+            else:
+                inner.close()
 
     def _reduce_scatter(self, partial, bias, out, M: int, s) -> None:
         name = copy_kernel(self.dtype.cuda_type, self.out_dtype.cuda_type, self.atomic)
