@@ -44,6 +44,11 @@ def check_b_layout(b_layout, op: str) -> None:
                          f"got {b_layout!r}")
 
 
+def check_group_m(group_m, op: str) -> None:
+    if type(group_m) is not int or group_m < 1:
+        raise ValueError(f"{op}: group_m must be an int >= 1, got {group_m!r}")
+
+
 # ---- tile configurations ---------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True)
 class Sm90Config:
@@ -437,10 +442,18 @@ _CUBLAS: list = []
 _CUBLAS_LOCK = threading.Lock()
 
 
+def _once(store: list, make):
+    """The one instance kept in `store`, made at the first call (locked: torch runs backward on
+    a thread of its own, and two threads' first GEMMs must not each load the library)."""
+    if not store:
+        with _CUBLAS_LOCK:
+            if not store:
+                store.append(make())
+    return store[0]
+
+
 def _cublas() -> _Cublas:
-    if not _CUBLAS:
-        _CUBLAS.append(_Cublas())
-    return _CUBLAS[0]
+    return _once(_CUBLAS, _Cublas)
 
 
 class _CublasLt:
@@ -557,11 +570,7 @@ _NO_PLAN = object()  # _CublasLt.plans: not asked yet (None: asked, no algorithm
 
 
 def _cublaslt() -> _CublasLt:
-    if not _CUBLASLT:
-        with _CUBLAS_LOCK:
-            if not _CUBLASLT:
-                _CUBLASLT.append(_CublasLt())
-    return _CUBLASLT[0]
+    return _once(_CUBLASLT, _CublasLt)
 
 
 def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
@@ -585,11 +594,7 @@ def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
                                 _ZERO_PTR if bias is None else _ONE_PTR, out.data.ptr, c_lay,
                                 out.data.ptr, c_lay, lt.ctypes.byref(algo), ws.data.ptr,
                                 WORKSPACE_BYTES, stream.ptr)
-    if err:
-        from cuflux.errors import CudaError
-
-        raise CudaError(f"{_OP}: cublasLtMatmul failed for {M}x{N}x{K} ({b_layout}): "
-                        f"cublasStatus {err}")
+    lt._check(f"cublasLtMatmul for {M}x{N}x{K} ({b_layout})", err)
     return True
 
 

@@ -500,47 +500,6 @@ def test_chunked_route_back_to_back(W):
     assert issued == [60] * W
 
 
-@on_ranks
-def chunked_timeout(world, timeout_s=2.0):
-    """route="chunked": the last rank never makes the second call: the others raise
-    CommTimeoutError naming it within the timeout plus a margin (the chunk wait is watched),
-    the failed op refuses to run again, and it closes; a new chunked op runs exactly."""
-    W, me = world.size, world.rank
-    late = W - 1
-    waited = None
-    op = GemmReduceScatter(world, 256 * W, 512, 64, "bfloat16", route="chunked",
-                           timeout_s=timeout_s)
-    (a, _), (b, _) = _inputs(1, me, 256 * W, 512, 64, "bfloat16", "kn")
-    op(a, b)  # every rank: this M is now agreed, so the next call queues at once
-    op.synchronize()
-    if me != late:
-        t0 = time.perf_counter()
-        try:
-            op(a, b)
-            op.synchronize()
-            raise AssertionError("no CommTimeoutError although a rank never called")
-        except CommTimeoutError as e:
-            waited = time.perf_counter() - t0
-            assert e.op == "GemmReduceScatter" and e.rank == me and e.peer == late, str(e)
-            assert waited < timeout_s + 3.0, waited
-        try:
-            op(a, b)
-            raise AssertionError("a failed op ran again")
-        except CommTimeoutError:
-            pass
-    world.barrier()
-    op.close()
-    _exact_case(world, "auto", "deterministic", "kn", EXACT_CASES[3], None, 7, route="chunked")
-    return {"waited": waited}
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("W", [w for w in WS if w > 1])
-def test_chunked_timeout_names_the_rank_that_never_calls(W):
-    res = chunked_timeout.run(W, timeout_s=150)
-    assert all(r["waited"] is not None for r in res[:-1]) and res[-1]["waited"] is None
-
-
 # ---- device epochs past 2^32 ------------------------------------------------------------------
 @on_ranks
 def epochs_past_32_bits(world, seed):
@@ -577,17 +536,21 @@ test_epochs_past_32_bits_stay_exact = epochs_past_32_bits.test(
 
 
 # ---- failures -----------------------------------------------------------------------------------
+TIMEOUT_FORMS = (("deterministic", "auto"), ("atomic", "auto"), ("deterministic", "chunked"))
+
+
 @on_ranks
 def timeout(world, timeout_s=2.0):
     """The last rank never computes: the others raise CommTimeoutError naming it within the
     timeout plus a margin; the failed op refuses to run again; a new op runs correctly. Both
-    reduce modes, one after the other."""
+    reduce modes, one after the other, then route="chunked" (its chunk waits are the copy
+    protocol's watched stream waits)."""
     W, me = world.size, world.rank
     late = W - 1
     waited = {}
-    for reduce in REDUCE_MODES:
+    for reduce, route in TIMEOUT_FORMS:
         op = GemmReduceScatter(world, 256 * W, 512, 64, "bfloat16", reduce=reduce,
-                               timeout_s=timeout_s)
+                               timeout_s=timeout_s, route=route)
         (a, _), (b, _) = _inputs(1, me, 256 * W, 512, 64, "bfloat16", "kn")
         op(a, b)  # every rank: this M is now agreed, so the next call launches at once
         op.synchronize()
@@ -596,28 +559,30 @@ def timeout(world, timeout_s=2.0):
             try:
                 op(a, b)  # launches; the kernel's waits for the late rank's tiles start now
                 op.synchronize()
-                raise AssertionError(f"{reduce}: no CommTimeoutError although a rank never "
-                                     f"computed")
+                raise AssertionError(f"{reduce}/{route}: no CommTimeoutError although a rank "
+                                     f"never computed")
             except CommTimeoutError as e:
-                waited[reduce] = time.perf_counter() - t0
+                waited[reduce, route] = time.perf_counter() - t0
                 assert e.op == "GemmReduceScatter" and e.rank == me and e.peer == late, str(e)
-                assert waited[reduce] < timeout_s + 3.0, waited
+                assert waited[reduce, route] < timeout_s + 3.0, waited
             try:
                 op(a, b)
-                raise AssertionError(f"{reduce}: a failed op ran again")
+                raise AssertionError(f"{reduce}/{route}: a failed op ran again")
             except CommTimeoutError:
                 pass
         world.barrier()
         op.close()
-        _exact_case(world, "auto", reduce, "kn", EXACT_CASES[1], None, 5)
-    return {"waited": waited or None}
+        _exact_case(world, "auto", reduce, "kn", EXACT_CASES[1], None, 5,
+                    route="fused" if route == "auto" else route)
+    return {"waited": [list(form) for form in sorted(waited)] or None}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("W", [w for w in WS if w > 1])
 def test_timeout_names_the_rank_that_never_computes(W):
     res = timeout.run(W, timeout_s=150)
-    assert all(set(r["waited"]) == set(MODES) for r in res[:-1]) and res[-1]["waited"] is None
+    want = sorted(list(f) for f in TIMEOUT_FORMS)
+    assert all(r["waited"] == want for r in res[:-1]) and res[-1]["waited"] is None
 
 
 @on_ranks

@@ -755,8 +755,7 @@ class _GemmAcrossNodes(_AcrossNodes):
 
         check_route(self.op, route, routes or ROUTES)  # the node op's (GemmReduceScatter: more)
         core.check_b_layout(b_layout, self.op)
-        if type(group_m) is not int or group_m < 1:  # else gemm refuses it after the gather
-            raise ValueError(f"{self.op}: group_m must be an int >= 1, got {group_m!r}")
+        core.check_group_m(group_m, self.op)  # else gemm refuses it after the gather
         self.config, self.group_m = config, group_m
         self.n = count(self.op, "n", n, what="output columns")
         self.k = count(self.op, "k", k, what="the inner dimension")

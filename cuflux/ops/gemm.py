@@ -27,9 +27,9 @@ from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import CaptureError
 from cuflux.gemm_core import (CUDA_TYPE, FAMILY, IN_DTYPES, OUT_KIND, SM80, SM80_CONFIG,
                               SM90_CONFIGS, SM90_DEFAULT, WORKSPACE_BYTES, Sm80Config,
-                              Sm90Config, check_aligned, check_b_layout, check_bias, cupy_module,
-                              device_props, grouped_tile, launch_cublas, launch_sm80, launch_sm90,
-                              tensor_map)
+                              Sm90Config, check_aligned, check_b_layout, check_bias,
+                              check_group_m, cupy_module, device_props, grouped_tile,
+                              launch_cublas, launch_sm80, launch_sm90, tensor_map)
 from cuflux.gemm_tuner import (CUBLAS, CUBLAS_BELOW_M, TUNER_CANDIDATES, choice, core_heuristic,
                                heuristic, load_tuner, plan, shape_class, tune_key, tuned_config,
                                tuner_path)
@@ -124,8 +124,7 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     if impl == "sm90" and not hopper:
         raise RuntimeError(f"{_OP}: impl='sm90' needs an sm_90a device (Hopper), this one is "
                            f"{arch}")
-    if type(group_m) is not int or group_m < 1:
-        raise ValueError(f"{_OP}: group_m must be an int >= 1, got {group_m!r}")
+    check_group_m(group_m, _OP)
     if config is not None and config not in SM90_CONFIGS:
         raise ValueError(f"{_OP}: config must be one of {sorted(SM90_CONFIGS)}, got {config!r}")
     if impl == CUBLAS or (impl == "auto" and not hopper and config is None
