@@ -10,6 +10,10 @@ Per shape and mode, on every rank at once (the slowest rank's median is reported
   unfused       cuflux.AllGather then cuBLAS, one after the other on one stream (the baseline)
   nccl          NCCL all-gather then cuBLAS, when every rank has its own GPU (NCCL refuses two
                 ranks on one GPU); then the baseline
+  ideal         distinct GPUs only: max(cublas, comm), comm = one rank's shard over the measured
+                peer link (peer_gbps, common.peer_copy_gbps; the W - 1 links run at once);
+                ideal_speedup = baseline / ideal, of_ideal = ideal / fused = speedup /
+                ideal_speedup (issue 15's bar: >= 0.97)
 Shapes: Flux's 4096 x 49152/W x 12288, Llama-70B column-parallel layers (M = 8192, K = 8192,
 N = 10240/W and 57344/W), and this-rank N <= 4096 (4096 and 1024 at M = K = 8192); then a
 sweep of chunk_rows on the Flux shape. Every operand set is larger than the 50 MB L2 (A
@@ -36,7 +40,8 @@ from __future__ import annotations
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, on_stream, print_bench_table, regime_calls,
                                    speed_header, speed_measured)
-from cuflux.bench.common import ranks_share_gpu, time_interleaved, time_ms, write_results
+from cuflux.bench.common import (peer_copy_gbps, ranks_share_gpu, time_interleaved, time_ms,
+                                 write_results)
 
 # (name, M, N, K, N is split over the ranks)
 SHAPES = [("flux", 4096, 49152, 12288, True), ("llama70b-qkv", 8192, 10240, 8192, True),
@@ -96,6 +101,7 @@ def run(world, args):
     comm = _nccl(world, distinct)
     if not all(world.allgather(comm is not None)):  # decided together: the timings are collective
         comm = None
+    link = peer_copy_gbps(world) if W > 1 and distinct else None
     stream = cupy.cuda.get_current_stream()
     layouts = ("nk",) if args.quick else ("nk", "kn")
     modes = ("pull",) if W == 1 else ("pull", "push")  # W = 1: no gather, one path
@@ -196,6 +202,10 @@ def run(world, args):
                         "unfused_nccl_ms": nccl_ms, "tflops": flop / fused / 1e9,
                         "impl": plan.impl, "config": plan.config, "chunk_rows": op.chunk_rows,
                         "mode": mode, "layout": layout})
+                    if link:
+                        ideal = max(cublas, rows * k * 2 / (link * 1e9) * 1e3)
+                        rows_out[-1].update(peer_gbps=link, ideal_ms=ideal,
+                                            ideal_speedup=base / ideal, of_ideal=ideal / fused)
                     regimes_of(rows_out[-1], fns["fused"],
                                fns["nccl"] if nccl_ms is not None else unfused,
                                max(fused, base), op, ag)
@@ -251,6 +261,7 @@ def run(world, args):
     cols = ["case", "config", "chunk_rows", "cuflux_ms", "gemm_only_ms",
             "fused_over_gemm_only", "exposed_comm_ms", "allgather_ms", "overlap", "cublas_ms",
             "baseline_ms", "speedup", "tflops"] + REGIME_COLS
+    cols += ["ideal_ms", "ideal_speedup", "of_ideal"] if link is not None else []
     print_bench_table(rows_out, cols, set(cols) - {"case", "config", "chunk_rows"}, measured)
     if W == 1:
         worst = max(r["fused_over_gemm_only"] for r in rows_out)

@@ -18,6 +18,10 @@ Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
                    other; speedup = baseline_ms / cuflux_ms
   cublas_ms, rs_ms the two halves of the baseline alone
   nccl_ms          cuBLAS then NCCL reduce-scatter (only when every rank has its own GPU)
+  ideal_ms         distinct GPUs only: max(cublas_ms, comm_ms), comm_ms = one rank's partial of one
+                   owner's rows (M / W x n bf16) over the measured peer link (peer_gbps,
+                   common.peer_copy_gbps; the W - 1 links run at once): the op if every byte were
+                   hidden behind cuBLAS; fused_to_ideal = cuflux_ms / ideal_ms, chunked_to_ideal
   fused_kernel_ms  W = 1: the fused kernel itself (an op built with w1="fused"; the default
                    w1="gemm" runs the plain GEMM there), i.e. what the RS epilogue costs
                    without any peer
@@ -87,7 +91,7 @@ def _nccl(world):
 
 
 def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=False,
-          measured=True):
+          measured=True, link_gbps=None):
     import cupy
 
     import cuflux.ops.gemm as G
@@ -203,6 +207,13 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
         row["chunked_to_cublas"] = row["chunked_ms"] / row["cublas_ms"]
         if "nccl_ms" in row:
             row["chunked_speedup_nccl"] = row["nccl_ms"] / row["chunked_ms"]
+    if link_gbps:
+        row["peer_gbps"] = link_gbps
+        row["comm_ms"] = (M // W) * n * 2 / (link_gbps * 1e9) * 1e3
+        row["ideal_ms"] = max(row["cublas_ms"], row["comm_ms"])
+        row["fused_to_ideal"] = row["cuflux_ms"] / row["ideal_ms"]
+        if "chunked_ms" in row:
+            row["chunked_to_ideal"] = row["chunked_ms"] / row["ideal_ms"]
     return row
 
 
@@ -211,6 +222,7 @@ def run(world, args):
 
     import cupy
 
+    from cuflux.bench.common import peer_copy_gbps
     from cuflux.ops.gemm_rs import SM90_RS_CONFIGS
 
     # the same fixed configuration on both sides, unless the caller set CUFLUX_GEMM_TUNE
@@ -220,6 +232,7 @@ def run(world, args):
     shared_gpu = ranks_share_gpu(world)
     measured = speed_measured(W, shared_gpu)
     nccl = _nccl(world) if W > 1 and not shared_gpu else None
+    link = peer_copy_gbps(world) if W > 1 and not shared_gpu else None
     iters = min(args.iters, 5) if W > 1 and shared_gpu else args.iters
     stream = cupy.cuda.Stream(non_blocking=True)
     shapes = cases(W, args.quick)
@@ -230,7 +243,7 @@ def run(world, args):
         for name, M, n, K in shapes:
             for layout in layouts:
                 rows.append(_case(world, name, M, n, K, layout, nccl, iters, stream, configs,
-                                  quick=args.quick, measured=measured))
+                                  quick=args.quick, measured=measured, link_gbps=link))
                 cupy.get_default_memory_pool().free_all_blocks()  # the case's inputs are gone
     if me != 0:
         return None
@@ -240,9 +253,13 @@ def run(world, args):
     cols = ["case", "config", "cuflux_ms", "gemm_ms", "exposed_comm_ms", "ratio_to_gemm",
             "atomic_ms", "baseline_ms", "speedup", "cublas_ms", "rs_ms", "tflops"]
     cols += ["nccl_ms"] if nccl is not None else []
+    cols += ["chunked_ms", "chunked_to_cublas"] if W > 1 else []
+    cols += ["chunked_speedup_nccl"] if nccl is not None else []
+    cols += ["ideal_ms", "fused_to_ideal", "chunked_to_ideal"] if link is not None else []
     cols += ["fused_kernel_ms"] if W == 1 else []
     cols += [f"cuflux_{c}_ms" for c in configs]
     cols += REGIME_COLS
+    cols += ["chunked_user_loop_ms", "chunked_host_us"] if W > 1 else []
     cols += ["nccl_user_loop_ms", "nccl_host_us", "nccl_graph_ms"] if nccl is not None else []
     print_bench_table(rows, cols, set(cols) - {"case", "config"}, measured)
     if W == 1:
