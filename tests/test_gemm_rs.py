@@ -1082,8 +1082,9 @@ def test_bench_cases_are_valid_shapes(W):
 def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
     """ChunkedRs.run on recording fakes: the peer chunks' GEMMs in the copy order, each followed
     by its lane's event wait, guard (from the second call), copy to the owner's data at me * R
-    rows and chunk flag; the own chunk's GEMM into this rank's data last; then the chunk waits,
-    rs_sum (arguments against its C signature), free[me] to every peer, the lanes joined."""
+    rows and chunk flag; the own chunk's GEMM into this rank's data last; then the waits for
+    every peer's chunk (the own one is ordered by the stream), rs_sum (arguments against its C
+    signature), free[me] to every peer, the lanes joined."""
     import cupy
 
     log = []
@@ -1130,11 +1131,9 @@ def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
     op.module = {R.sum_kernel("__nv_bfloat16", "__nv_bfloat16"): "rs_sum"}
     op.sum_name, op.sum_blocks = R.sum_kernel("__nv_bfloat16", "__nv_bfloat16"), 1056
     op.buf = SimpleNamespace(ptr=lambda rank, name, off=0: (rank, name, off))
-    op._no_capture = lambda s, why: log.append(("no capture",))
     op._next_epoch = lambda s: setattr(op, "epoch", op.epoch + 1) or op.epoch
     op._guard = lambda lane, name, e, p: log.append(("guard", name, e, p))
-    op._wait = lambda s, name, e, first, num_groups, per_group, group_stride: log.append(
-        ("wait", name, e, first, num_groups))
+    op._wait = lambda s, name, e, first, index0: log.append(("wait", name, e, first, index0))
     op._join_guarded = lambda s, lanes: log.append(("join", len(lanes)))
     op._flag = lambda rank, name, i=0: (rank, name, i)
     op._chunk_flag = lambda rank, src, c: (rank, "chunk", src)
@@ -1154,7 +1153,7 @@ def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
         log.clear()
         launched.clear()
         op.run(a, "b", bias_arg, out, M, "S", "nk", "auto")
-        want = [("no capture",)]
+        want = []
         for j, p in enumerate(op.peers):
             want += [("gemm", p * rows, "staging", j * rows, "nk", "auto"), ("record", p),
                      ("lane wait event", 0, p)]
@@ -1163,8 +1162,8 @@ def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
             want += [("copy", (p, "data", me * rows * row_bytes), ("staging", j * rows),
                       rows * row_bytes, 100),
                      ("write", 0, (p, "chunk", me), call)]
-        want += [("gemm", me * rows, "data", me * rows * n, "nk", "auto"),
-                 ("write", "s", (me, "chunk", me), call), ("wait", "chunk", call, 0, W)]
+        want += [("gemm", me * rows, "data", me * rows * n, "nk", "auto")]
+        want += [("wait", "chunk", call, p, p) for p in op.peers]  # max_chunks = 1
         want += [("launch", op.sum_name, (1,))]
         want += [("write", "s", (p, "free", me), call) for p in range(W) if p != me]
         want += [("join", 1)]

@@ -376,8 +376,8 @@ def test_one_call_queues_the_documented_sequence(monkeypatch, W, kind):
     """Two calls of one rank (rows per rank 3, then 5 with a bias), nothing run: the call stream
     queues the chunk GEMMs of the peers in the copy order (the topology's transfer order), each
     into its staging chunk and followed by its ready event, then the own chunk's GEMM straight
-    into this rank's data at me * R rows and chunk[me] = e, a bounded wait for chunk[q] >= e of
-    every rank, one rs_sum (data, R * n, W, n, bias, out), free[me] = e on every peer and one
+    into this rank's data at me * R rows (ordered by the stream: no flag), a bounded wait for
+    chunk[q] >= e of every peer in the copy order, one rs_sum (data, R * n, W, n, bias, out), free[me] = e on every peer and one
     follower wait for the last lane's joined word. Each lane, for each peer it carries: the
     event of this call, the guard free[p] >= e-1 (from the second call on), the copy of the
     chunk into p's data at me * R rows and chunk[me] = e on p; then its joined word, after the
@@ -408,9 +408,8 @@ def test_one_call_queues_the_documented_sequence(monkeypatch, W, kind):
             for j, p in enumerate(peers):
                 want += [("gemm", p * rows, (p + 1) * rows, ("staging", j * rows)),
                          ("record", p, e)]
-            want += [("gemm", me * rows, (me + 1) * rows, (me, "data", me * nbytes)),
-                     ("write", (me, "chunk", me), e)]
-            want += [("wait", (me, "chunk", q), e, "wait") for q in range(W)]
+            want += [("gemm", me * rows, (me + 1) * rows, (me, "data", me * nbytes))]
+            want += [("wait", (me, "chunk", q), e, "wait") for q in peers]
             want += [("rs_sum",)]
             want += [("write", (p, "free", me), e) for p in range(W) if p != me]
             want += [("wait", (me, "joined", len(lanes) - 1), e, "follow")]

@@ -10,8 +10,9 @@ Per shape and mode, on every rank at once (the slowest rank's median is reported
   unfused       cuflux.AllGather then cuBLAS, one after the other on one stream (the baseline)
   nccl          NCCL all-gather then cuBLAS, when every rank has its own GPU (NCCL refuses two
                 ranks on one GPU); then the baseline
-  ideal         distinct GPUs only: max(cublas, comm), comm = one rank's shard over the measured
-                peer link (peer_gbps, common.peer_copy_gbps; the W - 1 links run at once);
+  ideal         distinct GPUs only: max(cublas, comm), comm = this rank's shard to its W - 1 peers
+                at the measured peer copy rate (peer_gbps, common.peer_copy_gbps, one pair: the
+                copies share a GPU's outgoing NVLink; exact at W = 2);
                 ideal_speedup = baseline / ideal, of_ideal = ideal / fused = speedup /
                 ideal_speedup (issue 15's bar: >= 0.97)
 Shapes: Flux's 4096 x 49152/W x 12288, Llama-70B column-parallel layers (M = 8192, K = 8192,
@@ -203,7 +204,7 @@ def run(world, args):
                         "impl": plan.impl, "config": plan.config, "chunk_rows": op.chunk_rows,
                         "mode": mode, "layout": layout})
                     if link:
-                        ideal = max(cublas, rows * k * 2 / (link * 1e9) * 1e3)
+                        ideal = max(cublas, (W - 1) * rows * k * 2 / (link * 1e9) * 1e3)
                         rows_out[-1].update(peer_gbps=link, ideal_ms=ideal,
                                             ideal_speedup=base / ideal, of_ideal=ideal / fused)
                     regimes_of(rows_out[-1], fns["fused"],

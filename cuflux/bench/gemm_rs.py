@@ -18,10 +18,12 @@ Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
                    other; speedup = baseline_ms / cuflux_ms
   cublas_ms, rs_ms the two halves of the baseline alone
   nccl_ms          cuBLAS then NCCL reduce-scatter (only when every rank has its own GPU)
-  ideal_ms         distinct GPUs only: max(cublas_ms, comm_ms), comm_ms = one rank's partial of one
-                   owner's rows (M / W x n bf16) over the measured peer link (peer_gbps,
-                   common.peer_copy_gbps; the W - 1 links run at once): the op if every byte were
-                   hidden behind cuBLAS; fused_to_ideal = cuflux_ms / ideal_ms, chunked_to_ideal
+  ideal_ms         distinct GPUs only: max(cublas_ms, comm_ms), comm_ms = the W - 1 partials a
+                   rank sends (M / W x n bf16 each) at the measured peer copy rate (peer_gbps,
+                   common.peer_copy_gbps, one pair: over NVSwitch one copy nearly fills a GPU's
+                   outgoing NVLink, so the W - 1 copies share it; exact at W = 2): the op if
+                   every byte were hidden behind cuBLAS; fused_to_ideal = cuflux_ms / ideal_ms,
+                   chunked_to_ideal = chunked_ms / ideal_ms (comm_ms, peer_gbps in the JSON)
   fused_kernel_ms  W = 1: the fused kernel itself (an op built with w1="fused"; the default
                    w1="gemm" runs the plain GEMM there), i.e. what the RS epilogue costs
                    without any peer
@@ -209,7 +211,7 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
             row["chunked_speedup_nccl"] = row["nccl_ms"] / row["chunked_ms"]
     if link_gbps:
         row["peer_gbps"] = link_gbps
-        row["comm_ms"] = (M // W) * n * 2 / (link_gbps * 1e9) * 1e3
+        row["comm_ms"] = (W - 1) * (M // W) * n * 2 / (link_gbps * 1e9) * 1e3
         row["ideal_ms"] = max(row["cublas_ms"], row["comm_ms"])
         row["fused_to_ideal"] = row["cuflux_ms"] / row["ideal_ms"]
         if "chunked_ms" in row:

@@ -193,9 +193,9 @@ class ChunkedRs(CopyGather):
          (this op's private memory); lane(p) follows it (event), guard free[p] >= e-1 (p has
          summed call e-1, so its rows of us may be overwritten; a timeout never releases a
          guard), copies the chunk into p's data at me * R rows, raises chunk[me] on p;
-      S: cuflux.gemm(a[me*R:(me+1)*R]) straight into our data at me * R rows, chunk[me] = e;
-         waits (bounded, watched) for chunk[q] >= e of every rank; rs_sum; free[me] = e on
-         every peer; joins the lanes (their staging chunks are rewritten by the next call).
+      S: cuflux.gemm(a[me*R:(me+1)*R]) straight into our data at me * R rows; waits
+         (bounded, watched) for chunk[q] >= e of every peer q; rs_sum; free[me] = e on every
+         peer; joins the lanes (their staging chunks are rewritten by the next call).
     The chunk GEMM for a peer runs while the previous chunk is on the link, and the own chunk,
     last, while the last peer chunk is: only the summing kernel (a read of W partials of R rows,
     a write of one) is not hidden. Chunks are whole owners' rows (one flag each), so a GEMM
@@ -221,12 +221,17 @@ class ChunkedRs(CopyGather):
         self.sum_name = sum_kernel(dtype.cuda_type, out_dtype.cuda_type)
         self.sum_blocks = SUM_BLOCKS_PER_SM * self.num_sms
 
-    def run(self, a, b, bias, out, M: int, s, b_layout: str, impl: str) -> None:
-        """One call (arguments checked by GemmReduceScatter, M agreed, 1 <= M <= max_m)."""
-        from cupy.cuda import runtime
-
+    def refuse_capture(self, s) -> None:
+        """Before anything of a call is queued or allocated on `s` (GemmReduceScatter calls it
+        first): the route cannot run inside a CUDA graph."""
         self._no_capture(s, "route='chunked' counts its call epochs on the host (copy engines "
                             "gated by stream waits); build the op with route='auto' to capture")
+
+    def run(self, a, b, bias, out, M: int, s, b_layout: str, impl: str) -> None:
+        """One call (arguments checked by GemmReduceScatter, M agreed, 1 <= M <= max_m, the
+        stream not capturing: refuse_capture)."""
+        from cupy.cuda import runtime
+
         W, me, n = self.world.size, self.world.rank, self.n
         R = M // W
         e = self._next_epoch(s if self._last_stream is None else self._last_stream)
@@ -245,8 +250,8 @@ class ChunkedRs(CopyGather):
             driver.stream_write_value32(lane, self._chunk_flag(p, me, 0), e)
         own = self.data[me * R * n:(me + 1) * R * n].reshape(R, n)
         gemm(a[me * R:(me + 1) * R], b, out=own, b_layout=b_layout, impl=impl, stream=s)
-        driver.stream_write_value32(s, self._chunk_flag(me, me, 0), e)
-        self._wait(s, "chunk", e, 0, num_groups=W, per_group=1, group_stride=self.max_chunks)
+        for p in self.peers:  # the own chunk is ordered by the stream: no flag, no wait
+            self._wait(s, "chunk", e, p, index0=p * self.max_chunks)
         elems = R * n
         vecs = elems * self.out_dtype.itemsize // 16
         grid = max(1, min(-(-vecs // SUM_THREADS), self.sum_blocks))
@@ -282,9 +287,11 @@ class GemmReduceScatter(CommOp):
         Ignored at W > 1.
       route: at W > 1, "auto" (default: unfused below UNFUSED_BELOW_M rows, fused from
         there), "fused" (always the fused kernel), "unfused" (always cuflux.gemm into a
-        partial, then reduce_scatter) or "chunked" (cuBLAS in owner chunks, each peer's sent
-        by copy engines while the next computes: ChunkedRs; reduce="deterministic" only, not
-        capturable, and it holds a second buffer of M rows plus a staging of (W-1) M / W).
+        partial, then reduce_scatter) or "chunked" (cuflux.gemm, i.e. cuBLAS unless impl
+        forces our core, in owner chunks, each peer's sent by copy engines while the next
+        computes: ChunkedRs; reduce="deterministic" only, not capturable; beside the fused
+        route's buffer of 2 max_m rows, which reduce_scatter() keeps using, it holds a data
+        region of max_m rows and a staging of (W-1) max_m / W rows).
         `plan(M)` says what a call with M rows runs.
 
     Calls of one op must be ordered on each rank (one stream, or streams the caller orders),
@@ -392,8 +399,9 @@ class GemmReduceScatter(CommOp):
         self._static_args()
         # Last (a constructor failing in it leaves nothing of its own): collective, every rank
         # agreed the route above.
-        self._chunked = (ChunkedRs(world, timeout_s, self.max_m // W, self.n, dt, odt)
-                         if route == "chunked" and W > 1 else None)
+        if route == "chunked" and W > 1:  # its copy lanes and events on the op's device
+            with world.device_context():
+                self._chunked = ChunkedRs(world, timeout_s, self.max_m // W, self.n, dt, odt)
         self._closed = False
 
     _chunked = None  # route="chunked" at W > 1: its ChunkedRs
@@ -529,11 +537,12 @@ class GemmReduceScatter(CommOp):
         stream (default: CuPy's current stream). Returns out (a CuPy array).
         """
         self._check_open()
-        if self._chunked is not None:
-            self._chunked.err.check()
         a_in, out_in = a, out  # the caller's: torch in, torch out
         given = out is not None
         s = stream_of(stream, a_in)
+        if self._chunked is not None:  # every call of the op takes the route (W > 1)
+            self._chunked.err.check()
+            self._chunked.refuse_capture(s)
         a, b, bias, out, M = self.check_call(a, b, bias, out, s)
         if given:
             check_no_alias(_OP, out, a=a, b=b, bias=bias)
