@@ -270,8 +270,10 @@ def run(world, args):
                     ours.update({"baseline": "nccl all-to-all + 2 permutes", "baseline_ms": nccl_ms,
                                  "speedup": nccl_ms / ours["cuflux_ms"], "nccl_correct": ok,
                                  "link_gbps_per_gpu": sent / (ours["cuflux_ms"] * 1e-3) / 1e9,
-                                 "fraction_of_link": sent / (ours["cuflux_ms"] * 1e-3) / 1e9
-                                 / extra["link_gbps_one_way"], **nccl_reg})
+                                 **nccl_reg})
+                    if extra["link_gbps_one_way"]:  # None: the link could not be timed
+                        ours["fraction_of_link"] = (ours["link_gbps_per_gpu"]
+                                                    / extra["link_gbps_one_way"])
                     add_note(ours, *nccl_notes)
                     rows.append(ours)
     if me != 0:

@@ -181,10 +181,12 @@ def ranks_share_gpu(world) -> bool:
     return world.size > 1 and any(world.allgather(mine))
 
 
-def peer_copy_gbps(world, num_bytes: int = 256 << 20) -> float:
+def peer_copy_gbps(world, num_bytes: int = 256 << 20) -> float | None:
     """Measured one-way copy rate from each rank's GPU to the next rank's (cudaMemcpyPeer), in
     GB/s, the highest over the ranks: the link figure the collectives' link fractions divide
-    by. Collective.
+    by. Collective. None where some rank's next rank has its own device number (each process
+    sees only its own GPU, CUDA_VISIBLE_DEVICES): one process cannot time that link, and a copy
+    inside one GPU would pass for it.
 
     Peer access is enabled first: without it the driver stages the copy through the host
     (35 GB/s between two H200s against 395 GB/s direct)."""
@@ -192,6 +194,8 @@ def peer_copy_gbps(world, num_bytes: int = 256 << 20) -> float:
     from cupy.cuda import runtime
 
     peer_dev = world.allgather(world.device)[(world.rank + 1) % world.size]
+    if any(world.allgather(peer_dev == world.device)):
+        return None
     try:
         runtime.deviceEnablePeerAccess(peer_dev)
     except runtime.CUDARuntimeError as e:  # already enabled (by this process) is fine
@@ -203,6 +207,9 @@ def peer_copy_gbps(world, num_bytes: int = 256 << 20) -> float:
     s = cupy.cuda.get_current_stream()
     ms = time_ms(lambda: runtime.memcpyPeerAsync(dst.data.ptr, peer_dev, src.data.ptr,
                                                  world.device, num_bytes, s.ptr), iters=10)
+    src = dst = None
+    with cupy.cuda.Device(peer_dev):  # not kept in the neighbour's pool for the whole run
+        cupy.get_default_memory_pool().free_all_blocks()
     return max(world.allgather(num_bytes / (ms * 1e-3) / 1e9))
 
 
@@ -214,7 +221,7 @@ def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
     b = cupy.empty_like(a)
     a.fill(1)
     ms = time_ms(lambda: b.__setitem__(Ellipsis, a), warmup=3, iters=20)
-    del a, b
+    a = b = None  # freed before the caller's next allocation (the lambda holds the names)
     return 2 * num_bytes / (ms * 1e-3) / 1e9
 
 
