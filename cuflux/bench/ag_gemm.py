@@ -11,8 +11,7 @@ Per shape and mode, on every rank at once (the slowest rank's median is reported
   nccl          NCCL all-gather then cuBLAS, when every rank has its own GPU (NCCL refuses two
                 ranks on one GPU); then the baseline
   ideal         distinct GPUs only: max(cublas, comm), comm = this rank's shard to its W - 1 peers
-                at the measured peer copy rate (peer_gbps, common.peer_copy_gbps, one pair: the
-                copies share a GPU's outgoing NVLink; exact at W = 2);
+                at the measured peer copy rate (peer_gbps; common.sends_ms);
                 ideal_speedup = baseline / ideal, of_ideal = ideal / fused = speedup /
                 ideal_speedup (issue 15's bar: >= 0.97)
 Shapes: Flux's 4096 x 49152/W x 12288, Llama-70B column-parallel layers (M = 8192, K = 8192,
@@ -41,8 +40,8 @@ from __future__ import annotations
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, on_stream, print_bench_table, regime_calls,
                                    speed_header, speed_measured)
-from cuflux.bench.common import (peer_copy_gbps, ranks_share_gpu, time_interleaved, time_ms,
-                                 write_results)
+from cuflux.bench.common import (peer_copy_gbps, ranks_share_gpu, sends_ms, time_interleaved,
+                                 time_ms, write_results)
 
 # (name, M, N, K, N is split over the ranks)
 SHAPES = [("flux", 4096, 49152, 12288, True), ("llama70b-qkv", 8192, 10240, 8192, True),
@@ -204,7 +203,7 @@ def run(world, args):
                         "impl": plan.impl, "config": plan.config, "chunk_rows": op.chunk_rows,
                         "mode": mode, "layout": layout})
                     if link:
-                        ideal = max(cublas, (W - 1) * rows * k * 2 / (link * 1e9) * 1e3)
+                        ideal = max(cublas, sends_ms(rows * k * 2, W, link))
                         rows_out[-1].update(peer_gbps=link, ideal_ms=ideal,
                                             ideal_speedup=base / ideal, of_ideal=ideal / fused)
                     regimes_of(rows_out[-1], fns["fused"],

@@ -213,6 +213,13 @@ def peer_copy_gbps(world, num_bytes: int = 256 << 20) -> float | None:
     return max(world.allgather(num_bytes / (ms * 1e-3) / 1e9))
 
 
+def sends_ms(bytes_per_peer: int, world_size: int, link_gbps: float) -> float:
+    """The time of a rank's W - 1 sends of bytes_per_peer each at the one-pair peer copy rate
+    (peer_copy_gbps: over NVSwitch one copy nearly fills a GPU's outgoing NVLink, so the sends
+    share it; exact at W = 2): the communication an overlapped op's ideal hides."""
+    return (world_size - 1) * bytes_per_peer / (link_gbps * 1e9) * 1e3
+
+
 def copy_bandwidth_gbps(num_bytes: int = 2 << 30) -> float:
     """Measured device-to-device copy rate, counting bytes read plus bytes written."""
     import cupy

@@ -20,10 +20,9 @@ Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
   nccl_ms          cuBLAS then NCCL reduce-scatter (only when every rank has its own GPU)
   ideal_ms         distinct GPUs only: max(cublas_ms, comm_ms), comm_ms = the W - 1 partials a
                    rank sends (M / W x n bf16 each) at the measured peer copy rate (peer_gbps,
-                   common.peer_copy_gbps, one pair: over NVSwitch one copy nearly fills a GPU's
-                   outgoing NVLink, so the W - 1 copies share it; exact at W = 2): the op if
-                   every byte were hidden behind cuBLAS; fused_to_ideal = cuflux_ms / ideal_ms,
-                   chunked_to_ideal = chunked_ms / ideal_ms (comm_ms, peer_gbps in the JSON)
+                   common.sends_ms): the op if every byte were hidden behind cuBLAS;
+                   fused_to_ideal = cuflux_ms / ideal_ms, chunked_to_ideal = chunked_ms /
+                   ideal_ms (comm_ms, peer_gbps in the JSON)
   fused_kernel_ms  W = 1: the fused kernel itself (an op built with w1="fused"; the default
                    w1="gemm" runs the plain GEMM there), i.e. what the RS epilogue costs
                    without any peer
@@ -52,7 +51,8 @@ from cuflux import knobs
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, print_bench_table, regime_calls,
                                    speed_header, speed_measured)
-from cuflux.bench.common import ranks_share_gpu, time_interleaved, write_results
+from cuflux.bench.common import (peer_copy_gbps, ranks_share_gpu, sends_ms, time_interleaved,
+                                 write_results)
 
 L2_BYTES = 60 << 20
 SHAPES = [  # (name, M, n, K over all ranks)
@@ -211,7 +211,7 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
             row["chunked_speedup_nccl"] = row["nccl_ms"] / row["chunked_ms"]
     if link_gbps:
         row["peer_gbps"] = link_gbps
-        row["comm_ms"] = (W - 1) * (M // W) * n * 2 / (link_gbps * 1e9) * 1e3
+        row["comm_ms"] = sends_ms((M // W) * n * 2, W, link_gbps)
         row["ideal_ms"] = max(row["cublas_ms"], row["comm_ms"])
         row["fused_to_ideal"] = row["cuflux_ms"] / row["ideal_ms"]
         if "chunked_ms" in row:
@@ -224,7 +224,6 @@ def run(world, args):
 
     import cupy
 
-    from cuflux.bench.common import peer_copy_gbps
     from cuflux.ops.gemm_rs import SM90_RS_CONFIGS
 
     # the same fixed configuration on both sides, unless the caller set CUFLUX_GEMM_TUNE

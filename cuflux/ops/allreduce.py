@@ -115,16 +115,20 @@ ONE_SHOT_MAX_BYTES = {4: 512 << 10, 8: 256 << 10}
 ONE_SHOT_ALWAYS = {"plain": 2, "replicated": 3}
 
 
+def one_shot_max_bytes(world_size: int, mode: str) -> float:
+    """The largest call (bytes of x per rank) choose_algo runs one-shot, for a mode that can
+    (not _two_shot_only): math.inf where every size is."""
+    if world_size <= ONE_SHOT_ALWAYS[mode]:
+        return math.inf
+    limit = ONE_SHOT_MAX_BYTES[4] if world_size <= 4 else ONE_SHOT_MAX_BYTES[8]
+    return 2 * limit if mode == "replicated" else limit  # two-shot also gathers the residual
+
+
 def choose_algo(num_bytes: int, world_size: int, mode: str) -> str:
     """'one_shot' or 'two_shot' for a call moving num_bytes of x per rank."""
-    if _two_shot_only(mode):
+    if _two_shot_only(mode) or num_bytes > one_shot_max_bytes(world_size, mode):
         return "two_shot"
-    if world_size <= ONE_SHOT_ALWAYS[mode]:
-        return "one_shot"
-    limit = ONE_SHOT_MAX_BYTES[4] if world_size <= 4 else ONE_SHOT_MAX_BYTES[8]
-    if mode == "replicated":
-        limit *= 2  # two-shot also gathers the residual
-    return "one_shot" if num_bytes <= limit else "two_shot"
+    return "one_shot"
 
 
 # ---- launch planning (pure: tested on the CPU) ---------------------------------------------------
@@ -216,18 +220,8 @@ def stage_slot(mode: str, algo: str, world_size: int, max_elems: int, hidden: in
     one = 0
     if algo == "one_shot":
         one = max_elems
-    elif algo == "auto" and not _two_shot_only(mode):
-        if choose_algo(max_elems * d.itemsize, world_size, mode) == "one_shot":
-            one = max_elems
-        else:  # choose_algo is one threshold in size (test_crossover): its last one-shot size
-            lo, hi = 0, max_elems  # one_shot at lo (or lo = 0), two_shot at hi
-            while hi - lo > 1:
-                mid = (lo + hi) // 2
-                if choose_algo(mid * d.itemsize, world_size, mode) == "one_shot":
-                    lo = mid
-                else:
-                    hi = mid
-            one = lo
+    elif algo == "auto" and not _two_shot_only(mode):  # choose_algo's last one-shot size
+        one = int(min(max_elems, one_shot_max_bytes(world_size, mode) // d.itemsize))
     two = 0
     if algo != "one_shot":  # two-shot: the largest slice of the largest call's rows
         cols = _plain_cols(d) if mode in _SUM_MODES else hidden

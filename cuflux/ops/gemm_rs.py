@@ -208,7 +208,7 @@ class ChunkedRs(CopyGather):
         super().__init__(world, _OP, timeout_s, max_rows, n, out_dtype, mode="push",
                          chunk_rows=max_rows, wait="stream")
         W = world.size
-        self.in_dtype, self.out_dtype, self.n = dtype, out_dtype, n
+        self.out_dtype, self.n = out_dtype, n
         self.module = kernels.load(_SRC, world.device)
         kernels.load("gemm.cu", world.device)
         # peers in the copy order (stage by stage), the lane that carries each one
