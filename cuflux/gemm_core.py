@@ -16,6 +16,7 @@ on first use; nothing is imported inside the per-call functions after their firs
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import threading
 
@@ -29,7 +30,8 @@ __all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "
            "IN_DTYPES", "B_LAYOUTS", "check_b_layout", "OUT_KIND", "CUDA_TYPE", "FAMILY",
            "sm80_kernel", "check_aligned", "check_bias", "device_props", "tensor_map", "prepare",
            "max_ctas", "cluster_resident_ctas", "launch_sm90", "launch_sm80", "launch_cublas",
-           "launch_cublaslt", "cupy_module", "grouped_tile", "WORKSPACE_BYTES"]
+           "launch_cublaslt", "LtPlan", "ALGO_CANDIDATES", "ALGO_TUNE_MIN_FLOP", "cupy_module",
+           "grouped_tile", "WORKSPACE_BYTES"]
 
 _OP = "cuflux.gemm"
 IN_DTYPES = ("bfloat16", "float16")
@@ -456,14 +458,39 @@ def _cublas() -> _Cublas:
     return _once(_CUBLAS, _Cublas)
 
 
-class _CublasLt:
-    """cublasLtMatmul through ctypes with a plan per shape (matmul descriptor, the three
-    layouts, the heuristic's algorithm), made at the shape's first call and reused: GemmEx
-    picks its kernel on every call, 14-19 us of host time on the H200's host. The same
-    column-major reading as launch_cublas (its docstring); no stream state, so no lock around
-    the call."""
+# cublasLt's algorithm for a shape: its heuristic's first pick is often not its fastest (H200,
+# bf16, scripts/results/probe_rs_schedule-h200-2026-12-02.json: among the first 8 candidates
+# one ran 0.94x the first's time at 8192x8192x14336, 4096x12288x24576 and 4096x4096x7168, and
+# GemmReduceScatter's chunks are such shapes). So a plan keeps the first ALGO_CANDIDATES and,
+# at the shape's first call, where the GEMM is at least ALGO_TUNE_MIN_FLOP and tuning is on
+# (knobs.gemm_tune), times them on the call's own operands and keeps the fastest, remembered
+# per exact shape in <cache dir>/cublaslt_algos.json (gemm_tuner.recall_algo).
+ALGO_CANDIDATES = 8
+ALGO_TUNE_MIN_FLOP = 2**32  # ~6 us on an H200: below it the call is host-bound anyway
 
-    _TRANSA = 3  # cublasLtMatmulDescAttributes_t
+
+class LtPlan:
+    """A shape's cublasLt plan: handle, descriptor, the A / B / C(= D) layouts, the heuristic's
+    candidate algorithms (best first by its estimate), the one calls use, whether it was
+    tuned (or tuning was declined), and its key among _CublasLt.plans (_tune_algo makes its key in the
+    algorithm table from it)."""
+
+    __slots__ = ("h", "desc", "a_lay", "b_lay", "c_lay", "algos", "algo", "tuned", "key")
+
+    def __init__(self, h, desc, a_lay, b_lay, c_lay, algos, key):
+        self.h, self.desc, self.a_lay, self.b_lay, self.c_lay = h, desc, a_lay, b_lay, c_lay
+        self.algos, self.algo, self.tuned, self.key = algos, algos[0], False, key
+
+
+class _CublasLt:
+    """cublasLtMatmul through ctypes with a plan per shape (LtPlan: matmul descriptor, the
+    three layouts, the heuristic's candidate algorithms and the tuned one), made at the shape's
+    first call and reused: GemmEx picks its kernel on every call, 14-19 us of host time on the
+    H200's host. The same column-major reading as launch_cublas (its docstring); no stream
+    state, so no lock around the call (but one around a bias epilogue's pointer)."""
+
+    _TRANSA, _EPILOGUE, _BIAS_POINTER, _BIAS_TYPE = 3, 7, 8, 26  # ...MatmulDescAttributes_t
+    _EPILOGUE_BIAS = 4  # cublasLtEpilogue_t: D = A B + beta C + bias (a vector per D row)
     _PREF_MAX_WORKSPACE, _PREF_MIN_ALIGNMENT = 1, (5, 6, 7, 8)  # ...PreferenceAttributes_t: A-D
     _MAX_PLANS = 4096
 
@@ -494,14 +521,16 @@ class _CublasLt:
                                                    ctypes.POINTER(Heuristic),
                                                    ctypes.POINTER(i32)],
                 "cublasLtMatmul": [vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp, vp,
-                                   ctypes.POINTER(Algo), vp, sz, vp]}
+                                   ctypes.POINTER(Algo), vp, sz, vp],
+                "cublasLtGetVersion": []}
         for fname, argtypes in sigs.items():
             f = getattr(lib, fname)
-            f.argtypes, f.restype = argtypes, i32
+            f.argtypes, f.restype = argtypes, (sz if fname == "cublasLtGetVersion" else i32)
         self.lib, self.ctypes, self.Heuristic = lib, ctypes, Heuristic
         self.handles: dict[int, int] = {}
-        self.plans: dict[tuple, tuple | None] = {}
+        self.plans: dict[tuple, LtPlan | None] = {}
         self.lock = threading.Lock()
+        self.version = int(lib.cublasLtGetVersion())
 
     def _check(self, what: str, err: int) -> None:
         if err:
@@ -514,12 +543,15 @@ class _CublasLt:
         self._check(create, getattr(self.lib, create)(self.ctypes.byref(h), *args))
         return h.value
 
-    def plan(self, dev: int, dt, odt, M: int, N: int, K: int, b_layout: str, align: int = 256):
-        """(handle, desc, A layout, B layout, C layout, algo) of this shape, or None where
+    def plan(self, dev: int, dt, odt, M: int, N: int, K: int, b_layout: str, align: int = 256,
+             bias_epilogue: bool = False) -> LtPlan | None:
+        """The LtPlan of this shape (untuned when new: launch_cublaslt tunes it), or None where
         cublasLt has no algorithm for it (then GemmEx runs it). align: the bytes every operand's
         address is a multiple of (256, cublasLt's default, or 16: gemm's own rule), so the
-        heuristic picks an algorithm that can read them."""
-        key = (dev, dt.name, odt.name, b_layout, M, N, K, align)
+        heuristic picks an algorithm that can read them. bias_epilogue: the bias (input dtype)
+        added by the epilogue, its pointer set on the descriptor at each call (under the lock):
+        for calls whose C is not the output (launch_cublaslt's addend)."""
+        key = (dev, dt.name, odt.name, b_layout, M, N, K, align, bias_epilogue)
         plan = self.plans.get(key, _NO_PLAN)  # one read: another thread may clear the dict
         if plan is not _NO_PLAN:
             return plan
@@ -535,6 +567,14 @@ class _CublasLt:
             trans = ct.c_int32(_OP_N if kn else _OP_T)
             self._check("cublasLtMatmulDescSetAttribute", lib.cublasLtMatmulDescSetAttribute(
                 desc, self._TRANSA, ct.byref(trans), ct.sizeof(trans)))
+            if bias_epilogue:
+                for attr, v in ((self._EPILOGUE, ct.c_int32(self._EPILOGUE_BIAS)),
+                                (self._BIAS_TYPE, ct.c_int32(_CUDA_R[dt.name])),
+                                # alignment the heuristic assumes for the bias (16 bytes)
+                                (self._BIAS_POINTER, ct.c_void_p(16))):
+                    self._check("cublasLtMatmulDescSetAttribute",
+                                lib.cublasLtMatmulDescSetAttribute(desc, attr, ct.byref(v),
+                                                                   ct.sizeof(v)))
             # A = b as stored: [N, K] column-major (kn, ld N) or [K, N] (nk, ld K); B = a,
             # [K, M] ld K; C = D = out, [N, M] ld N (the transposes of the row-major arrays).
             a_lay = (self._new("cublasLtMatrixLayoutCreate", _CUDA_R[dt.name], N, K, N) if kn
@@ -548,13 +588,15 @@ class _CublasLt:
                 self._check("cublasLtMatmulPreferenceSetAttribute",
                             lib.cublasLtMatmulPreferenceSetAttribute(pref, attr, ct.byref(v),
                                                                      ct.sizeof(v)))
-            result, found = self.Heuristic(), ct.c_int(0)
+            results, found = (self.Heuristic * ALGO_CANDIDATES)(), ct.c_int(0)
             err = lib.cublasLtMatmulAlgoGetHeuristic(h, desc, a_lay, b_lay, c_lay, c_lay, pref,
-                                                     1, ct.byref(result), ct.byref(found))
+                                                     ALGO_CANDIDATES, results, ct.byref(found))
             lib.cublasLtMatmulPreferenceDestroy(pref)
+            algos = ([results[i].algo for i in range(min(found.value, ALGO_CANDIDATES))
+                      if results[i].state == 0] if err == 0 else [])
             plan = None
-            if err == 0 and found.value > 0 and result.state == 0:
-                plan = (h, desc, a_lay, b_lay, c_lay, result.algo)
+            if algos:
+                plan = LtPlan(h, desc, a_lay, b_lay, c_lay, algos, key)
             else:
                 lib.cublasLtMatmulDescDestroy(desc)
                 for lay in (a_lay, b_lay, c_lay):
@@ -574,28 +616,117 @@ def _cublaslt() -> _CublasLt:
 
 
 def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
-                    under_capture: bool = False) -> bool:
+                    under_capture: bool = False, addend=None) -> bool:
     """launch_cublas's call by cublasLtMatmul on the shape's cached plan; False (nothing
     enqueued) where cublasLt has no algorithm for the shape, or under capture on a stream
-    without a cuBLAS workspace yet."""
-    align = 256 if (a.data.ptr | b.data.ptr | out.data.ptr) % 256 == 0 else 16
+    without a cuBLAS workspace yet.
+
+    addend: [M, N] in out's dtype (checked by the caller, 16-byte aligned, not out) or None:
+    out = a @ b + addend (+ bias), summed in fp32 and rounded once (cublasLt's C, beta = 1;
+    the bias then comes from the epilogue, C being taken)."""
+    ptrs = a.data.ptr | b.data.ptr | out.data.ptr | (0 if addend is None else addend.data.ptr)
+    align = 256 if ptrs % 256 == 0 else 16
     lt = _cublaslt()
-    plan = lt.plan(a.data.device_id, dt, odt, M, N, K, b_layout, align)
+    epilogue = addend is not None and bias is not None
+    plan = lt.plan(a.data.device_id, dt, odt, M, N, K, b_layout, align, epilogue)
     if plan is None:
         return False
     ws = _cublas().workspace(a.data.device_id, stream.ptr, under_capture)
     if ws is None:
         return False
-    if bias is not None:
+    if not plan.tuned and not under_capture:
+        _tune_algo(lt, plan, a, b, bias if epilogue else None, out, addend, ws, stream, M, N, K)
+    c = addend
+    if bias is not None and addend is None:
         with stream:
             out[...] = bias
-    h, desc, a_lay, b_lay, c_lay, algo = plan
-    err = lt.lib.cublasLtMatmul(h, desc, _ONE_PTR, b.data.ptr, a_lay, a.data.ptr, b_lay,
-                                _ZERO_PTR if bias is None else _ONE_PTR, out.data.ptr, c_lay,
-                                out.data.ptr, c_lay, lt.ctypes.byref(algo), ws.data.ptr,
-                                WORKSPACE_BYTES, stream.ptr)
+        c = out
+    args = (plan.h, plan.desc, _ONE_PTR, b.data.ptr, plan.a_lay, a.data.ptr, plan.b_lay,
+            _ZERO_PTR if c is None else _ONE_PTR, out.data.ptr if c is None else c.data.ptr,
+            plan.c_lay, out.data.ptr, plan.c_lay, lt.ctypes.byref(plan.algo), ws.data.ptr,
+            WORKSPACE_BYTES, stream.ptr)
+    if epilogue:  # the descriptor is shared by every call of the shape: set and use it at once
+        with lt.lock:
+            _set_bias(lt, plan, bias)
+            err = lt.lib.cublasLtMatmul(*args)
+    else:
+        err = lt.lib.cublasLtMatmul(*args)
     lt._check(f"cublasLtMatmul for {M}x{N}x{K} ({b_layout})", err)
     return True
+
+
+def _set_bias(lt, plan: LtPlan, bias) -> None:
+    ptr = lt.ctypes.c_void_p(bias.data.ptr)
+    lt._check("cublasLtMatmulDescSetAttribute (bias)", lt.lib.cublasLtMatmulDescSetAttribute(
+        plan.desc, lt._BIAS_POINTER, lt.ctypes.byref(ptr), lt.ctypes.sizeof(ptr)))
+
+
+def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -> None:
+    """Pick plan.algo among plan.algos (ALGO_CANDIDATES' comment): the table's choice for the
+    shape, else (tuning on, the GEMM big enough) the fastest by timing each on this call's
+    operands, on its stream, before the call itself: the best of 3 calls, 2 rounds in opposite
+    orders, within knobs.gemm_tune_budget_s. The timing calls write `out` (beta 0, or + addend,
+    never + out: the call that follows overwrites it) and wait for the stream's earlier work.
+    bias: the epilogue's (plans with a bias epilogue), else None."""
+    plan.tuned = True  # decided now, whatever happens below (one attempt per plan)
+    if len(plan.algos) < 2 or 2 * M * N * K < ALGO_TUNE_MIN_FLOP or not knobs.gemm_tune():
+        return
+    from cuflux import gemm_tuner
+
+    dev, dt_name, odt_name, b_layout, _, _, _, align, epilogue = plan.key
+    table_key = (f"{device_props(dev)[3]}|cublasLt {lt.version}|{dt_name}|{odt_name}|"
+                 f"{b_layout}|{M}x{N}x{K}|{align}|{'bias' if epilogue else '-'}")
+    chosen = gemm_tuner.recall_algo(table_key)
+    if chosen is not None:
+        if 0 <= chosen < len(plan.algos):
+            plan.algo = plan.algos[chosen]
+        return
+    c_ptr = out.data.ptr if addend is None else addend.data.ptr
+    beta = _ZERO_PTR if addend is None else _ONE_PTR
+
+    def run(i: int) -> int:
+        return lt.lib.cublasLtMatmul(plan.h, plan.desc, _ONE_PTR, b.data.ptr, plan.a_lay,
+                                     a.data.ptr, plan.b_lay, beta, c_ptr, plan.c_lay,
+                                     out.data.ptr, plan.c_lay, lt.ctypes.byref(plan.algos[i]),
+                                     ws.data.ptr, WORKSPACE_BYTES, stream.ptr)
+
+    with lt.lock if bias is not None else _NO_LOCK:
+        if bias is not None:
+            _set_bias(lt, plan, bias)
+        times = _time_candidates(run, len(plan.algos), stream, knobs.gemm_tune_budget_s())
+    if times:
+        fastest = min(times, key=times.get)
+        plan.algo = plan.algos[fastest]
+        gemm_tuner.remember_algo(table_key, fastest,
+                                 [times.get(i) for i in range(len(plan.algos))])
+
+
+def _time_candidates(run, count: int, stream, budget_s: float) -> dict[int, float]:
+    """{candidate: ms}, each candidate's best of 3 back-to-back calls over 2 rounds (the second
+    in reverse order: the clock climbs through the first), within budget_s. run(i) enqueues
+    one call of candidate i on `stream` and returns its status (nonzero: dropped)."""
+    import time
+
+    import cupy
+
+    t_end = time.monotonic() + budget_s
+    times: dict[int, float] = {}
+    order = list(range(count))
+    for rnd in range(2):
+        for i in (order if rnd == 0 else order[::-1]):
+            if time.monotonic() > t_end or (rnd and i not in times):
+                continue
+            if rnd == 0 and run(i):  # warm-up; a candidate that refuses is dropped
+                continue
+            ev = [cupy.cuda.Event() for _ in range(4)]
+            ev[0].record(stream)
+            for j in range(1, 4):
+                run(i)
+                ev[j].record(stream)
+            ev[3].synchronize()
+            best = min(cupy.cuda.get_elapsed_time(ev[j - 1], ev[j]) for j in range(1, 4))
+            times[i] = min(times.get(i, best), best)
+    return times
 
 
 def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
@@ -637,3 +768,4 @@ def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
 
 
 _ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data
+_NO_LOCK = contextlib.nullcontext()

@@ -24,7 +24,7 @@ from cuflux.gemm_core import IN_DTYPES, SM90_CONFIGS, SM90_DEFAULT, device_props
 __all__ = ["CUBLAS", "TUNER_CANDIDATES", "CUBLAS_BELOW_M", "CORE_MARGIN", "TUNE_ROUNDS",
            "tuner_path",
            "load_tuner", "shape_class", "tune_key", "core_heuristic", "heuristic", "tuned_config",
-           "preferred", "fastest", "plan", "choice"]
+           "preferred", "fastest", "plan", "choice", "algo_path", "recall_algo", "remember_algo"]
 
 _OP = "cuflux.gemm"
 CUBLAS = "cublas"  # the tuner's name for cuBLAS among the Hopper configurations
@@ -124,19 +124,57 @@ def tuned_config(key: str, run_candidate, stream, tune: bool = True) -> str | No
     if not times:
         return None
     best = min(times, key=times.get)
+    _store(load_tuner(), tuner_path(), key,
+           {"config": best, "ms": times, "when": time.strftime("%Y-%m-%d")})
+    return best
+
+
+def _store(table: dict, path, key: str, entry: dict) -> None:
+    """table[key] = entry, merged with what other processes wrote to `path` since this one read
+    it, the oldest entries dropped past _TUNER_MAX_ENTRIES, written atomically."""
     with _TUNER_LOCK:
-        table = load_tuner()
-        try:  # merge what other processes wrote since this one read the file
-            table.update(json.loads(tuner_path().read_text()))
+        try:
+            table.update(json.loads(path.read_text()))
         except Exception:
             pass
         table.pop(key, None)
-        table[key] = {"config": best, "ms": times, "when": time.strftime("%Y-%m-%d")}
+        table[key] = entry
         while len(table) > _TUNER_MAX_ENTRIES:
             table.pop(next(iter(table)))
-        path = tuner_path()
         kernels.write_atomically(path, json.dumps(table, indent=0).encode())
-    return best
+
+
+# ---- cublasLt's algorithm per exact shape (gemm_core.ALGO_CANDIDATES says why) ----------------
+_ALGO_TABLE: dict | None = None  # algo_path()'s contents, read once per process
+
+
+def algo_path():
+    """The cublasLt algorithm table: a file of its own, so that exact shapes (many where M
+    varies) never push the shape classes' entries out of gemm_tuner.json."""
+    return kernels.cache_dir() / "cublaslt_algos.json"
+
+
+def _algo_table() -> dict:
+    global _ALGO_TABLE
+    if _ALGO_TABLE is None:
+        try:
+            _ALGO_TABLE = json.loads(algo_path().read_text())
+        except Exception:
+            _ALGO_TABLE = {}
+    return _ALGO_TABLE
+
+
+def recall_algo(key: str) -> int | None:
+    """The index (among the heuristic's candidates) remembered for `key`, or None."""
+    entry = _algo_table().get(key)
+    index = entry.get("algo") if isinstance(entry, dict) else None
+    return index if isinstance(index, int) and not isinstance(index, bool) else None
+
+
+def remember_algo(key: str, index: int, ms: list) -> None:
+    """Keep `index` for `key`, with every candidate's time (None: not timed)."""
+    _store(_algo_table(), algo_path(), key,
+           {"algo": index, "ms": ms, "when": time.strftime("%Y-%m-%d")})
 
 
 def tune_key(dt, b_layout: str, M: int, N: int, K: int) -> str:

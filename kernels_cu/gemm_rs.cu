@@ -161,11 +161,14 @@ __global__ void __launch_bounds__(512, 1)
 // chunk, copy engines deliver the peers' chunks into this rank's data region (rank p's partial
 // of our rows at p * elems), and the call's stream has waited for all of them before this
 // kernel runs. out [R, N] = the W partials summed in fp32 in rank order 0..W-1, then + bias:
-// the fused kernels' arithmetic (RsEpilogue::finish), bit-identical run to run. elems = R * N;
-// N % 8 == 0, every pointer 16-byte aligned, so a 16-byte vector never crosses a row.
+// the fused kernels' arithmetic (RsEpilogue::finish), bit-identical run to run. elems = R * N
+// (the rows summed), slot_elems: from one rank's partial to the next (R * N for a whole call,
+// more for a part of the rows); N % 8 == 0, every pointer 16-byte aligned, so a 16-byte vector
+// never crosses a row.
 template <typename T, typename OutT>
 __global__ void __launch_bounds__(256)
-    rs_sum(const OutT* data, long long elems, int world_size, int N, const T* bias, OutT* out) {
+    rs_sum(const OutT* data, long long elems, long long slot_elems, int world_size, int N,
+           const T* bias, OutT* out) {
   constexpr int kElems = 16 / sizeof(OutT);
   constexpr int kBiasBytes = kElems * sizeof(T);
   const long long vecs = elems / kElems;
@@ -176,7 +179,7 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int j = 0; j < kElems; ++j) acc[j] = 0.0f;
     for (int p = 0; p < world_size; ++p)  // rank order: bit-identical sums
-      rs::add_vec<OutT, 16>(acc, ld_plain<16>(data + p * elems + i));
+      rs::add_vec<OutT, 16>(acc, ld_plain<16>(data + p * slot_elems + i));
     float b[kElems];
 #pragma unroll
     for (int j = 0; j < kElems; ++j) b[j] = 0.0f;

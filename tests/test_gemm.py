@@ -212,6 +212,82 @@ def test_cublaslt_route_captures_and_replays(monkeypatch):
 
 
 @pytest.mark.gpu
+def test_cublaslt_tunes_its_algorithm_and_stays_exact(monkeypatch, tmp_path):
+    """A shape past ALGO_TUNE_MIN_FLOP on the cublasLt route with tuning on and an empty
+    algorithm table: the first call times the candidates (the table gets the shape's entry,
+    every candidate timed or dropped), the result matches float64 (the timing calls wrote out
+    before the call did; with a bias too), and the next calls take the same algorithm: the
+    same bits."""
+    import json
+
+    import cupy
+
+    if not gpu_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1")
+    monkeypatch.setenv("CUFLUX_GEMM_TUNE", "1")
+    monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
+    monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
+    monkeypatch.setattr(gemm_core, "_CUBLASLT", [])  # plans made afresh: this test tunes them
+    seed = fresh_seed()
+    M, N, K = 1000, 2056, 2120  # odd: not a multiple of any tile
+    assert 2 * M * N * K >= gemm_core.ALGO_TUNE_MIN_FLOP
+    a, b = _rand((M, K), "bfloat16", seed), _rand((N, K), "bfloat16", seed + 1)
+    bias = _rand((N,), "bfloat16", seed + 2, scale=4.0)
+    want = f64(a) @ f64(b).T
+    for with_bias in (False, True):
+        outs = []
+        for _ in range(2):
+            out = cupy.full((M, N), np.nan, dtype=np.float32)
+            G.gemm(a, b, bias=bias if with_bias else None, out=out, b_layout="nk",
+                   impl="cublas")
+            outs.append(out)
+        cupy.cuda.Device().synchronize()
+        check_close(outs[0], want + (f64(bias) if with_bias else 0), "float32",
+                    f"tuned, bias={with_bias}")
+        assert bool(cupy.array_equal(outs[0], outs[1])), "the tuned algorithm changed"
+    table = json.loads((tmp_path / "algos.json").read_text())
+    (key,) = [k for k in table if f"|{M}x{N}x{K}|" in k]
+    entry = table[key]
+    assert "|bfloat16|float32|nk|" in key and key.endswith("|-")
+    assert 0 <= entry["algo"] < len(entry["ms"]) and entry["ms"][entry["algo"]] == min(
+        t for t in entry["ms"] if t is not None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float32"])
+def test_cublaslt_addend_matches_float64(out_dtype):
+    """launch_cublaslt's addend: out = a b + addend (+ bias by the epilogue), poisoned out,
+    both layouts' reading (nk) at an odd shape; a bias with an fp32 output has no cublasLt
+    algorithm (the bias must be in the output's dtype there): False, nothing written."""
+    import cupy
+
+    from cuflux.arrays import dtype_info
+
+    if not gpu_available():
+        pytest.skip("needs a GPU")
+    seed = fresh_seed()
+    M, N, K = 300, 520, 264
+    bf, odt = dtype_info("bfloat16"), dtype_info(out_dtype)
+    a, b = _rand((M, K), "bfloat16", seed), _rand((N, K), "bfloat16", seed + 1)
+    add = _rand((M, N), out_dtype, seed + 2, scale=8.0)
+    bias = _rand((N,), "bfloat16", seed + 3, scale=4.0)
+    s = cupy.cuda.Stream(non_blocking=True)
+    want = f64(a) @ f64(b).T + f64(add)
+    for with_bias in (False, True):
+        out = cupy.full((M, N), np.nan, dtype=np.float32).astype(odt.storage)
+        ok = gemm_core.launch_cublaslt(a, b, bias if with_bias else None, out, bf, odt, M, N, K,
+                                       "nk", s, addend=add)
+        s.synchronize()
+        if with_bias and out_dtype == "float32":
+            assert not ok and bool(cupy.isnan(out).all()), "fp32 out, bf16 bias: no algorithm"
+            continue
+        assert ok
+        check_close(out, want + (f64(bias) if with_bias else 0), out_dtype,
+                    f"addend, bias={with_bias}")
+
+
+@pytest.mark.gpu
 def test_auto_small_m_runs_what_plan_says(monkeypatch):
     import cuflux.ops.gemm as G
 
@@ -876,8 +952,8 @@ class _FakeLt:
     """libcublasLt as the plan sees it: every create hands out a new address and is logged
     with its arguments; the heuristic finds an algorithm unless told not to."""
 
-    def __init__(self, finds=True):
-        self.log, self.next, self.finds = [], 0x1000, finds
+    def __init__(self, finds=True, candidates=1):
+        self.log, self.next, self.finds, self.candidates = [], 0x1000, finds, candidates
 
     def _out(self, ref):
         self.next += 0x10
@@ -891,19 +967,22 @@ class _FakeLt:
                 self.log.append((name, made) + tuple(args[1:]))
             elif name.endswith("SetAttribute"):
                 self.log.append((name, args[0], args[1], args[2]._obj.value))
-            elif name == "cublasLtMatmulAlgoGetHeuristic":
-                result, found = args[8]._obj, args[9]._obj
-                found.value = 1 if self.finds else 0
-                result.state = 0
-                result.algo.data[0] = 77
+            elif name == "cublasLtMatmulAlgoGetHeuristic":  # candidate i: algo word 77 + i
+                results, found = args[8], args[9]._obj
+                found.value = min(self.candidates, args[7]) if self.finds else 0
+                for i in range(found.value):
+                    results[i].state = 0
+                    results[i].algo.data[0] = 77 + i
                 self.log.append((name,) + args[:8])
+            elif name == "cublasLtMatmul":  # the algorithm by its word, not its address
+                self.log.append((name,) + args[:12] + (args[12]._obj.data[0],) + args[13:])
             else:
                 self.log.append((name,) + args)
             return 0
         return call
 
 
-def _fake_lt(monkeypatch, finds=True):
+def _fake_lt(monkeypatch, finds=True, candidates=1):
     import ctypes
     import threading
 
@@ -916,8 +995,8 @@ def _fake_lt(monkeypatch, finds=True):
         _fields_ = [("algo", Algo), ("workspaceSize", ctypes.c_size_t), ("state", ctypes.c_int),
                     ("wavesCount", ctypes.c_float), ("reserved", ctypes.c_int * 4)]
 
-    lt.lib, lt.ctypes, lt.Heuristic = _FakeLt(finds), ctypes, Heuristic
-    lt.handles, lt.plans, lt.lock = {}, {}, threading.Lock()
+    lt.lib, lt.ctypes, lt.Heuristic = _FakeLt(finds, candidates), ctypes, Heuristic
+    lt.handles, lt.plans, lt.lock, lt.version = {}, {}, threading.Lock(), 130400
     monkeypatch.setattr(gemm_core, "_CUBLASLT", [lt])
     return lt
 
@@ -926,8 +1005,8 @@ def _fake_lt(monkeypatch, finds=True):
 def test_cublaslt_plan_reads_row_major_as_column_major(monkeypatch, layout):
     """The plan's descriptors: fp32 compute and scale; A = b as stored ([N, K] ld N for kn,
     [K, N] ld K transposed for nk), B = a ([K, M] ld K), C = D = out ([N, M] ld N, out's
-    dtype); the heuristic asked for one algorithm with the workspace's size. Made once per
-    shape: the second call reuses it."""
+    dtype); the heuristic asked for ALGO_CANDIDATES algorithms with the workspace's size, the
+    first one used until tuned. Made once per shape: the second call reuses it."""
     from cuflux.arrays import dtype_info
 
     lt = _fake_lt(monkeypatch)
@@ -942,13 +1021,14 @@ def test_cublaslt_plan_reads_row_major_as_column_major(monkeypatch, layout):
     assert trans[2:] == (3, 0 if layout == "kn" else 1)  # TRANSA: N or T
     prefs = [e[2:] for e in log if e[0] == "cublasLtMatmulPreferenceSetAttribute"]
     assert prefs == [(1, gemm_core.WORKSPACE_BYTES), (5, 256), (6, 256), (7, 256), (8, 256)]
-    h, d, a_lay, b_lay, c_lay, algo = plan
+    h, d, a_lay, b_lay, c_lay = plan.h, plan.desc, plan.a_lay, plan.b_lay, plan.c_lay
     assert made[a_lay][2:] == ((14, N, K, N) if layout == "kn" else (14, K, N, K))
     assert made[b_lay][2:] == (14, K, M, K)
     assert made[c_lay][2:] == (0, N, M, N)
     (heur,) = [e for e in log if e[0] == "cublasLtMatmulAlgoGetHeuristic"]
-    assert heur[1:7] == (h, d, a_lay, b_lay, c_lay, c_lay) and heur[8] == 1
-    assert algo.data[0] == 77
+    assert heur[1:7] == (h, d, a_lay, b_lay, c_lay, c_lay)
+    assert heur[8] == gemm_core.ALGO_CANDIDATES
+    assert plan.algo.data[0] == 77 and len(plan.algos) == 1 and not plan.tuned
     assert [e[0] for e in log].count("cublasLtMatmulPreferenceDestroy") == 1  # not kept
     n = len(log)
     assert lt.plan(0, bf, f32, M, N, K, layout) is plan and len(log) == n
@@ -1010,14 +1090,119 @@ def test_cublaslt_call_takes_b_then_a_and_writes_out(monkeypatch):
     stream = SimpleNamespace(ptr=0x20)
     assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, 8, 64, 64, "kn", stream)
     (call,) = [e for e in lt.lib.log if e[0] == "cublasLtMatmul"]
-    h, d, a_lay, b_lay, c_lay, _ = lt.plans[(0, "bfloat16", "bfloat16", "kn", 8, 64, 64, 16)]
-    assert call[1:3] == (h, d) and call[4:8] == (0xB0, a_lay, 0xA0, b_lay)
-    assert call[8] == gemm_core._ZERO_PTR and call[9:13] == (0xC0, c_lay, 0xC0, c_lay)
-    assert call[14:] == (0x5000, gemm_core.WORKSPACE_BYTES, 0x20)
+    p = lt.plans[(0, "bfloat16", "bfloat16", "kn", 8, 64, 64, 16, False)]
+    assert call[1:3] == (p.h, p.desc) and call[4:8] == (0xB0, p.a_lay, 0xA0, p.b_lay)
+    assert call[8] == gemm_core._ZERO_PTR and call[9:13] == (0xC0, p.c_lay, 0xC0, p.c_lay)
+    assert call[13] == 77 and call[14:] == (0x5000, gemm_core.WORKSPACE_BYTES, 0x20)
     monkeypatch.setattr(gemm_core, "_CUBLAS", [SimpleNamespace(workspace=lambda d, s, c: None)])
     n = len(lt.lib.log)
     assert not gemm_core.launch_cublaslt(a, b, None, out, bf, bf, 8, 64, 64, "kn", stream, True)
     assert len(lt.lib.log) == n  # under capture without a workspace: nothing enqueued
+
+
+def _lt_operands(monkeypatch):
+    """Stand-in operands, workspace and stream for launch_cublaslt on the CPU."""
+    from types import SimpleNamespace
+
+    ws = SimpleNamespace(data=SimpleNamespace(ptr=0x5000))
+    monkeypatch.setattr(gemm_core, "_CUBLAS", [SimpleNamespace(workspace=lambda d, s, c: ws)])
+
+    def arr(ptr):
+        return SimpleNamespace(data=SimpleNamespace(device_id=0, ptr=ptr))
+
+    return arr, SimpleNamespace(ptr=0x20)
+
+
+def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path):
+    """A shape of at least ALGO_TUNE_MIN_FLOP: its first call times every candidate on its own
+    operands (beta 0 into out, before the call) and runs on the fastest, as every later call
+    does; the choice is kept in the algorithm table (its own file) under GPU, cublasLt version,
+    dtypes, layout, exact shape, alignment and epilogue, and a fresh plan (another process)
+    takes it from there without timing. A small shape, CUFLUX_GEMM_TUNE=0 and a call under
+    capture time nothing (the capture's plan is tuned at its next call outside)."""
+    import json
+
+    from cuflux.arrays import dtype_info
+
+    lt = _fake_lt(monkeypatch, candidates=3)
+    monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
+    monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
+    monkeypatch.setattr(gemm_core, "device_props", lambda dev=None: (0, "sm_90a", 132, "GPU X"))
+    monkeypatch.delenv("CUFLUX_GEMM_TUNE", raising=False)
+    timed = []
+
+    def fake_timing(run, count, stream, budget_s):
+        assert stream.ptr == 0x20 and budget_s > 0
+        timed.append(count)
+        assert [run(i) for i in range(count)] == [0] * count
+        return {0: 3.0, 1: 1.0, 2: 2.0}
+
+    monkeypatch.setattr(gemm_core, "_time_candidates", fake_timing)
+    arr, stream = _lt_operands(monkeypatch)
+    a, b, out = arr(0x10000), arr(0x20000), arr(0x30000)
+    bf = dtype_info("bfloat16")
+    M, N, K = 1024, 2048, 4096
+    assert 2 * M * N * K >= gemm_core.ALGO_TUNE_MIN_FLOP
+
+    def words(log):
+        return [e[13] for e in log if e[0] == "cublasLtMatmul"]
+
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, K, "nk", stream)
+    assert timed == [3] and words(lt.lib.log) == [77, 78, 79, 78]
+    calls = [e for e in lt.lib.log if e[0] == "cublasLtMatmul"]
+    assert all(c[8] == gemm_core._ZERO_PTR and c[9] == c[11] == 0x30000 for c in calls)
+    key = "GPU X|cublasLt 130400|bfloat16|bfloat16|nk|1024x2048x4096|256|-"
+    saved = json.loads((tmp_path / "algos.json").read_text())
+    assert saved[key]["algo"] == 1 and saved[key]["ms"] == [3.0, 1.0, 2.0]
+    assert gemm_tuner.recall_algo(key) == 1
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, K, "nk", stream)
+    assert timed == [3] and words(lt.lib.log)[-1] == 78  # the plan keeps it
+
+    lt = _fake_lt(monkeypatch, candidates=3)  # another process: the table from the file
+    monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, K, "nk", stream)
+    assert timed == [3] and words(lt.lib.log) == [78]
+
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, 8, N, K, "nk", stream)
+    assert timed == [3] and words(lt.lib.log)[-1] == 77  # small: the heuristic's first
+    monkeypatch.setenv("CUFLUX_GEMM_TUNE", "0")
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, 2 * K, "nk", stream)
+    assert timed == [3] and words(lt.lib.log)[-1] == 77
+    monkeypatch.delenv("CUFLUX_GEMM_TUNE")
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, 4 * K, "nk", stream, True)
+    assert timed == [3] and words(lt.lib.log)[-1] == 77
+    assert not lt.plans[(0, "bfloat16", "bfloat16", "nk", M, N, 4 * K, 256, False)].tuned
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, 4 * K, "nk", stream)
+    assert timed == [3, 3] and words(lt.lib.log)[-1] == 78
+
+
+def test_cublaslt_addend_and_bias_epilogue(monkeypatch):
+    """addend: cublasLt's C is the addend (beta 1) and D is out, on the shape's plain plan;
+    with a bias too, a plan of its own whose descriptor has the bias epilogue (EPILOGUE_BIAS,
+    the bias in the input dtype, which is what cublasLt takes for a bf16 output) and the
+    bias's pointer set on it right before each call."""
+    from cuflux.arrays import dtype_info
+
+    lt = _fake_lt(monkeypatch)
+    arr, stream = _lt_operands(monkeypatch)
+    a, b, out, add, bias = arr(0x1000), arr(0x2000), arr(0x3000), arr(0x4000), arr(0x6010)
+    bf = dtype_info("bfloat16")
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, 8, 64, 64, "nk", stream,
+                                     addend=add)
+    (call,) = [e for e in lt.lib.log if e[0] == "cublasLtMatmul"]
+    assert call[8] == gemm_core._ONE_PTR and call[9] == 0x4000 and call[11] == 0x3000
+    assert list(lt.plans) == [(0, "bfloat16", "bfloat16", "nk", 8, 64, 64, 256, False)]
+    n = len(lt.lib.log)
+    assert gemm_core.launch_cublaslt(a, b, bias, out, bf, bf, 8, 64, 64, "nk", stream,
+                                     addend=add)
+    p = lt.plans[(0, "bfloat16", "bfloat16", "nk", 8, 64, 64, 256, True)]
+    sets = [e[2:] for e in lt.lib.log[n:] if e[0] == "cublasLtMatmulDescSetAttribute"
+            and e[1] == p.desc]
+    assert sets == [(3, 1), (7, 4), (26, 14), (8, 16), (8, 0x6010)]
+    assert lt.lib.log[-2][0] == "cublasLtMatmulDescSetAttribute" and lt.lib.log[-2][3] == 0x6010
+    call = lt.lib.log[-1]
+    assert call[0] == "cublasLtMatmul" and call[1:3] == (p.h, p.desc)
+    assert call[8] == gemm_core._ONE_PTR and call[9] == 0x4000 and call[11] == 0x3000
 
 
 def test_real_libcublaslt_takes_the_plans_descriptors():
@@ -1036,6 +1221,11 @@ def test_real_libcublaslt_takes_the_plans_descriptors():
     desc = lt._new("cublasLtMatmulDescCreate", gemm_core._COMPUTE_32F, 0)
     trans = ct.c_int32(gemm_core._OP_T)
     assert lt.lib.cublasLtMatmulDescSetAttribute(desc, lt._TRANSA, ct.byref(trans), 4) == 0
+    for attr, v in ((lt._EPILOGUE, ct.c_int32(lt._EPILOGUE_BIAS)),  # the addend's bias plan
+                    (lt._BIAS_TYPE, ct.c_int32(14)), (lt._BIAS_POINTER, ct.c_void_p(16))):
+        assert lt.lib.cublasLtMatmulDescSetAttribute(desc, attr, ct.byref(v),
+                                                     ct.sizeof(v)) == 0, attr
+    assert lt.version >= 100000  # cublasLtGetVersion: major * 10000 + ...
     lay = lt._new("cublasLtMatrixLayoutCreate", 14, 520, 264, 520)
     pref = lt._new("cublasLtMatmulPreferenceCreate")
     values = [(lt._PREF_MAX_WORKSPACE, ct.c_uint64(gemm_core.WORKSPACE_BYTES))]

@@ -925,9 +925,9 @@ def test_atomic_mode_refused_over_pcie():
 def test_a_problem_on_one_rank_raises_on_every_rank():
     """Rank 0 is fine, its peer reports PCIe links: rank 0 raises too (no one is left waiting
     in the collective allocation)."""
-    peer = ("reduce='atomic' needs peer atomics (rank 1)", False)
+    peer = ("reduce='atomic' needs peer atomics (rank 1)", False, 128, True)
     w = _fake_world(device=0, kind="nvlink",
-                    peer_values=lambda o: peer if isinstance(o, tuple) and len(o) == 2 else o)
+                    peer_values=lambda o: peer if isinstance(o, tuple) and len(o) == 4 else o)
     with pytest.raises(ValueError, match=r"GemmReduceScatter: reduce='atomic' .*\(rank 1\)"):
         GemmReduceScatter(w, 64, 256, 128, "bfloat16", reduce="atomic", impl="sm80")
 
@@ -1078,54 +1078,75 @@ def test_bench_cases_are_valid_shapes(W):
 
 
 # ---- route="chunked": what one call queues ------------------------------------------------------
-@pytest.mark.parametrize("W,me,bias", [(2, 0, False), (4, 2, True), (3, 1, True)])
-def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
-    """ChunkedRs.run on recording fakes: the peer chunks' GEMMs in the copy order, each followed
-    by its lane's event wait, guard (from the second call), copy to the owner's data at me * R
-    rows and chunk flag; the own chunk's GEMM into this rank's data last; then the waits for
-    every peer's chunk (the own one is ordered by the stream), rs_sum (arguments against its C
-    signature), free[me] to every peer, the lanes joined."""
+def test_fold_route_and_bounds():
+    """fold_route: W = 2 only, every rank's k (the largest) under FOLD_BELOW_K_BYTES in the
+    output's bytes, impl "auto", the cublasLt route on; fold_bounds: min(splits, rows) parts
+    within a row of each other, covering the rows in order."""
+    lim = R.FOLD_BELOW_K_BYTES
+    assert R.fold_route(2, [lim // 2 - 8] * 2, 2, "auto", True)
+    assert not R.fold_route(2, [lim // 2 - 8, lim // 2], 2, "auto", True)  # the largest k
+    assert R.fold_route(2, [lim // 4 - 8] * 2, 4, "auto", True)
+    assert not R.fold_route(2, [lim // 4] * 2, 4, "auto", True)  # fp32 partials: half the k
+    assert not R.fold_route(4, [8] * 4, 2, "auto", True)
+    assert not R.fold_route(2, [8] * 2, 2, "sm90", True)
+    assert not R.fold_route(2, [8] * 2, 2, "auto", False)
+    assert R.fold_bounds(1, 2) == [(0, 1)]
+    assert R.fold_bounds(5, 2) == [(0, 2), (2, 5)]
+    assert R.fold_bounds(6, 1) == [(0, 6)]
+    for rows in range(1, 40):
+        for splits in (1, 2, 3):
+            b = R.fold_bounds(rows, splits)
+            assert b[0][0] == 0 and b[-1][1] == rows and len(b) == min(splits, rows)
+            assert all(x[1] == y[0] for x, y in zip(b, b[1:]))
+            assert max(r1 - r0 for r0, r1 in b) - min(r1 - r0 for r0, r1 in b) <= 1
+
+
+def _recording_chunked(monkeypatch, W, me, n, fold=False, lt_ok=True, out_dtype="bfloat16"):
+    """A ChunkedRs on recording fakes (nothing runs): the log of what run() queues, and the
+    kernel arguments rs_sum got."""
     import cupy
 
-    log = []
-    n, rows, row_bytes = 64, 5, 64 * 2
-    M = rows * W
+    log, launched = [], []
+    row_bytes = n * 2 if out_dtype == "bfloat16" else n * 4
 
     class Lane:
         def __init__(self, i):
             self.i, self.ptr = i, 100 + i
 
         def wait_event(self, ev):
-            log.append(("lane wait event", self.i, ev.peer))
+            log.append(("lane wait event", self.i, ev.key))
 
     class Ev:
-        def __init__(self, p):
-            self.peer = p
+        def __init__(self, key):
+            self.key = key
 
         def record(self, s):
-            log.append(("record", self.peer))
+            log.append(("record", self.key))
 
     class Rows:  # a row slice: its first row's index stands for its pointer
-        def __init__(self, name, r0=0):
-            self.name, self.r0 = name, r0
+        def __init__(self, name, r0=0, r1=None):
+            self.name, self.r0, self.r1 = name, r0, r1
             self.data = SimpleNamespace(ptr=(name, r0))
+            self.shape = (None, 72)
 
         def __getitem__(self, sl):
-            return Rows(self.name, self.r0 + sl.start)
+            return Rows(self.name, self.r0 + sl.start,
+                        None if sl.stop is None else self.r0 + sl.stop)
 
         def reshape(self, *shape):
             return self
 
     op = object.__new__(R.ChunkedRs)
     op.world = SimpleNamespace(size=W, rank=me)
-    op.n, op.row_bytes, op.max_chunks, op.epoch, op._last_stream = n, row_bytes, 1, 0, None
+    op.fold, op.splits = fold, R.FOLD_SPLITS if fold else 1
+    op.n, op.row_bytes, op.max_chunks, op.epoch, op._last_stream = n, row_bytes, op.splits, 0, None
     op.mode = "push"
-    op.out_dtype = dtype_info("bfloat16")
+    op.in_dtype, op.out_dtype = dtype_info("bfloat16"), dtype_info(out_dtype)
     op.order = [[(me + i) % W] for i in range(1, W)]  # one peer a stage
     op.lanes = [Lane(0)]
     op.peers = [st[0] for st in op.order]
     op.lane_of = {p: op.lanes[0] for p in op.peers}
-    op.ready = {p: Ev(p) for p in op.peers}
+    op.ready = {(p, c): Ev((p, c)) for p in op.peers for c in range(op.splits)}
     op.staging = Rows("staging")
     op.data = Rows("data")
     op.module = {R.sum_kernel("__nv_bfloat16", "__nv_bfloat16"): "rs_sum"}
@@ -1136,41 +1157,125 @@ def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
     op._wait = lambda s, name, e, first, index0: log.append(("wait", name, e, first, index0))
     op._join_guarded = lambda s, lanes: log.append(("join", len(lanes)))
     op._flag = lambda rank, name, i=0: (rank, name, i)
-    op._chunk_flag = lambda rank, src, c: (rank, "chunk", src)
+    op._chunk_flag = lambda rank, src, c: (rank, "chunk", src, c)
     monkeypatch.setattr(R, "gemm", lambda a, b, out, b_layout, impl, stream: log.append(
-        ("gemm", a.r0, out.name, out.r0, b_layout, impl)))
+        ("gemm", a.r0, a.r1, out.name, out.r0, b_layout, impl)))
+
+    def lt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, addend=None):
+        log.append(("cublaslt", a.r0, a.r1, out.name, out.r0, M, N, K, addend.name, addend.r0,
+                    bias))
+        assert (dt.name, odt.name, b_layout, stream) == ("bfloat16", out_dtype, "nk", "S")
+        return lt_ok
+
+    monkeypatch.setattr(R.core, "launch_cublaslt", lt)
     monkeypatch.setattr(cupy.cuda.runtime, "memcpyAsync", lambda dst, src, nb, kind, sptr:
                         log.append(("copy", dst, src, nb, sptr)))
     monkeypatch.setattr(R.driver, "stream_write_value32", lambda st, addr, v: log.append(
         ("write", "s" if st == "S" else st.i, addr, v)))
-    launched = []
     monkeypatch.setattr(R.kernels, "launch", lambda fn, grid, block, args, stream, **kw:
                         launched.append(args) or log.append(("launch", kw["name"], grid)))
-    a = Rows("a")
+    return op, log, launched, Rows
+
+
+def _check_sum_args(args, data_r0, rows, R_rows, W, n, bias_arg, out):
+    assert args[0].name == "data" and args[0].r0 == data_r0 * n  # stands for the data pointer
+    check_args("gemm_rs.cu", "rs_sum", (DeviceArray(),) + args[1:6] + (DeviceArray(),))
+    assert (int(args[1]), int(args[2]), int(args[3]), int(args[4])) == (rows * n, R_rows * n, W,
+                                                                         n)
+    assert (args[5] is bias_arg) if bias_arg is not None else int(args[5]) == 0
+    assert args[6] is out
+
+
+@pytest.mark.parametrize("W,me,bias", [(2, 0, False), (4, 2, True), (3, 1, True)])
+def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
+    """ChunkedRs.run on recording fakes: the peer chunks' GEMMs in the copy order, each followed
+    by its lane's event wait, guard (from the second call), copy to the owner's data at me * R
+    rows and chunk flag; the own chunk's GEMM into this rank's data last; then the waits for
+    every peer's chunk (the own one is ordered by the stream), rs_sum (arguments against its C
+    signature), free[me] to every peer, the lanes joined."""
+    n, rows = 64, 5
+    op, log, launched, Rows = _recording_chunked(monkeypatch, W, me, n)
+    row_bytes, M = op.row_bytes, rows * W
     bias_arg = DeviceArray() if bias else None
     out = DeviceArray()
     for call in (1, 2):
         log.clear()
         launched.clear()
-        op.run(a, "b", bias_arg, out, M, "S", "nk", "auto")
+        op.run(Rows("a"), "b", bias_arg, out, M, "S", "nk", "auto")
         want = []
         for j, p in enumerate(op.peers):
-            want += [("gemm", p * rows, "staging", j * rows, "nk", "auto"), ("record", p),
-                     ("lane wait event", 0, p)]
+            want += [("gemm", p * rows, (p + 1) * rows, "staging", j * rows, "nk", "auto"),
+                     ("record", (p, 0)), ("lane wait event", 0, (p, 0))]
             if call > 1:
                 want.append(("guard", "free", call - 1, p))
             want += [("copy", (p, "data", me * rows * row_bytes), ("staging", j * rows),
                       rows * row_bytes, 100),
-                     ("write", 0, (p, "chunk", me), call)]
-        want += [("gemm", me * rows, "data", me * rows * n, "nk", "auto")]
+                     ("write", 0, (p, "chunk", me, 0), call)]
+        want += [("gemm", me * rows, (me + 1) * rows, "data", me * rows * n, "nk", "auto")]
         want += [("wait", "chunk", call, p, p) for p in op.peers]  # max_chunks = 1
         want += [("launch", op.sum_name, (1,))]
         want += [("write", "s", (p, "free", me), call) for p in range(W) if p != me]
         want += [("join", 1)]
         assert log == want
         (args,) = launched
-        assert args[0] is op.data  # a CuPy array on the GPU: stands for the data pointer
-        check_args("gemm_rs.cu", "rs_sum", (DeviceArray(),) + args[1:])
-        assert int(args[1]) == rows * n and int(args[2]) == W and int(args[3]) == n
-        assert (args[4] is bias_arg) if bias else int(args[4]) == 0
-        assert args[5] is out
+        _check_sum_args(args, 0, rows, rows, W, n, bias_arg, out)
+
+
+@pytest.mark.parametrize("rows,bias,lt_ok,out_dtype", [
+    (5, False, True, "bfloat16"), (4, True, True, "bfloat16"), (1, True, True, "bfloat16"),
+    (5, True, False, "bfloat16"), (5, True, True, "float32"), (5, False, True, "float32")])
+def test_folded_call_queues_parts_and_adds_them_in_the_own_gemm(monkeypatch, rows, bias, lt_ok,
+                                                               out_dtype):
+    """W = 2 folding: the peer's chunk in min(FOLD_SPLITS, R) row parts (fold_bounds), each
+    part's GEMM into its staging rows, event, guard before the first part only (from the
+    second call), copy to the peer's data at me * R + r0 rows and chunk[me][c]; then for each
+    part: the wait for the peer's part c, the own part's GEMM by cublasLt into out[r0:r1] with
+    the received part (our data at p * R + r0 rows) as its addend and the bias; where cublasLt
+    has no algorithm (False) that part's cuflux.gemm into our data and rs_sum of its rows (slot
+    stride R * n); an fp32 output with a bias does not fold (the own chunk's GEMM, the waits
+    for every part, one rs_sum); then free[me] and the join."""
+    W, me, n = 2, 1, 64
+    p = 0
+    op, log, launched, Rows = _recording_chunked(monkeypatch, W, me, n, fold=True, lt_ok=lt_ok,
+                                                 out_dtype=out_dtype)
+    row_bytes, M = op.row_bytes, rows * W
+    parts = R.fold_bounds(rows, R.FOLD_SPLITS)
+    assert len(parts) == min(2, rows)
+    bias_arg = DeviceArray() if bias else None
+    out = Rows("out")
+    folds = not (bias and out_dtype == "float32")
+    for call in (1, 2):
+        log.clear()
+        launched.clear()
+        op.run(Rows("a"), "b", bias_arg, out, M, "S", "nk", "auto")
+        want = []
+        for c, (r0, r1) in enumerate(parts):
+            want += [("gemm", p * rows + r0, p * rows + r1, "staging", r0, "nk", "auto"),
+                     ("record", (p, c)), ("lane wait event", 0, (p, c))]
+            if call > 1 and c == 0:
+                want.append(("guard", "free", call - 1, p))
+            want += [("copy", (p, "data", (me * rows + r0) * row_bytes), ("staging", r0),
+                      (r1 - r0) * row_bytes, 100),
+                     ("write", 0, (p, "chunk", me, c), call)]
+        sums = []
+        if folds:
+            for c, (r0, r1) in enumerate(parts):
+                want += [("wait", "chunk", call, p, p * op.max_chunks + c),
+                         ("cublaslt", me * rows + r0, me * rows + r1, "out", r0, r1 - r0, n,
+                          72, "data", (p * rows + r0) * n, bias_arg)]
+                if not lt_ok:
+                    want += [("gemm", me * rows + r0, me * rows + r1, "data",
+                              (me * rows + r0) * n, "nk", "auto"),
+                             ("launch", op.sum_name, (1,))]
+                    sums.append((r0, r1 - r0))
+        else:
+            want += [("gemm", me * rows, (me + 1) * rows, "data", me * rows * n, "nk", "auto")]
+            want += [("wait", "chunk", call, p, p * op.max_chunks + c) for c in range(len(parts))]
+            want += [("launch", op.sum_name, (1,))]
+            sums.append((0, rows))
+        want += [("write", "s", (p, "free", me), call), ("join", 1)]
+        assert log == want
+        assert len(launched) == len(sums)
+        for args, (r0, nrows) in zip(launched, sums):
+            _check_sum_args(args, r0, nrows, rows, W, n, bias_arg, args[6])
+            assert args[6] is out if not folds else (args[6].name, args[6].r0) == ("out", r0)

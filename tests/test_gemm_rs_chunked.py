@@ -5,7 +5,9 @@ rank computes its GEMM in W row chunks (peers in the copy order, its own rows la
 private staging buffer, copy lanes move each peer chunk into the owner's symmetric data region
 (at the sender's rank * R rows) behind a guard (free[p] >= e-1), the own chunk is computed in
 place, and once every chunk flag is there rs_sum adds the W partials, free[me] = e goes to every
-peer and the call stream joins the lanes.
+peer and the call stream joins the lanes. Folding (W = 2, small k), each chunk goes in row parts
+with a flag each, and the own parts' GEMMs (cublasLt with the received part as C) take the
+summing kernel's place, part by part as each lands.
 
 The simulator is test_ag_gemm's (_Sim: every stream of every rank runs its queue in a random
 interleaving over byte-addressed memory; _fake_env, _world: CuPy streams, events, memcpyAsync,
@@ -13,7 +15,8 @@ stream memory operations, the watchdog and the World faked on it). Here the chun
 (cuflux.ops.gemm_rs.gemm) is a queued op writing the source rank's known partial of the call
 (a uint16 pattern per (rank, call, row, column)) into its `out`, and rs_sum (kernels.launch) a
 queued op that reads the W partials of its rank's rows and checks each one is exactly the right
-source rank's of this call before writing their sum. Copies check, as they run, that the
+source rank's of this call before writing their sum (the fold's own-part GEMM, launch_cublaslt,
+likewise checks the received part it adds). Copies check, as they run, that the
 owner's release of the call before has landed (the guard) and that their staging source still
 holds this call's chunk; a chunk GEMM checks that it overwrites no staging rows a queued copy of
 an earlier call has yet to read.
@@ -81,6 +84,7 @@ class _A:
 
     def __init__(self, rank, call, M):
         self.rank, self.call, self.M = rank, call, M
+        self.shape = (M, 16)  # k: what the fold's cublasLt call is told
 
     def __getitem__(self, rows):
         start, stop, _ = rows.indices(self.M)
@@ -173,10 +177,43 @@ class _Sum:
                 f"rank {o} call {self.call}: rs_sum read a partial from rank {q} that is not " \
                 f"its partial of this call (stale, not landed, or overwritten by a later call)"
             total += want
-        out = self.args[5]
+        assert (int(self.args[1]), int(self.args[2])) == (rows * N, rows * N)
+        out = self.args[6]
         self.sim.view(_addr(self.sim, out), rows * ROW_BYTES).view(np.uint16)[:] = \
             (total % (1 << 16)).astype(np.uint16).reshape(-1)
         self.sim.summed.setdefault(o, []).append(self.e)
+        return True
+
+
+class _Fold:
+    """The fold's own-part GEMM (launch_cublaslt with the received part as its addend) as its
+    stream runs it: the received rows must be exactly the peer's partial of this call (landed,
+    not stale, not a later call's); writes own partial + received (mod 2^16) into out; after
+    the last part, logs this rank's epoch as summed (its reads of the data region are done)."""
+
+    def __init__(self, sim, op, call, M, a_rows, out, addend, last):
+        self.sim, self.op, self.call, self.M, self.e = sim, op, call, M, op.epoch
+        self.a, self.out, self.addend, self.last = a_rows, out, addend, last
+
+    def can_step(self):
+        return True
+
+    def step(self):
+        op, W, o = self.op, self.op.world.size, self.op.world.rank
+        rows = self.M // W
+        (p,) = op.peers
+        r0, r1 = self.a.start - o * rows, self.a.stop - o * rows
+        got = self.sim.view(_addr(self.sim, self.addend), (r1 - r0) * ROW_BYTES).view(np.uint16)
+        want = _partial(p, self.call, self.M)[o * rows + r0:o * rows + r1]
+        assert _addr(self.sim, self.addend) == op.buf.ptr(o, "data") + (p * rows + r0) * ROW_BYTES
+        assert np.array_equal(got.reshape(r1 - r0, N), want), \
+            f"rank {o} call {self.call}: the fold read a partial from rank {p} that is not its " \
+            f"partial of this call (stale, not landed, or overwritten by a later call)"
+        total = want.astype(np.uint64) + _partial(o, self.call, self.M)[self.a.start:self.a.stop]
+        self.sim.view(_addr(self.sim, self.out), (r1 - r0) * ROW_BYTES).view(np.uint16)[:] = \
+            (total % (1 << 16)).astype(np.uint16).reshape(-1)
+        if self.last:
+            self.sim.summed.setdefault(o, []).append(self.e)
         return True
 
 
@@ -201,8 +238,10 @@ class _Copy:
                 f"rank {me}'s copy of call {self.call} ran into rank {p}'s data before rank " \
                 f"{p} released call {self.call - 1} (free word {released}, epoch {e})"
         rows = self.M // W
+        r0 = (self.dst - self.ops[me].buf.ptr(p, "data")) // ROW_BYTES - me * rows  # its part
+        r1 = r0 + self.nbytes // ROW_BYTES
         got = sim.view(self.src, self.nbytes).view(np.uint16)
-        want = _partial(me, self.call, self.M)[p * rows:(p + 1) * rows].reshape(-1)
+        want = _partial(me, self.call, self.M)[p * rows + r0:p * rows + r1].reshape(-1)
         assert np.array_equal(got, want), \
             f"rank {me}: the staging chunk for rank {p} of call {self.call} was rewritten " \
             f"before its copy ran"
@@ -213,7 +252,7 @@ class _Module:
         return name
 
 
-def _chunked_ops(monkeypatch, sim, W, kind, max_rows):
+def _chunked_ops(monkeypatch, sim, W, kind, max_rows, fold=False):
     """One ChunkedRs per simulated rank, built by its constructor; gemm, kernels.launch and
     memcpyAsync queue the models above (ctx: the rank and call whose host code is running)."""
     import cupy
@@ -227,8 +266,9 @@ def _chunked_ops(monkeypatch, sim, W, kind, max_rows):
         return _new_dev(sim, shape[0])
 
     monkeypatch.setattr(cupy, "empty", empty)
-    ops = [R.ChunkedRs(_world(sim, W, rank, kind), 1.0, max_rows, N, DT, DT)
+    ops = [R.ChunkedRs(_world(sim, W, rank, kind), 1.0, max_rows, N, DT, DT, fold=fold)
            for rank in range(W)]
+    assert all(op.fold == (fold and W == 2) for op in ops)
     ctx = SimpleNamespace(rank=None, call=None, M=None)
 
     monkeypatch.setattr(R, "gemm", lambda a, b, out, stream, **kw: stream.q.append(
@@ -249,6 +289,16 @@ def _chunked_ops(monkeypatch, sim, W, kind, max_rows):
                                         args)))
 
     monkeypatch.setattr(kernels, "launch", launch)
+
+    def launch_cublaslt(a_rows, b, bias, out, dt, odt, M, n, k, b_layout, stream, addend=None):
+        op = ops[ctx.rank]
+        rows = ctx.M // op.world.size
+        assert (M, n, dt, odt) == (a_rows.stop - a_rows.start, N, DT, DT) and addend is not None
+        last = a_rows.stop == (op.world.rank + 1) * rows
+        stream.q.append(("kernel", _Fold(sim, op, ctx.call, ctx.M, a_rows, out, addend, last)))
+        return True
+
+    monkeypatch.setattr(R.core, "launch_cublaslt", launch_cublaslt)
     return ops, ctx
 
 
@@ -259,13 +309,13 @@ def _run(op, ctx, call, M, s, out, b="b", bias=None):
     return out
 
 
-def _calls_on_simulated_streams(monkeypatch, W, kind, seed, rows_seq=ROWS):
+def _calls_on_simulated_streams(monkeypatch, W, kind, seed, rows_seq=ROWS, fold=False):
     """Every rank queues the calls of rows_seq (the host code of the ranks in a random order
     each call, the streams running a random number of steps between two host calls), then the
     streams run to the end. Returns the simulator, the ops and the outputs [(rank, call, M,
     out)]."""
     sim = _RsSim(seed)
-    ops, ctx = _chunked_ops(monkeypatch, sim, W, kind, max(rows_seq))
+    ops, ctx = _chunked_ops(monkeypatch, sim, W, kind, max(rows_seq), fold)
     streams = [_Stream(sim) for _ in ops]
     rng = random.Random(seed)
     outs = []
@@ -281,21 +331,23 @@ def _calls_on_simulated_streams(monkeypatch, W, kind, seed, rows_seq=ROWS):
     return sim, ops, outs
 
 
-@pytest.mark.parametrize("W,kind", KINDS)
-def test_chunked_protocol_on_simulated_streams(monkeypatch, W, kind):
+@pytest.mark.parametrize("W,kind,fold", [k + (False,) for k in KINDS] + [(2, "nvlink", True)])
+def test_chunked_protocol_on_simulated_streams(monkeypatch, W, kind, fold):
     """Several ranks, consecutive calls with M changing (rows per rank 3, 5, 2, 4, 5, 1), random
     interleavings: every stream of every rank drains (no deadlock); every rank's rs_sum runs once
-    per call, in call order, and sees exactly the W partials of its own rows of that call (none
-    stale, none overwritten by a fast peer's later call); no copy runs into a peer's data before
-    that peer's release of the call before; no staging chunk is rewritten before its copy ran;
-    every rank's out holds the sum of its rows."""
+    per call (folding, W = 2: its last own part's GEMM), in call order, and sees exactly the W
+    partials of its own rows of that call (none stale, none overwritten by a fast peer's later
+    call); no copy runs into a peer's data before that peer's release of the call before; no
+    staging chunk is rewritten before its copy ran; every rank's out holds the sum of its
+    rows."""
     for seed in SEEDS:
-        sim, ops, outs = _calls_on_simulated_streams(monkeypatch, W, kind, seed)
+        sim, ops, outs = _calls_on_simulated_streams(monkeypatch, W, kind, seed, fold=fold)
         assert not any(st.q for st in sim.streams)
         for rank, op in enumerate(ops):
             assert sim.summed[rank] == list(range(1, len(ROWS) + 1)), f"seed {seed} rank {rank}"
             assert op.epoch == len(ROWS)
-        assert len(sim.copies) == W * (W - 1) * len(ROWS) and all(c.ran for c in sim.copies)
+        parts = sum(len(R.fold_bounds(r, R.FOLD_SPLITS if fold else 1)) for r in ROWS)
+        assert len(sim.copies) == W * (W - 1) * parts and all(c.ran for c in sim.copies)
         for rank, call, M, out in outs:
             rows = M // W
             want = sum(_partial(q, call, M)[rank * rows:(rank + 1) * rows].astype(np.uint64)
@@ -309,7 +361,7 @@ def test_chunked_protocol_on_simulated_streams(monkeypatch, W, kind):
 _BROKEN = {
     "guard": ("_guard", "before rank .* released call"),
     "join": ("_join_guarded", "rewrote staging rows .* had not read yet"),
-    "chunk wait": ("_wait", "rs_sum read a partial .* not its partial of this call"),
+    "chunk wait": ("_wait", "(rs_sum|the fold) read a partial .* not its partial of this call"),
     "release": ("release", "deadlock: every stream waits"),
 }
 
@@ -323,10 +375,10 @@ def test_the_checks_catch_a_broken_protocol(monkeypatch, broken):
     name, match = _BROKEN[broken]
     monkeypatch.setattr(AGM.CopyGather, name, lambda self, *a, **k: None)
     failures = []
-    for W, kind in [(3, "nvlink"), (4, "pcie")]:
+    for W, kind, fold in [(3, "nvlink", False), (4, "pcie", False), (2, "nvlink", True)]:
         for seed in SEEDS:
             try:
-                _calls_on_simulated_streams(monkeypatch, W, kind, seed)
+                _calls_on_simulated_streams(monkeypatch, W, kind, seed, fold=fold)
             except AssertionError as e:
                 failures.append(str(e))
     assert failures and all(re.search(match, f) for f in failures), failures[:3]
@@ -358,6 +410,9 @@ def _named(ops, me, entry):
         g = entry[1]
         assert (g.a.rank, g.b, g.kw) == (me, "b", {"b_layout": "nk", "impl": "auto"})
         return ("gemm", g.start, g.stop, _where(ops, me, g.ptr))
+    if kind == "kernel" and isinstance(entry[1], _Fold):
+        f = entry[1]
+        return ("fold", f.a.start, f.a.stop, _where(ops, me, _addr(f.sim, f.addend)))
     if kind == "kernel":
         return ("rs_sum",)
     if kind in ("record", "wait_event"):
@@ -370,21 +425,25 @@ def _named(ops, me, entry):
     return (kind, _where(ops, me, entry[1]), entry[2]) + tuple(entry[3:])
 
 
-@pytest.mark.parametrize("W,kind", [(2, "nvlink"), (3, "nvlink"), (4, "pcie"),
-                                    (4, "pcie_numa")])
-def test_one_call_queues_the_documented_sequence(monkeypatch, W, kind):
+@pytest.mark.parametrize("W,kind,fold", [(2, "nvlink", False), (3, "nvlink", False),
+                                         (4, "pcie", False), (4, "pcie_numa", False),
+                                         (2, "nvlink", True)])
+def test_one_call_queues_the_documented_sequence(monkeypatch, W, kind, fold):
     """Two calls of one rank (rows per rank 3, then 5 with a bias), nothing run: the call stream
     queues the chunk GEMMs of the peers in the copy order (the topology's transfer order), each
     into its staging chunk and followed by its ready event, then the own chunk's GEMM straight
     into this rank's data at me * R rows (ordered by the stream: no flag), a bounded wait for
-    chunk[q] >= e of every peer in the copy order, one rs_sum (data, R * n, W, n, bias, out), free[me] = e on every peer and one
-    follower wait for the last lane's joined word. Each lane, for each peer it carries: the
-    event of this call, the guard free[p] >= e-1 (from the second call on), the copy of the
-    chunk into p's data at me * R rows and chunk[me] = e on p; then its joined word, after the
-    lane before it."""
+    chunk[q] >= e of every peer in the copy order, one rs_sum (data, R * n, R * n, W, n, bias,
+    out), free[me] = e on every peer and one follower wait for the last lane's joined word.
+    Each lane, for each peer it carries: the event of this call, the guard free[p] >= e-1 (from
+    the second call on), the copy of the chunk into p's data at me * R rows and chunk[me] = e
+    on p; then its joined word, after the lane before it. Folding (W = 2): each of these per
+    row part (fold_bounds), the guard before the first part only, chunk[me][c] per part; the
+    call stream waits for the peer's part c, then the own part's fold (its addend: our data at
+    p * R + r0 rows), part by part, and no rs_sum."""
     for me in range(W):
         sim = _RsSim(me)
-        ops, ctx = _chunked_ops(monkeypatch, sim, W, kind, 5)
+        ops, ctx = _chunked_ops(monkeypatch, sim, W, kind, 5, fold)
         op = ops[me]
         order = topology.transfer_order(_world_topo(W, me, kind), W)
         peers = topology.flatten(order)
@@ -392,11 +451,13 @@ def test_one_call_queues_the_documented_sequence(monkeypatch, W, kind):
             assert peers == [(me + i) % W for i in range(1, W)]
         assert op.peers == peers and sorted(peers) == sorted(set(range(W)) - {me})
         assert op.staging.shape == ((W - 1) * 5, N)
+        assert op.max_chunks == (2 if fold else 1)
         s = _Stream(sim)
         lanes = op.lanes
         assert len(lanes) == max(len(stage) for stage in order)
         for e, rows in ((1, 3), (2, 5)):
             bias = "bias" if e == 2 else None
+            parts = R.fold_bounds(rows, R.FOLD_SPLITS if fold else 1)
             before = {st.ptr: len(st.q) for st in [s] + lanes}
             out = _new_dev(sim, rows)
             _run(op, ctx, e - 1, W * rows, s, out, bias=bias)
@@ -404,13 +465,22 @@ def test_one_call_queues_the_documented_sequence(monkeypatch, W, kind):
             queued = {st.ptr: [_named(ops, me, x) for x in list(st.q)[before[st.ptr]:]]
                       for st in [s] + lanes}
             nbytes = rows * ROW_BYTES
+            mc = op.max_chunks
             want = []
             for j, p in enumerate(peers):
-                want += [("gemm", p * rows, (p + 1) * rows, ("staging", j * rows)),
-                         ("record", p, e)]
-            want += [("gemm", me * rows, (me + 1) * rows, (me, "data", me * nbytes))]
-            want += [("wait", (me, "chunk", q), e, "wait") for q in peers]
-            want += [("rs_sum",)]
+                for c, (r0, r1) in enumerate(parts):
+                    want += [("gemm", p * rows + r0, p * rows + r1, ("staging", j * rows + r0)),
+                             ("record", (p, c), e)]
+            if fold:
+                (p,) = peers
+                for c, (r0, r1) in enumerate(parts):
+                    want += [("wait", (me, "chunk", p * mc + c), e, "wait"),
+                             ("fold", me * rows + r0, me * rows + r1,
+                              (me, "data", (p * rows + r0) * ROW_BYTES))]
+            else:
+                want += [("gemm", me * rows, (me + 1) * rows, (me, "data", me * nbytes))]
+                want += [("wait", (me, "chunk", q), e, "wait") for q in peers]
+                want += [("rs_sum",)]
             want += [("write", (p, "free", me), e) for p in range(W) if p != me]
             want += [("wait", (me, "joined", len(lanes) - 1), e, "follow")]
             assert queued[s.ptr] == want, f"rank {me} call {e}: the call stream"
@@ -420,21 +490,25 @@ def test_one_call_queues_the_documented_sequence(monkeypatch, W, kind):
                     if i < len(stage):
                         p = stage[i]
                         j = peers.index(p)
-                        want += [("wait_event", p, e)]
-                        if e > 1:
-                            want += [("wait", (me, "free", p), e - 1, "guard")]
-                        want += [("copy", (p, "data", me * nbytes), ("staging", j * rows),
-                                  nbytes),
-                                 ("write", (p, "chunk", me), e)]
+                        for c, (r0, r1) in enumerate(parts):
+                            want += [("wait_event", (p, c), e)]
+                            if e > 1 and c == 0:
+                                want += [("wait", (me, "free", p), e - 1, "guard")]
+                            want += [("copy", (p, "data", (me * rows + r0) * ROW_BYTES),
+                                      ("staging", j * rows + r0), (r1 - r0) * ROW_BYTES),
+                                     ("write", (p, "chunk", me * mc + c), e)]
                 if i > 0:
                     want += [("wait", (me, "joined", i - 1), e)]
                 want += [("write", (me, "joined", i), e)]
                 assert queued[lane.ptr] == want, f"rank {me} call {e}: lane {i}"
+            if fold:
+                continue
             (kernel,) = [x[1] for x in s.q if x[0] == "kernel" and isinstance(x[1], _Sum)
                          and x[1].call == e - 1]
             assert kernel.grid == (1,) and kernel.block == (R.SUM_THREADS,)
-            data, elems, ws, n, b, o = kernel.args
+            data, elems, slot, ws, n, b, o = kernel.args
             assert data is op.data and o is out
-            assert (type(elems), type(ws), type(n)) == (np.int64, np.int32, np.int32)
-            assert (elems, ws, n) == (rows * N, W, N)
+            assert (type(elems), type(slot), type(ws), type(n)) == (np.int64, np.int64,
+                                                                    np.int32, np.int32)
+            assert (elems, slot, ws, n) == (rows * N, rows * N, W, N)
             assert b == "bias" if bias else (type(b) == np.uint64 and b == 0)

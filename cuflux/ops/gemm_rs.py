@@ -24,8 +24,11 @@ route="chunked" (W > 1) hides the transfer behind cuBLAS instead of fusing it in
 (issue 15): the GEMM runs as W row chunks, one per owner, in the copy order (peers first, own
 rows last); as each peer chunk is computed, a copy engine moves it into the owner's memory
 (ChunkedRs below: AllGather's push protocol, sources per peer) while the next chunk computes,
-and one small kernel (rs_sum) sums the W partials in rank order once every chunk has landed.
-Its epochs are counted on the host: not capturable (refused under capture).
+and one small kernel (rs_sum) sums the W partials in rank order once every chunk has landed; at
+W = 2 where that sum would cost more than splitting the GEMMs (small k: fold_route), the chunks
+go in two row parts each and the own parts' GEMMs add the received parts as they land (cublasLt's
+C), leaving no summing kernel. Its epochs are counted on the host: not capturable (refused under
+capture).
 
 `GemmReduceScatter.reduce_scatter(partial)` is the same reduce-scatter on an already computed
 partial (e.g. cuBLAS's): the unfused baseline, through the same buffers, flags and order.
@@ -38,7 +41,7 @@ import contextlib
 import numpy as np
 
 from cuflux import driver, gemm_core as core
-from cuflux import kernels
+from cuflux import kernels, knobs
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller, zeros_settled
 from cuflux.errors import ABORT
 from cuflux.ops.allgather import _MEMCPY_DEFAULT, CopyGather
@@ -51,7 +54,7 @@ from cuflux.symmetric import Layout
 
 __all__ = ["GemmReduceScatter", "reference_gemm_rs", "tile_order", "own_tile_rows",
            "make_layout", "REDUCE_MODES", "SM90_RS_CONFIGS", "W1_MODES", "RS_ROUTES",
-           "ChunkedRs"]
+           "ChunkedRs", "fold_route", "fold_bounds", "FOLD_SPLITS", "FOLD_BELOW_K_BYTES"]
 
 _OP = "GemmReduceScatter"
 _SRC = "gemm_rs.cu"
@@ -178,9 +181,36 @@ def reference_gemm_rs(a_list, b_list, bias=None, b_layout: str = "kn", rank: int
     return outs if rank is None else outs[0]
 
 
-# ---- route="chunked": cuBLAS chunks, copy engines, one summing kernel -------------------------
+# ---- route="chunked": cuBLAS chunks, copy engines, one summing kernel (or none) ----------------
 SUM_THREADS = 256
 SUM_BLOCKS_PER_SM = 8
+# W = 2, the fold: each chunk in FOLD_SPLITS row parts, the own parts computed by cublasLt with
+# the peer's received part as C (out = a b + received (+ bias), one rounding), so no summing
+# kernel is left at the end. Splitting costs: 2 x FOLD_SPLITS GEMMs instead of 2. The summing
+# kernel costs a pass over 3 R x n outputs, against the GEMM's 2 M n k flops: 3 b / (2 W k) of
+# the GEMM's time in units of the GPU's flop-to-byte rate (~206 on an H200: 700 TFLOP/s,
+# 3.4 TB/s), 4.3 % at k = 7168 (W = 2, bf16) where splitting cost 4 %, 1-2 % at k >= 14336
+# where it cost 3-4 % (one H200, GEMMs without communication:
+# scripts/results/probe_rs_schedule-h200-2026-12-02.json). So the fold runs where the sum
+# would cost more than FOLD_ABOVE of the GEMM: k * out itemsize < FOLD_BELOW_K_BYTES.
+FOLD_SPLITS = 2
+FOLD_BELOW_K_BYTES = 2 * 10240  # k < 10240 for bf16 / fp16 partials, k < 5120 for fp32
+
+
+def fold_route(world_size: int, ks, out_itemsize: int, impl: str, cublaslt: bool) -> bool:
+    """Whether route="chunked" folds (W = 2 only): every rank's k (the largest decides) under
+    FOLD_BELOW_K_BYTES, the chunk GEMMs left to cuflux.gemm's choice (impl "auto": the fold's
+    own parts are cuBLAS) and the cublasLt route on (knobs.gemm_cublaslt). The same on every
+    rank given the same arguments (GemmReduceScatter agrees them)."""
+    return (world_size == 2 and impl == "auto" and cublaslt
+            and max(ks) * out_itemsize < FOLD_BELOW_K_BYTES)
+
+
+def fold_bounds(rows: int, splits: int) -> list[tuple[int, int]]:
+    """The row parts [r0, r1) of a chunk of `rows` rows: min(splits, rows) parts, sizes within
+    one row of each other."""
+    parts = max(1, min(splits, rows))
+    return [(c * rows // parts, (c + 1) * rows // parts) for c in range(parts)]
 
 
 class ChunkedRs(CopyGather):
@@ -188,33 +218,45 @@ class ChunkedRs(CopyGather):
     communicator, error record, symmetric buffer, copy lanes and stream-wait watchdog).
 
     AllGather's push protocol (allgather.py, module docstring) with a different source for each
-    peer: rank p's data region holds, at q * R rows, rank q's partial of p's rows. Call e:
-      S: for each peer p in the copy order: cuflux.gemm(a[p*R:(p+1)*R]) -> staging chunk j
-         (this op's private memory); lane(p) follows it (event), guard free[p] >= e-1 (p has
-         summed call e-1, so its rows of us may be overwritten; a timeout never releases a
-         guard), copies the chunk into p's data at me * R rows, raises chunk[me] on p;
-      S: cuflux.gemm(a[me*R:(me+1)*R]) straight into our data at me * R rows; waits
-         (bounded, watched) for chunk[q] >= e of every peer q; rs_sum; free[me] = e on every
-         peer; joins the lanes (their staging chunks are rewritten by the next call).
+    peer: rank p's data region holds, at q * R rows, rank q's partial of p's rows. Call e, each
+    chunk in `splits` row parts (fold_bounds; 1 unless folding), part c with chunk flag c:
+      S: for each peer p in the copy order, for each part: cuflux.gemm(a's rows of it) ->
+         staging (this op's private memory); lane(p) follows it (event), guard free[p] >= e-1
+         before p's first part (p has summed call e-1, so its rows of us may be overwritten;
+         a timeout never releases a guard), copies the part into p's data at me * R + r0 rows,
+         raises chunk[me][c] on p;
+      S, not folding: cuflux.gemm(a[me*R:(me+1)*R]) straight into our data at me * R rows;
+         waits (bounded, watched) for chunk[q][c] >= e of every peer q and part c; rs_sum;
+      S, folding (W = 2, fold_route): for each part c: waits for chunk[p][c] >= e, then
+         out[r0:r1] = a's own rows of it @ b + the received part (+ bias) by cublasLt
+         (launch_cublaslt's addend; where cublasLt has no algorithm for it, e.g. an fp32 output
+         with a bias: cuflux.gemm into our data and rs_sum of the part);
+      S: free[me] = e on every peer; joins the lanes (their staging is rewritten next call).
     The chunk GEMM for a peer runs while the previous chunk is on the link, and the own chunk,
     last, while the last peer chunk is: only the summing kernel (a read of W partials of R rows,
-    a write of one) is not hidden. Chunks are whole owners' rows (one flag each), so a GEMM
-    never gets a tile shape smaller than M / W rows.
+    a write of one) is not hidden; folding, nothing is but the last part's own GEMM waiting for
+    its rows (sent while this rank computed its first own part). Chunks are whole owners' rows
+    (one flag a part), so a GEMM never gets fewer than M / (W splits) rows.
     """
 
-    def __init__(self, world, timeout_s: float, max_rows: int, n: int, dtype, out_dtype):
+    def __init__(self, world, timeout_s: float, max_rows: int, n: int, dtype, out_dtype,
+                 fold: bool = False):
         import cupy
 
+        self.fold = bool(fold) and world.size == 2
+        self.splits = FOLD_SPLITS if self.fold else 1
         super().__init__(world, _OP, timeout_s, max_rows, n, out_dtype, mode="push",
-                         chunk_rows=max_rows, wait="stream")
+                         chunk_rows=-(-max_rows // self.splits), wait="stream")
+        assert self.max_chunks >= min(self.splits, max_rows)  # a flag per part
         W = world.size
-        self.out_dtype, self.n = out_dtype, n
+        self.in_dtype, self.out_dtype, self.n = dtype, out_dtype, n
         self.module = kernels.load(_SRC, world.device)
         kernels.load("gemm.cu", world.device)
         # peers in the copy order (stage by stage), the lane that carries each one
         self.peers = [p for stage in self.order for p in stage]
         self.lane_of = {p: lane for stage in self.order for lane, p in zip(self.lanes, stage)}
-        self.ready = {p: cupy.cuda.Event(disable_timing=True) for p in self.peers}
+        self.ready = {(p, c): cupy.cuda.Event(disable_timing=True)
+                      for p in self.peers for c in range(self.splits)}
         with world.device_context():
             self.staging = cupy.empty(((W - 1) * max_rows, n), out_dtype.storage)
         self.data = self.buf.local("data").view(out_dtype.storage).reshape(-1)
@@ -227,6 +269,19 @@ class ChunkedRs(CopyGather):
         self._no_capture(s, "route='chunked' counts its call epochs on the host (copy engines "
                             "gated by stream waits); build the op with route='auto' to capture")
 
+    def _sum(self, first_row: int, rows: int, R: int, bias, out, s) -> None:
+        """rs_sum of rows [first_row, first_row + rows) of this rank's R: the W slots of our
+        data region (R rows apart) into out."""
+        n = self.n
+        elems = rows * n
+        vecs = elems * self.out_dtype.itemsize // 16
+        grid = max(1, min(-(-vecs // SUM_THREADS), self.sum_blocks))
+        data = self.data if first_row == 0 else self.data[first_row * n:]
+        kernels.launch(self.module[self.sum_name], (grid,), (SUM_THREADS,),
+                       (data, np.int64(elems), np.int64(R * n), np.int32(self.world.size),
+                        np.int32(n), bias if bias is not None else np.uint64(0), out),
+                       s, op=_OP, name=self.sum_name)
+
     def run(self, a, b, bias, out, M: int, s, b_layout: str, impl: str) -> None:
         """One call (arguments checked by GemmReduceScatter, M agreed, 1 <= M <= max_m, the
         stream not capturing: refuse_capture)."""
@@ -234,31 +289,45 @@ class ChunkedRs(CopyGather):
 
         W, me, n = self.world.size, self.world.rank, self.n
         R = M // W
+        parts = fold_bounds(R, self.splits)
         e = self._next_epoch(s if self._last_stream is None else self._last_stream)
         self._last_stream = s  # abort() and close() look at it
-        nbytes = R * self.row_bytes
+        rb = self.row_bytes
         for j, p in enumerate(self.peers):
-            chunk = self.staging[j * R:(j + 1) * R]
-            gemm(a[p * R:(p + 1) * R], b, out=chunk, b_layout=b_layout, impl=impl, stream=s)
             lane = self.lane_of[p]
-            self.ready[p].record(s)
-            lane.wait_event(self.ready[p])
-            if e > 1:  # p's sum of call e-1 read its rows of us: a late p's never overwritten
-                self._guard(lane, "free", e - 1, p)
-            runtime.memcpyAsync(self.buf.ptr(p, "data", me * nbytes), chunk.data.ptr, nbytes,
-                                _MEMCPY_DEFAULT, lane.ptr)
-            driver.stream_write_value32(lane, self._chunk_flag(p, me, 0), e)
-        own = self.data[me * R * n:(me + 1) * R * n].reshape(R, n)
-        gemm(a[me * R:(me + 1) * R], b, out=own, b_layout=b_layout, impl=impl, stream=s)
-        for p in self.peers:  # the own chunk is ordered by the stream: no flag, no wait
-            self._wait(s, "chunk", e, p, index0=p * self.max_chunks)
-        elems = R * n
-        vecs = elems * self.out_dtype.itemsize // 16
-        grid = max(1, min(-(-vecs // SUM_THREADS), self.sum_blocks))
-        kernels.launch(self.module[self.sum_name], (grid,), (SUM_THREADS,),
-                       (self.data, np.int64(elems), np.int32(W), np.int32(n),
-                        bias if bias is not None else np.uint64(0), out),
-                       s, op=_OP, name=self.sum_name)
+            for c, (r0, r1) in enumerate(parts):
+                chunk = self.staging[j * R + r0:j * R + r1]
+                gemm(a[p * R + r0:p * R + r1], b, out=chunk, b_layout=b_layout, impl=impl,
+                     stream=s)
+                ready = self.ready[p, c]
+                ready.record(s)
+                lane.wait_event(ready)
+                if e > 1 and c == 0:  # p's sum of call e-1 read its rows of us: a late p's
+                    self._guard(lane, "free", e - 1, p)  # are never overwritten
+                runtime.memcpyAsync(self.buf.ptr(p, "data", (me * R + r0) * rb), chunk.data.ptr,
+                                    (r1 - r0) * rb, _MEMCPY_DEFAULT, lane.ptr)
+                driver.stream_write_value32(lane, self._chunk_flag(p, me, c), e)
+        # An fp32 output with a bias has no cublasLt algorithm (the bias would have to be fp32)
+        if self.fold and (bias is None or self.out_dtype.name != "float32"):
+            (p,) = self.peers
+            k = a.shape[1]
+            for c, (r0, r1) in enumerate(parts):
+                self._wait(s, "chunk", e, p, index0=p * self.max_chunks + c)
+                got = self.data[(p * R + r0) * n:(p * R + r1) * n].reshape(r1 - r0, n)
+                if not core.launch_cublaslt(a[me * R + r0:me * R + r1], b, bias, out[r0:r1],
+                                            self.in_dtype, self.out_dtype, r1 - r0, n, k,
+                                            b_layout, s, addend=got):
+                    mine = self.data[(me * R + r0) * n:(me * R + r1) * n].reshape(r1 - r0, n)
+                    gemm(a[me * R + r0:me * R + r1], b, out=mine, b_layout=b_layout,
+                         impl=impl, stream=s)
+                    self._sum(r0, r1 - r0, R, bias, out[r0:r1], s)
+        else:
+            own = self.data[me * R * n:(me + 1) * R * n].reshape(R, n)
+            gemm(a[me * R:(me + 1) * R], b, out=own, b_layout=b_layout, impl=impl, stream=s)
+            for p in self.peers:  # the own chunk is ordered by the stream: no flag, no wait
+                for c in range(len(parts)):
+                    self._wait(s, "chunk", e, p, index0=p * self.max_chunks + c)
+            self._sum(0, R, R, bias, out, s)
         self.release(s)
         self._join_guarded(s, self.lanes)
 
@@ -291,7 +360,8 @@ class GemmReduceScatter(CommOp):
         forces our core, in owner chunks, each peer's sent by copy engines while the next
         computes: ChunkedRs; reduce="deterministic" only, not capturable; beside the fused
         route's buffer of 2 max_m rows, which reduce_scatter() keeps using, it holds a data
-        region of max_m rows and a staging of (W-1) max_m / W rows).
+        region of max_m rows and a staging of (W-1) max_m / W rows). At W = 2 with a small k
+        it folds the sum into its own GEMMs (op.fold; fold_route says when).
         `plan(M)` says what a call with M rows runs.
 
     Calls of one op must be ordered on each rank (one stream, or streams the caller orders),
@@ -351,14 +421,18 @@ class GemmReduceScatter(CommOp):
         if reduce == "atomic" and over_pcie:
             problem = (f"reduce='atomic' needs peer atomics, which PCIe links do not carry (rank "
                        f"{world.rank} reaches {over_pcie} over PCIe); use reduce='deterministic'")
-        everyone = world.allgather((problem, hopper))
-        problems = sorted({p for p, _ in everyone if p})
+        everyone = world.allgather((problem, hopper, int(k), knobs.gemm_cublaslt()))
+        problems = sorted({p for p, *_ in everyone if p})
         if problems:
             raise ValueError(f"{_OP}: " + "; ".join(problems))
         self.world, self.dtype, self.out_dtype = world, dt, odt
         self.max_m, self.n, self.k = int(max_m), int(n), int(k)
         self.b_layout, self.reduce, self.atomic = b_layout, reduce, reduce == "atomic"
-        self.impl = "sm90" if all(h for _, h in everyone) else "sm80"
+        self.impl = "sm90" if all(h for _, h, *_ in everyone) else "sm80"
+        # route="chunked" at W = 2: whether its chunks fold (fold_route), from every rank's k
+        self.fold = route == "chunked" and fold_route(
+            W, [kk for _, _, kk, _ in everyone], odt.itemsize, impl,
+            all(lt for *_, lt in everyone))
         self._impl_arg = impl  # the unfused route's GEMM: "auto" lets cuflux.gemm take cuBLAS
         self.config = config or SM90_RS_DEFAULT
         self._config_given = config is not None  # W = 1: else the GEMM's tuner picks
@@ -401,7 +475,8 @@ class GemmReduceScatter(CommOp):
         # agreed the route above.
         if route == "chunked" and W > 1:  # its copy lanes and events on the op's device
             with world.device_context():
-                self._chunked = ChunkedRs(world, timeout_s, self.max_m // W, self.n, dt, odt)
+                self._chunked = ChunkedRs(world, timeout_s, self.max_m // W, self.n, dt, odt,
+                                          fold=self.fold)
         self._closed = False
 
     _chunked = None  # route="chunked" at W > 1: its ChunkedRs
