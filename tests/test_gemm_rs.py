@@ -430,7 +430,8 @@ def test_back_to_back_calls_with_changing_m(W, reduce):
 def chunked_back_to_back(world, seed, calls=60):
     """route="chunked": `calls` calls without a host sync (the copy lanes' guards and the
     staging reuse under load), rows per rank changing every call (1..160, uneven against every
-    tile), bias on every third, fp32 output on a second op interleaved; every result against
+    tile), bias on every third, fp32 output on a second op interleaved (at W = 2 both fold,
+    the fp32 one's calls with a bias not); every result against
     the float64 reference; the same inputs twice give the same bits (rank-order sums); a call
     under CUDA-graph capture is refused before anything is queued."""
     import cupy as cp
@@ -455,6 +456,7 @@ def chunked_back_to_back(world, seed, calls=60):
                 route="chunked") as op32:
         if W > 1:
             assert op.plan(W) == op.plan(max_m) == "chunked"
+        assert op.fold == op32.fold == (W == 2)  # k = 72: W = 2 folds (fp32 + bias: not)
         for i in range(calls):
             rows = 1 + (i * 37) % max_rows
             M, st, with_bias = rows * W, i % sets, i % 3 == 0
