@@ -21,9 +21,9 @@ import os
 from typing import Any, Callable, Mapping
 
 __all__ = ["Knob", "KNOBS", "CACHE_DIR", "HOST_TIMEOUT_S", "NUMA_SIZE", "NODE_SIZE", "GEMM_TUNE",
-           "GEMM_TUNE_BUDGET_S", "GEMM_CUBLASLT", "GEMM_BENCH_CONFIGS", "cache_dir",
+           "GEMM_TUNE_BUDGET_S", "GEMM_CUBLASLT", "GEMM_ALGO_TUNE", "GEMM_BENCH_CONFIGS", "cache_dir",
            "host_timeout_s", "numa_size", "node_size", "gemm_tune", "gemm_tune_budget_s",
-           "gemm_cublaslt", "gemm_bench_configs", "describe"]
+           "gemm_cublaslt", "gemm_algo_tune", "gemm_bench_configs", "describe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,6 +149,12 @@ GEMM_CUBLASLT = Knob(
     "gemm's cuBLAS route through cublasLtMatmul with a plan cached per shape (less host time a "
     "call than cublasGemmEx, which picks its kernel on every call); 0: cublasGemmEx.",
     "gemm_core.launch_cublas", _switch)
+GEMM_ALGO_TUNE = Knob(
+    "CUFLUX_GEMM_ALGO_TUNE", "one of 1/0, true/false, yes/no, on/off", True, "1",
+    "gemm's cublasLt route times its heuristic's first candidate algorithms at a shape's first "
+    "call (GEMMs of 2^36 flop and more) and keeps the fastest, per exact shape, in "
+    "<cache dir>/cublaslt_algos.json; 0: the heuristic's first.",
+    "gemm_core.launch_cublaslt", _switch)
 GEMM_BENCH_CONFIGS = Knob(
     "CUFLUX_GEMM_BENCH_CONFIGS", "comma-separated GEMM configuration names", None,
     "unset: every configuration",
@@ -158,7 +164,7 @@ GEMM_BENCH_CONFIGS = Knob(
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (CACHE_DIR, HOST_TIMEOUT_S, NUMA_SIZE, NODE_SIZE,
                                               GEMM_TUNE, GEMM_TUNE_BUDGET_S, GEMM_CUBLASLT,
-                                              GEMM_BENCH_CONFIGS)}
+                                              GEMM_ALGO_TUNE, GEMM_BENCH_CONFIGS)}
 
 
 # ---- read at call time ------------------------------------------------------------------------
@@ -195,6 +201,11 @@ def gemm_tune_budget_s(environ: Mapping[str, str] | None = None) -> float:
 def gemm_cublaslt(environ: Mapping[str, str] | None = None) -> bool:
     """Whether gemm's cuBLAS route calls cublasLtMatmul (a cached plan) instead of GemmEx."""
     return GEMM_CUBLASLT.get(environ)
+
+
+def gemm_algo_tune(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the cublasLt route times its candidate algorithms at a shape's first call."""
+    return GEMM_ALGO_TUNE.get(environ)
 
 
 def gemm_bench_configs(environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:

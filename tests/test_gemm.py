@@ -225,12 +225,12 @@ def test_cublaslt_tunes_its_algorithm_and_stays_exact(monkeypatch, tmp_path):
     if not gpu_available():
         pytest.skip("needs a GPU")
     monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1")
-    monkeypatch.setenv("CUFLUX_GEMM_TUNE", "1")
+    monkeypatch.setenv("CUFLUX_GEMM_ALGO_TUNE", "1")
     monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
     monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
     monkeypatch.setattr(gemm_core, "_CUBLASLT", [])  # plans made afresh: this test tunes them
     seed = fresh_seed()
-    M, N, K = 1000, 2056, 2120  # odd: not a multiple of any tile
+    M, N, K = 2000, 4104, 4240  # odd: not a multiple of any tile
     assert 2 * M * N * K >= gemm_core.ALGO_TUNE_MIN_FLOP
     a, b = _rand((M, K), "bfloat16", seed), _rand((N, K), "bfloat16", seed + 1)
     bias = _rand((N,), "bfloat16", seed + 2, scale=4.0)
@@ -1118,8 +1118,8 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     operands (beta 0 into out, before the call) and runs on the fastest, as every later call
     does; the choice is kept in the algorithm table (its own file) under GPU, cublasLt version,
     dtypes, layout, exact shape, alignment and epilogue, and a fresh plan (another process)
-    takes it from there without timing. A small shape, CUFLUX_GEMM_TUNE=0 and a call under
-    capture time nothing (the capture's plan is tuned at its next call outside)."""
+    takes it from there without timing (CUFLUX_GEMM_TUNE=0 does not stop it). A small shape,
+    CUFLUX_GEMM_ALGO_TUNE=0 and a call under capture time nothing (the capture's plan is tuned at its next call outside)."""
     import json
 
     from cuflux.arrays import dtype_info
@@ -1128,7 +1128,8 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
     monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
     monkeypatch.setattr(gemm_core, "device_props", lambda dev=None: (0, "sm_90a", 132, "GPU X"))
-    monkeypatch.delenv("CUFLUX_GEMM_TUNE", raising=False)
+    monkeypatch.delenv("CUFLUX_GEMM_ALGO_TUNE", raising=False)
+    monkeypatch.setenv("CUFLUX_GEMM_TUNE", "0")  # the Hopper tuner's switch is not this one
     timed = []
 
     def fake_timing(run, count, stream, budget_s):
@@ -1141,7 +1142,7 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     arr, stream = _lt_operands(monkeypatch)
     a, b, out = arr(0x10000), arr(0x20000), arr(0x30000)
     bf = dtype_info("bfloat16")
-    M, N, K = 1024, 2048, 4096
+    M, N, K = 4096, 4096, 4096
     assert 2 * M * N * K >= gemm_core.ALGO_TUNE_MIN_FLOP
 
     def words(log):
@@ -1151,7 +1152,7 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     assert timed == [3] and words(lt.lib.log) == [77, 78, 79, 78]
     calls = [e for e in lt.lib.log if e[0] == "cublasLtMatmul"]
     assert all(c[8] == gemm_core._ZERO_PTR and c[9] == c[11] == 0x30000 for c in calls)
-    key = "GPU X|cublasLt 130400|bfloat16|bfloat16|nk|1024x2048x4096|256|-"
+    key = "GPU X|cublasLt 130400|bfloat16|bfloat16|nk|4096x4096x4096|256|-"
     saved = json.loads((tmp_path / "algos.json").read_text())
     assert saved[key]["algo"] == 1 and saved[key]["ms"] == [3.0, 1.0, 2.0]
     assert gemm_tuner.recall_algo(key) == 1
@@ -1165,10 +1166,10 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
 
     assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, 8, N, K, "nk", stream)
     assert timed == [3] and words(lt.lib.log)[-1] == 77  # small: the heuristic's first
-    monkeypatch.setenv("CUFLUX_GEMM_TUNE", "0")
+    monkeypatch.setenv("CUFLUX_GEMM_ALGO_TUNE", "0")
     assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, 2 * K, "nk", stream)
     assert timed == [3] and words(lt.lib.log)[-1] == 77
-    monkeypatch.delenv("CUFLUX_GEMM_TUNE")
+    monkeypatch.delenv("CUFLUX_GEMM_ALGO_TUNE")
     assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, 4 * K, "nk", stream, True)
     assert timed == [3] and words(lt.lib.log)[-1] == 77
     assert not lt.plans[(0, "bfloat16", "bfloat16", "nk", M, N, 4 * K, 256, False)].tuned

@@ -1190,7 +1190,8 @@ def _check_sum_args(args, data_r0, rows, R_rows, W, n, bias_arg, out):
 
 @pytest.mark.parametrize("W,me,bias", [(2, 0, False), (4, 2, True), (3, 1, True)])
 def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
-    """ChunkedRs.run on recording fakes: the peer chunks' GEMMs in the copy order, each followed
+    """ChunkedRs.run on recording fakes (impl "auto": every GEMM cuflux.gemm(impl="cublas")):
+    the peer chunks' GEMMs in the copy order, each followed
     by its lane's event wait, guard (from the second call), copy to the owner's data at me * R
     rows and chunk flag; the own chunk's GEMM into this rank's data last; then the waits for
     every peer's chunk (the own one is ordered by the stream), rs_sum (arguments against its C
@@ -1206,14 +1207,14 @@ def test_chunked_call_queues_the_protocol_in_order(monkeypatch, W, me, bias):
         op.run(Rows("a"), "b", bias_arg, out, M, "S", "nk", "auto")
         want = []
         for j, p in enumerate(op.peers):
-            want += [("gemm", p * rows, (p + 1) * rows, "staging", j * rows, "nk", "auto"),
+            want += [("gemm", p * rows, (p + 1) * rows, "staging", j * rows, "nk", "cublas"),
                      ("record", (p, 0)), ("lane wait event", 0, (p, 0))]
             if call > 1:
                 want.append(("guard", "free", call - 1, p))
             want += [("copy", (p, "data", me * rows * row_bytes), ("staging", j * rows),
                       rows * row_bytes, 100),
                      ("write", 0, (p, "chunk", me, 0), call)]
-        want += [("gemm", me * rows, (me + 1) * rows, "data", me * rows * n, "nk", "auto")]
+        want += [("gemm", me * rows, (me + 1) * rows, "data", me * rows * n, "nk", "cublas")]
         want += [("wait", "chunk", call, p, p) for p in op.peers]  # max_chunks = 1
         want += [("launch", op.sum_name, (1,))]
         want += [("write", "s", (p, "free", me), call) for p in range(W) if p != me]
@@ -1252,7 +1253,7 @@ def test_folded_call_queues_parts_and_adds_them_in_the_own_gemm(monkeypatch, row
         op.run(Rows("a"), "b", bias_arg, out, M, "S", "nk", "auto")
         want = []
         for c, (r0, r1) in enumerate(parts):
-            want += [("gemm", p * rows + r0, p * rows + r1, "staging", r0, "nk", "auto"),
+            want += [("gemm", p * rows + r0, p * rows + r1, "staging", r0, "nk", "cublas"),
                      ("record", (p, c)), ("lane wait event", 0, (p, c))]
             if call > 1 and c == 0:
                 want.append(("guard", "free", call - 1, p))
@@ -1267,11 +1268,11 @@ def test_folded_call_queues_parts_and_adds_them_in_the_own_gemm(monkeypatch, row
                           72, "data", (p * rows + r0) * n, bias_arg)]
                 if not lt_ok:
                     want += [("gemm", me * rows + r0, me * rows + r1, "data",
-                              (me * rows + r0) * n, "nk", "auto"),
+                              (me * rows + r0) * n, "nk", "cublas"),
                              ("launch", op.sum_name, (1,))]
                     sums.append((r0, r1 - r0))
         else:
-            want += [("gemm", me * rows, (me + 1) * rows, "data", me * rows * n, "nk", "auto")]
+            want += [("gemm", me * rows, (me + 1) * rows, "data", me * rows * n, "nk", "cublas")]
             want += [("wait", "chunk", call, p, p * op.max_chunks + c) for c in range(len(parts))]
             want += [("launch", op.sum_name, (1,))]
             sums.append((0, rows))

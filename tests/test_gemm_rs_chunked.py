@@ -408,7 +408,7 @@ def _named(ops, me, entry):
     kind = entry[0]
     if kind == "kernel" and isinstance(entry[1], _Gemm):
         g = entry[1]
-        assert (g.a.rank, g.b, g.kw) == (me, "b", {"b_layout": "nk", "impl": "auto"})
+        assert (g.a.rank, g.b, g.kw) == (me, "b", {"b_layout": "nk", "impl": "cublas"})
         return ("gemm", g.start, g.stop, _where(ops, me, g.ptr))
     if kind == "kernel" and isinstance(entry[1], _Fold):
         f = entry[1]

@@ -8,7 +8,8 @@ Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
   chunked_ms       W > 1: the op built route="chunked" (cuBLAS in owner chunks, peer chunks
                    moved by copy engines while the next computes); chunked_to_cublas =
                    chunked_ms / cublas_ms (issue 15's bar: <= 1.03), chunked_speedup_nccl =
-                   nccl_ms / chunked_ms
+                   nccl_ms / chunked_ms; chunked_fold: whether it folds the sum into its own
+                   GEMMs (W = 2, small k: gemm_rs.fold_route)
   gemm_ms          the GEMM alone on the same core and tile configuration ([M, n] written
                    locally): exposed_comm_ms = cuflux_ms - gemm_ms, ratio_to_gemm =
                    cuflux_ms / gemm_ms; at W = 1, where the op itself runs the plain GEMM,
@@ -167,6 +168,8 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     row = {"case": f"{name} {M}x{n}x{K} (k={k}/rank) {layout}",
            "baseline": "cuBLAS + cuflux reduce_scatter (deterministic)",
            "config": det.config if det.impl == "sm90" else "sm80"}
+    if "chunked" in extra:
+        row["chunked_fold"] = extra["chunked"].fold
     def raise_pending():
         for op in list(ops.values()) + list(extra.values()):
             op.synchronize(stream)
@@ -254,7 +257,7 @@ def run(world, args):
     cols = ["case", "config", "cuflux_ms", "gemm_ms", "exposed_comm_ms", "ratio_to_gemm",
             "atomic_ms", "baseline_ms", "speedup", "cublas_ms", "rs_ms", "tflops"]
     cols += ["nccl_ms"] if nccl is not None else []
-    cols += ["chunked_ms", "chunked_to_cublas"] if W > 1 else []
+    cols += ["chunked_ms", "chunked_to_cublas", "chunked_fold"] if W > 1 else []
     cols += ["chunked_speedup_nccl"] if nccl is not None else []
     cols += ["ideal_ms", "fused_to_ideal", "chunked_to_ideal"] if link is not None else []
     cols += ["fused_kernel_ms"] if W == 1 else []
@@ -262,7 +265,7 @@ def run(world, args):
     cols += REGIME_COLS
     cols += ["chunked_user_loop_ms", "chunked_host_us"] if W > 1 else []
     cols += ["nccl_user_loop_ms", "nccl_host_us", "nccl_graph_ms"] if nccl is not None else []
-    print_bench_table(rows, cols, set(cols) - {"case", "config"}, measured)
+    print_bench_table(rows, cols, set(cols) - {"case", "config", "chunked_fold"}, measured)
     if W == 1:
         worst = max(r["ratio_to_gemm"] for r in rows)
         print(f"W = 1 bar (fused kernel <= {BAR} x GEMM-only): worst {worst:.4f} -> "

@@ -187,12 +187,14 @@ SUM_BLOCKS_PER_SM = 8
 # W = 2, the fold: each chunk in FOLD_SPLITS row parts, the own parts computed by cublasLt with
 # the peer's received part as C (out = a b + received (+ bias), one rounding), so no summing
 # kernel is left at the end. Splitting costs: 2 x FOLD_SPLITS GEMMs instead of 2. The summing
-# kernel costs a pass over 3 R x n outputs, against the GEMM's 2 M n k flops: 3 b / (2 W k) of
-# the GEMM's time in units of the GPU's flop-to-byte rate (~206 on an H200: 700 TFLOP/s,
-# 3.4 TB/s), 4.3 % at k = 7168 (W = 2, bf16) where splitting cost 4 %, 1-2 % at k >= 14336
-# where it cost 3-4 % (one H200, GEMMs without communication:
-# scripts/results/probe_rs_schedule-h200-2026-12-02.json). So the fold runs where the sum
-# would cost more than FOLD_ABOVE of the GEMM: k * out itemsize < FOLD_BELOW_K_BYTES.
+# kernel costs a pass over 3 R x n outputs against the GEMM's 2 M n k flops: 3 b / (2 W k) of
+# the GEMM's time times the GPU's flop-to-byte rate (~206 on an H200: 700 TFLOP/s, 3.4 TB/s),
+# i.e. 4.3 % at k = 7168 (W = 2, bf16), 2.2 % at 14336, 1.3 % at 24576. Measured on one H200
+# without the communication (scripts/results/probe_rs_schedule-h200-2026-12-02b.json, the SM
+# work of one rank's call against cupy.matmul of the whole GEMM): summing 1.033x / 0.975x /
+# 1.001x, folding 1.016x / 1.028x / 1.044x at k = 7168 / 14336 / 24576 (8192x4096, 8192x8192,
+# 4096x12288 outputs). So the fold runs where the sum would cost more than ~3 % of the GEMM:
+# k * out itemsize < FOLD_BELOW_K_BYTES.
 FOLD_SPLITS = 2
 FOLD_BELOW_K_BYTES = 2 * 10240  # k < 10240 for bf16 / fp16 partials, k < 5120 for fp32
 
@@ -219,7 +221,8 @@ class ChunkedRs(CopyGather):
 
     AllGather's push protocol (allgather.py, module docstring) with a different source for each
     peer: rank p's data region holds, at q * R rows, rank q's partial of p's rows. Call e, each
-    chunk in `splits` row parts (fold_bounds; 1 unless folding), part c with chunk flag c:
+    chunk in `splits` row parts (fold_bounds; 1 unless folding), part c with chunk flag c, every
+    GEMM cuflux.gemm(impl="cublas") unless the op's impl forces one of our cores:
       S: for each peer p in the copy order, for each part: cuflux.gemm(a's rows of it) ->
          staging (this op's private memory); lane(p) follows it (event), guard free[p] >= e-1
          before p's first part (p has summed call e-1, so its rows of us may be overwritten;
@@ -293,6 +296,7 @@ class ChunkedRs(CopyGather):
         e = self._next_epoch(s if self._last_stream is None else self._last_stream)
         self._last_stream = s  # abort() and close() look at it
         rb = self.row_bytes
+        impl = "cublas" if impl == "auto" else impl  # the route hides the links behind cuBLAS
         for j, p in enumerate(self.peers):
             lane = self.lane_of[p]
             for c, (r0, r1) in enumerate(parts):
@@ -357,7 +361,7 @@ class GemmReduceScatter(CommOp):
       route: at W > 1, "auto" (default: unfused below UNFUSED_BELOW_M rows, fused from
         there), "fused" (always the fused kernel), "unfused" (always cuflux.gemm into a
         partial, then reduce_scatter) or "chunked" (cuflux.gemm, i.e. cuBLAS unless impl
-        forces our core, in owner chunks, each peer's sent by copy engines while the next
+        forces one of our cores, in owner chunks, each peer's sent by copy engines while the next
         computes: ChunkedRs; reduce="deterministic" only, not capturable; beside the fused
         route's buffer of 2 max_m rows, which reduce_scatter() keeps using, it holds a data
         region of max_m rows and a staging of (W-1) max_m / W rows). At W = 2 with a small k
