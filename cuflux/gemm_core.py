@@ -459,12 +459,13 @@ def _cublas() -> _Cublas:
 
 
 # cublasLt's algorithm for a shape: its heuristic's first pick is often not its fastest (H200,
-# bf16, scripts/results/probe_rs_schedule-h200-2026-12-02a.json and ...b.json: among its
-# first 8 candidates one ran in 0.94-0.96x the first one's time at 8192x8192x14336,
-# 4096x12288x24576 and 4096x4096x7168, sustained; GemmReduceScatter's chunks are such shapes). So a plan keeps the first ALGO_CANDIDATES and,
-# at the shape's first call, where the GEMM is at least ALGO_TUNE_MIN_FLOP and tuning is on
-# (knobs.gemm_algo_tune), times them on the call's own operands and keeps the fastest, remembered
-# per exact shape in <cache dir>/cublaslt_algos.json (gemm_tuner.recall_algo).
+# bf16, scripts/results/probes/probe_rs_schedule-h200-2026-12-02a.json and ...b.json: among
+# its first 8 candidates one ran in 0.94-0.96x the first one's time at 8192x8192x14336,
+# 4096x12288x24576 and 4096x4096x7168, sustained; GemmReduceScatter's chunks are such shapes).
+# So a plan keeps the first ALGO_CANDIDATES and, at the shape's first call, where the GEMM is at
+# least ALGO_TUNE_MIN_FLOP and tuning is on (knobs.gemm_algo_tune), times them on the call's
+# own operands and keeps the fastest, remembered per exact shape in
+# <cache dir>/cublaslt_algos.json (gemm_tuner.recall_algo).
 ALGO_CANDIDATES = 8
 # ~100 us on an H200. Below it a call's timing is as much the host's launch as the GPU's (a
 # tuned 128 x 8192 x 8192 read 0.90x cupy.matmul GPU-queued in scripts/results/

@@ -12,6 +12,8 @@ Schedules (R = M / W rows per owner, rows of `a` split the way the route splits 
                 lands), then S GEMMs of the own rows with the received rows as cublasLt's C
                 (out = a b + received, one rounding): no summing kernel
   PYTHONPATH=. python scripts/probe_rs_schedule.py [--json PATH]
+Its JSON goes under scripts/results/probes/ (not an op benchmark: the charts of
+scripts/results/*.json leave it out).
 """
 import argparse
 import json
