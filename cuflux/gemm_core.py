@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import math
 import threading
 
 import numpy as np
@@ -705,32 +706,51 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
                                  [times.get(i) for i in range(len(plan.algos))])
 
 
+TUNE_BLOCK_MS = 10.0  # GPU time of one timed block of one candidate (_time_candidates)
+
+
 def _time_candidates(run, count: int, stream, budget_s: float) -> dict[int, float]:
-    """{candidate: ms}, each candidate's best of 3 back-to-back calls over 2 rounds (the second
-    in reverse order: the clock climbs through the first), within budget_s. run(i) enqueues
-    one call of candidate i on `stream` and returns its status (nonzero: dropped)."""
+    """{candidate: ms per call} within budget_s. run(i) enqueues one call of candidate i on
+    `stream` and returns its status (nonzero: the candidate is dropped). First, in order, each
+    candidate's warm-up call and an estimate from 2 calls; then two rounds (reverse order, then
+    forward) of one block each of ~TUNE_BLOCK_MS of calls (2 to 64) between two events. A
+    candidate's time is the mean of its blocks: the clock a loop of calls runs at, not the boost
+    of a first burst, under which the candidates rank differently (their sustained times:
+    scripts/results/probes/probe_rs_schedule-h200-2026-12-02a.json, cublaslt_algos). Candidates
+    whose blocks the budget cut short are judged by their estimates only if no candidate
+    completed its blocks."""
     import time
 
     import cupy
 
     t_end = time.monotonic() + budget_s
-    times: dict[int, float] = {}
-    order = list(range(count))
+    ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
+
+    def block(i: int, calls: int) -> float:
+        ev0.record(stream)
+        for _ in range(calls):
+            run(i)
+        ev1.record(stream)
+        ev1.synchronize()
+        return cupy.cuda.get_elapsed_time(ev0, ev1) / calls
+
+    estimate: dict[int, float] = {}
+    for i in range(count):
+        if time.monotonic() > t_end:
+            break
+        if run(i):  # warm-up; a candidate that refuses is dropped
+            continue
+        estimate[i] = block(i, 2)
+    blocks: dict[int, list[float]] = {i: [] for i in estimate}
+    order = list(estimate)
     for rnd in range(2):
-        for i in (order if rnd == 0 else order[::-1]):
-            if time.monotonic() > t_end or (rnd and i not in times):
-                continue
-            if rnd == 0 and run(i):  # warm-up; a candidate that refuses is dropped
-                continue
-            ev = [cupy.cuda.Event() for _ in range(4)]
-            ev[0].record(stream)
-            for j in range(1, 4):
-                run(i)
-                ev[j].record(stream)
-            ev[3].synchronize()
-            best = min(cupy.cuda.get_elapsed_time(ev[j - 1], ev[j]) for j in range(1, 4))
-            times[i] = min(times.get(i, best), best)
-    return times
+        for i in (order[::-1] if rnd == 0 else order):
+            if time.monotonic() > t_end:
+                break
+            calls = min(64, max(2, math.ceil(TUNE_BLOCK_MS / max(estimate[i], 1e-3))))
+            blocks[i].append(block(i, calls))
+    done = {i: sum(b) / len(b) for i, b in blocks.items() if len(b) == 2}
+    return done or estimate
 
 
 def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,

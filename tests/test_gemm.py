@@ -9,6 +9,7 @@ rank bodies beside them (@on_ranks) on W ranks.
 CPU tests: both cores compile for their targets and emit the instructions they are built on; the
 tile order formula; the ping-pong consumers' protocol; argument checks that need no GPU.
 """
+import math
 import os
 import pathlib
 import re
@@ -1175,6 +1176,62 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     assert not lt.plans[(0, "bfloat16", "bfloat16", "nk", M, N, 4 * K, 256, False)].tuned
     assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, 4 * K, "nk", stream)
     assert timed == [3, 3] and words(lt.lib.log)[-1] == 78
+
+
+def test_time_candidates_judges_sustained_blocks(monkeypatch):
+    """_time_candidates on a simulated GPU clock (each call of candidate i takes cost[i] ms, the
+    first two calls of every candidate run at a boost that favours candidate 0): each
+    candidate's warm-up and 2-call estimate in order, then blocks of ~TUNE_BLOCK_MS (2 to 64
+    calls) in reverse then forward order; the times are the blocks' means, so the sustained
+    fastest (candidate 2) wins where the estimate would have picked candidate 0; a refusing
+    candidate is dropped; with no budget left after the estimates, the estimates decide."""
+    import cupy
+
+    clock = {"t": 0.0, "calls": {}}
+    cost = {0: 1.0, 1: 0.9, 2: 0.8, 3: 5.0}
+    calls = []
+
+    def run(i):
+        if i == 3:
+            return 7  # refuses
+        n = clock["calls"][i] = clock["calls"].get(i, 0) + 1
+        boost = 0.5 if (i == 0 and n <= 3) else 1.0
+        clock["t"] += cost[i] * boost
+        calls.append(i)
+        return 0
+
+    class Ev:
+        def record(self, stream):
+            assert stream == "S"
+            self.t = clock["t"]
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(cupy.cuda, "Event", Ev)
+    monkeypatch.setattr(cupy.cuda, "get_elapsed_time", lambda a, b: b.t - a.t)
+    times = gemm_core._time_candidates(run, 4, "S", 60.0)
+    assert set(times) == {0, 1, 2} and min(times, key=times.get) == 2
+    assert times[2] == pytest.approx(0.8) and times[1] == pytest.approx(0.9)
+    assert calls[:9] == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # warm-up + 2 each, in order
+    blocks = calls[9:]  # reverse order, then forward: candidate 2 first and last
+    assert blocks[0] == 2 and blocks[-1] == 2 and set(blocks) == {0, 1, 2}
+    assert blocks.count(2) == 2 * math.ceil(gemm_core.TUNE_BLOCK_MS / 0.8)
+
+    clock.update(t=0.0, calls={})
+    calls.clear()
+    import time
+
+    real, asked = time.monotonic, [0]
+
+    def monotonic():  # the deadline, then 3 checks before the estimates; then it has passed
+        asked[0] += 1
+        return real() + (0 if asked[0] <= 4 else 1e6)
+
+    monkeypatch.setattr(time, "monotonic", monotonic)
+    times = gemm_core._time_candidates(run, 3, "S", 5.0)
+    assert min(times, key=times.get) == 0  # boosted estimates only: candidate 0 looks fastest
+    assert calls == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
 
 def test_cublaslt_addend_and_bias_epilogue(monkeypatch):
