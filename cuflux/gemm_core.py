@@ -16,7 +16,6 @@ on first use; nothing is imported inside the per-call functions after their firs
 from __future__ import annotations
 
 import collections
-import contextlib
 import dataclasses
 import math
 import threading
@@ -31,7 +30,8 @@ __all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "
            "IN_DTYPES", "B_LAYOUTS", "check_b_layout", "OUT_KIND", "CUDA_TYPE", "FAMILY",
            "sm80_kernel", "check_aligned", "check_bias", "device_props", "tensor_map", "prepare",
            "max_ctas", "cluster_resident_ctas", "launch_sm90", "launch_sm80", "launch_cublas",
-           "launch_cublaslt", "LtPlan", "ALGO_CANDIDATES", "ALGO_TUNE_MIN_FLOP", "cupy_module",
+           "launch_cublaslt", "prepare_cublaslt", "LtPlan", "ALGO_CANDIDATES",
+           "ALGO_TUNE_MIN_FLOP", "cupy_module",
            "grouped_tile", "WORKSPACE_BYTES"]
 
 _OP = "cuflux.gemm"
@@ -620,27 +620,55 @@ def _cublaslt() -> _CublasLt:
     return _once(_CUBLASLT, _CublasLt)
 
 
-def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
-                    under_capture: bool = False, addend=None) -> bool:
-    """launch_cublas's call by cublasLtMatmul on the shape's cached plan; False (nothing
-    enqueued) where cublasLt has no algorithm for the shape, or under capture on a stream
-    without a cuBLAS workspace yet.
-
-    addend: [M, N] in out's dtype (checked by the caller, 16-byte aligned, not out) or None:
-    out = a @ b + addend (+ bias), summed in fp32 and rounded once (cublasLt's C, beta = 1;
-    the bias then comes from the epilogue, C being taken)."""
+def _lt_ready(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, under_capture, addend,
+              tune):
+    """(cublasLt, the shape's plan, the stream's workspace), the plan tuned first where it is
+    new and `tune` (not under capture); None where cublasLt has no algorithm for the shape, or
+    under capture on a stream without a cuBLAS workspace yet. Refuses an addend overlapping out
+    (the tuning's calls would add onto their own results)."""
+    if addend is not None:
+        out_end = out.data.ptr + M * N * odt.itemsize
+        add_end = addend.data.ptr + M * N * odt.itemsize
+        if addend.data.ptr < out_end and out.data.ptr < add_end:
+            raise ValueError(f"{_OP}: the addend overlaps out; give it its own memory")
     ptrs = a.data.ptr | b.data.ptr | out.data.ptr | (0 if addend is None else addend.data.ptr)
     align = 256 if ptrs % 256 == 0 else 16
     lt = _cublaslt()
     epilogue = addend is not None and bias is not None
     plan = lt.plan(a.data.device_id, dt, odt, M, N, K, b_layout, align, epilogue)
     if plan is None:
-        return False
+        return None
     ws = _cublas().workspace(a.data.device_id, stream.ptr, under_capture)
     if ws is None:
-        return False
-    if not plan.tuned and not under_capture:
+        return None
+    if tune and not plan.tuned and not under_capture:
         _tune_algo(lt, plan, a, b, bias if epilogue else None, out, addend, ws, stream, M, N, K)
+    return lt, plan, ws
+
+
+def prepare_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, addend=None) -> bool:
+    """What launch_cublaslt does before its call: the shape's plan made and its algorithm
+    tuned (the timing's calls write out), nothing else enqueued; False where there is no
+    plan. For a caller that must not time later, e.g. behind a wait for a peer (ChunkedRs)."""
+    return _lt_ready(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, False, addend,
+                     True) is not None
+
+
+def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
+                    under_capture: bool = False, addend=None, tune: bool = True) -> bool:
+    """launch_cublas's call by cublasLtMatmul on the shape's cached plan; False (nothing
+    enqueued) where cublasLt has no algorithm for the shape, or under capture on a stream
+    without a cuBLAS workspace yet. A new plan's algorithm is tuned first (tune=False: the
+    heuristic's first until a call that tunes, or prepare_cublaslt).
+
+    addend: [M, N] in out's dtype (checked by the caller, 16-byte aligned; overlapping out is
+    refused) or None: out = a @ b + addend (+ bias), summed in fp32 and rounded once
+    (cublasLt's C, beta = 1; the bias then comes from the epilogue, C being taken)."""
+    ready = _lt_ready(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, under_capture,
+                      addend, tune)
+    if ready is None:
+        return False
+    lt, plan, ws = ready
     c = addend
     if bias is not None and addend is None:
         with stream:
@@ -650,8 +678,8 @@ def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
             _ZERO_PTR if c is None else _ONE_PTR, out.data.ptr if c is None else c.data.ptr,
             plan.c_lay, out.data.ptr, plan.c_lay, lt.ctypes.byref(plan.algo), ws.data.ptr,
             WORKSPACE_BYTES, stream.ptr)
-    if epilogue:  # the descriptor is shared by every call of the shape: set and use it at once
-        with lt.lock:
+    if addend is not None and bias is not None:  # the descriptor is shared by every call of
+        with lt.lock:                            # the shape: set and use it at once
             _set_bias(lt, plan, bias)
             err = lt.lib.cublasLtMatmul(*args)
     else:
@@ -669,10 +697,11 @@ def _set_bias(lt, plan: LtPlan, bias) -> None:
 def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -> None:
     """Pick plan.algo among plan.algos (ALGO_CANDIDATES' comment): the table's choice for the
     shape, else (tuning on, the GEMM big enough) the fastest by timing each on this call's
-    operands, on its stream, before the call itself: the best of 3 calls, 2 rounds in opposite
-    orders, within knobs.gemm_tune_budget_s. The timing calls write `out` (beta 0, or + addend,
-    never + out: the call that follows overwrites it) and wait for the stream's earlier work.
-    bias: the epilogue's (plans with a bias epilogue), else None."""
+    operands, on its stream, before the call itself (_time_candidates), once the stream has run
+    its earlier work. The timing calls write `out` (beta 0, or + addend, never + out: the call
+    that follows overwrites it). Only a complete timing (every candidate's blocks within the
+    budget) goes to the table; a cut-short one is used by this process alone. bias: the
+    epilogue's (plans with a bias epilogue), else None."""
     plan.tuned = True  # decided now, whatever happens below (one attempt per plan)
     if len(plan.algos) < 2 or 2 * M * N * K < ALGO_TUNE_MIN_FLOP or not knobs.gemm_algo_tune():
         return
@@ -690,35 +719,41 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
     beta = _ZERO_PTR if addend is None else _ONE_PTR
 
     def run(i: int) -> int:
-        return lt.lib.cublasLtMatmul(plan.h, plan.desc, _ONE_PTR, b.data.ptr, plan.a_lay,
-                                     a.data.ptr, plan.b_lay, beta, c_ptr, plan.c_lay,
-                                     out.data.ptr, plan.c_lay, lt.ctypes.byref(plan.algos[i]),
-                                     ws.data.ptr, WORKSPACE_BYTES, stream.ptr)
-
-    with lt.lock if bias is not None else _NO_LOCK:
-        if bias is not None:
+        args = (plan.h, plan.desc, _ONE_PTR, b.data.ptr, plan.a_lay, a.data.ptr, plan.b_lay,
+                beta, c_ptr, plan.c_lay, out.data.ptr, plan.c_lay,
+                lt.ctypes.byref(plan.algos[i]), ws.data.ptr, WORKSPACE_BYTES, stream.ptr)
+        if bias is None:
+            return lt.lib.cublasLtMatmul(*args)
+        with lt.lock:  # the shared descriptor's bias pointer: set and use it at once
             _set_bias(lt, plan, bias)
-        times = _time_candidates(run, len(plan.algos), stream, knobs.gemm_tune_budget_s())
+            return lt.lib.cublasLtMatmul(*args)
+
+    stream.synchronize()  # the budget is for the timing, not for work queued before it
+    times, complete = _time_candidates(run, len(plan.algos), stream,
+                                       knobs.gemm_tune_budget_s())
     if times:
         fastest = min(times, key=times.get)
         plan.algo = plan.algos[fastest]
-        gemm_tuner.remember_algo(table_key, fastest,
-                                 [times.get(i) for i in range(len(plan.algos))])
+        if complete:
+            gemm_tuner.remember_algo(table_key, fastest,
+                                     [times.get(i) for i in range(len(plan.algos))])
 
 
 TUNE_BLOCK_MS = 10.0  # GPU time of one timed block of one candidate (_time_candidates)
 
 
-def _time_candidates(run, count: int, stream, budget_s: float) -> dict[int, float]:
-    """{candidate: ms per call} within budget_s. run(i) enqueues one call of candidate i on
-    `stream` and returns its status (nonzero: the candidate is dropped). First, in order, each
-    candidate's warm-up call and an estimate from 2 calls; then two rounds (reverse order, then
-    forward) of one block each of ~TUNE_BLOCK_MS of calls (2 to 64) between two events. A
-    candidate's time is the mean of its blocks: the clock a loop of calls runs at, not the boost
-    of a first burst, under which the candidates rank differently (their sustained times:
-    scripts/results/probes/probe_rs_schedule-h200-2026-12-02a.json, cublaslt_algos). Candidates
-    whose blocks the budget cut short are judged by their estimates only if no candidate
-    completed its blocks."""
+def _time_candidates(run, count: int, stream,
+                     budget_s: float) -> tuple[dict[int, float], bool]:
+    """({candidate: ms per call}, complete) within budget_s. run(i) enqueues one call of
+    candidate i on `stream` and returns its status (nonzero: the candidate is dropped). First,
+    in order, each candidate's warm-up call and an estimate from 2 calls; then two rounds
+    (reverse order, then forward) of one block each of ~TUNE_BLOCK_MS of calls (2 to 64)
+    between two events. A candidate's time is the mean of its blocks: the clock a loop of calls
+    runs at, not the boost of a first burst, under which the candidates rank differently
+    (their sustained times: scripts/results/probes/probe_rs_schedule-h200-2026-12-02a.json,
+    cublaslt_algos). Candidates whose blocks the budget cut short are judged by their
+    estimates only if no candidate completed its blocks; complete: every candidate that did
+    not refuse has both blocks."""
     import time
 
     import cupy
@@ -735,10 +770,12 @@ def _time_candidates(run, count: int, stream, budget_s: float) -> dict[int, floa
         return cupy.cuda.get_elapsed_time(ev0, ev1) / calls
 
     estimate: dict[int, float] = {}
+    refused = 0
     for i in range(count):
         if time.monotonic() > t_end:
             break
         if run(i):  # warm-up; a candidate that refuses is dropped
+            refused += 1
             continue
         estimate[i] = block(i, 2)
     blocks: dict[int, list[float]] = {i: [] for i in estimate}
@@ -750,7 +787,8 @@ def _time_candidates(run, count: int, stream, budget_s: float) -> dict[int, floa
             calls = min(64, max(2, math.ceil(TUNE_BLOCK_MS / max(estimate[i], 1e-3))))
             blocks[i].append(block(i, calls))
     done = {i: sum(b) / len(b) for i, b in blocks.items() if len(b) == 2}
-    return done or estimate
+    complete = bool(done) and len(done) == len(estimate) and len(estimate) + refused == count
+    return (done or estimate), complete
 
 
 def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
@@ -792,4 +830,3 @@ def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
 
 
 _ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data
-_NO_LOCK = contextlib.nullcontext()

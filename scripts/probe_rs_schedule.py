@@ -202,8 +202,11 @@ def shape_row(M, N, K, s, args, core, kernels, gemm_rs, gemm, bf, dtype_info, su
            "cublaslt_algos": algos}
     print(f"  bias epilogue plans: {row['bias_epilogue_plans']}")
     for shape, al in algos.items():
+        t = al["tuned"]
         print(f"  cublasLt algos {shape}: heuristic #0 {al['ms'][0]:.3f} ms, best #{al['best']} "
-              f"{min(al['ms']):.3f} ms ({min(al['ms']) / al['ms'][0]:.3f}x), of {len(al['ms'])}")
+              f"{min(al['ms']):.3f} ms ({min(al['ms']) / al['ms'][0]:.3f}x), of {len(al['ms'])}; "
+              f"tuner's pick #{t}" + (f" {al['ms'][t] / al['ms'][0]:.3f}x" if t is not None
+                                       else "") + ("" if al["tuned_done"] else " (untuned)"))
     print(f"{M}x{N}x{K}: " + ", ".join(f"{k} {v:.3f} ms ({v / med['cublas']:.3f}x)"
                                        for k, v in med.items())
           + f"; fold max rel err {err:.2e}, with bias (fp32 out) {err_bias}", flush=True)
@@ -253,25 +256,27 @@ def bias_plans(core, bf, dtype_info, M, N, K):
 
 
 def algo_sweep(core, bf, a, b, out, M, N, K, s, args):
-    """Every algorithm cublasLt offers (up to 16) for the shape, timed interleaved."""
+    """The candidates of cuflux.gemm's own cublasLt plan for the shape (the heuristic's first
+    ALGO_CANDIDATES, 256-byte alignment), each timed sustained (interleaved rounds of blocks,
+    median), beside the one the tuner picked (the plan's algo)."""
     import cupy
 
-    h, desc, a_lay, b_lay, c_lay, algos, _ = _heuristics(core, bf, bf, M, N, K, 16)
     lt = core._cublaslt()
+    plan = lt.plan(0, bf, bf, M, N, K, "nk")
     ws = core._cublas().workspace(0, s.ptr, False)
 
     def run(algo):
         lt._check("matmul", lt.lib.cublasLtMatmul(
-            h, desc, core._ONE_PTR, b.data.ptr, a_lay, a.data.ptr, b_lay, core._ZERO_PTR,
-            out.data.ptr, c_lay, out.data.ptr, c_lay, lt.ctypes.byref(algo), ws.data.ptr,
-            core.WORKSPACE_BYTES, s.ptr))
+            plan.h, plan.desc, core._ONE_PTR, b.data.ptr, plan.a_lay, a.data.ptr, plan.b_lay,
+            core._ZERO_PTR, out.data.ptr, plan.c_lay, out.data.ptr, plan.c_lay,
+            lt.ctypes.byref(algo), ws.data.ptr, core.WORKSPACE_BYTES, s.ptr))
 
-    for al in algos:
+    for al in plan.algos:
         run(al)
     ev0, ev1 = cupy.cuda.Event(), cupy.cuda.Event()
-    times = [[] for _ in algos]
+    times = [[] for _ in plan.algos]
     for _ in range(max(3, args.rounds // 2)):
-        for i, al in enumerate(algos):
+        for i, al in enumerate(plan.algos):
             ev0.record(s)
             for _ in range(args.reps):
                 run(al)
@@ -279,7 +284,9 @@ def algo_sweep(core, bf, a, b, out, M, N, K, s, args):
             ev1.synchronize()
             times[i].append(cupy.cuda.get_elapsed_time(ev0, ev1) / args.reps)
     ms = [statistics.median(t) for t in times]
-    return {"ms": ms, "best": min(range(len(ms)), key=ms.__getitem__)}
+    picked = next((i for i, al in enumerate(plan.algos) if al is plan.algo), None)
+    return {"ms": ms, "best": min(range(len(ms)), key=ms.__getitem__), "tuned": picked,
+            "tuned_done": plan.tuned}
 
 
 def write(rows, args, dev):

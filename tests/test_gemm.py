@@ -213,46 +213,62 @@ def test_cublaslt_route_captures_and_replays(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_cublaslt_tunes_its_algorithm_and_stays_exact(monkeypatch, tmp_path):
-    """A shape past ALGO_TUNE_MIN_FLOP on the cublasLt route with tuning on and an empty
-    algorithm table: the first call times the candidates (the table gets the shape's entry,
-    every candidate timed or dropped), the result matches float64 (the timing calls wrote out
-    before the call did; with a bias too), and the next calls take the same algorithm: the
-    same bits."""
+@pytest.mark.parametrize("case", ["plain", "bias", "addend", "addend_bias"])
+def test_cublaslt_tunes_its_algorithm_and_stays_exact(monkeypatch, tmp_path, case):
+    """A shape past ALGO_TUNE_MIN_FLOP on the cublasLt route, tuning on, fresh plans and an
+    empty algorithm table (a generous budget): the first call times every candidate (the table
+    gets the shape's entry, every candidate's time, under the epilogue's key with an addend and
+    a bias), the plan keeps the table's pick, the poisoned output matches float64 (the timing's
+    calls wrote out before the call did: plain, bias broadcast into out, addend as C, addend
+    and bias by the epilogue), and a second call takes the same algorithm: the same bits."""
     import json
 
     import cupy
+
+    from cuflux.arrays import dtype_info
 
     if not gpu_available():
         pytest.skip("needs a GPU")
     monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1")
     monkeypatch.setenv("CUFLUX_GEMM_ALGO_TUNE", "1")
+    monkeypatch.setenv("CUFLUX_GEMM_TUNE_BUDGET_S", "60")
     monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
     monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
     monkeypatch.setattr(gemm_core, "_CUBLASLT", [])  # plans made afresh: this test tunes them
     seed = fresh_seed()
     M, N, K = 2000, 4104, 4240  # odd: not a multiple of any tile
     assert 2 * M * N * K >= gemm_core.ALGO_TUNE_MIN_FLOP
+    bf, odt = dtype_info("bfloat16"), dtype_info("bfloat16" if "addend" in case else "float32")
     a, b = _rand((M, K), "bfloat16", seed), _rand((N, K), "bfloat16", seed + 1)
-    bias = _rand((N,), "bfloat16", seed + 2, scale=4.0)
-    want = f64(a) @ f64(b).T
-    for with_bias in (False, True):
-        outs = []
-        for _ in range(2):
-            out = cupy.full((M, N), np.nan, dtype=np.float32)
-            G.gemm(a, b, bias=bias if with_bias else None, out=out, b_layout="nk",
-                   impl="cublas")
-            outs.append(out)
-        cupy.cuda.Device().synchronize()
-        check_close(outs[0], want + (f64(bias) if with_bias else 0), "float32",
-                    f"tuned, bias={with_bias}")
-        assert bool(cupy.array_equal(outs[0], outs[1])), "the tuned algorithm changed"
+    bias = _rand((N,), "bfloat16", seed + 2, scale=4.0) if "bias" in case else None
+    add = _rand((M, N), odt.name, seed + 3, scale=8.0) if "addend" in case else None
+    s = cupy.cuda.Stream(non_blocking=True)
+    outs = []
+    for _ in range(2):
+        out = cupy.full((M, N), np.nan, dtype=np.float32).astype(odt.storage)
+        if add is None:
+            G.gemm(a, b, bias=bias, out=out, b_layout="nk", impl="cublas", stream=s)
+        else:
+            assert gemm_core.launch_cublaslt(a, b, bias, out, bf, odt, M, N, K, "nk", s,
+                                             addend=add)
+        outs.append(out)
+    s.synchronize()
+    ac, bc = cupy.asarray(a).astype(cupy.float64), cupy.asarray(b).astype(cupy.float64)
+    want = ac @ bc.T  # float64 on the GPU: the CPU would take seconds here
+    if bias is not None:
+        want += cupy.asarray(bias).astype(cupy.float64)[None, :]
+    if add is not None:
+        want += cupy.asarray(add).astype(cupy.float64)
+    check_close(outs[0], cupy.asnumpy(want), odt.name, f"tuned, {case}")
+    assert bool(cupy.array_equal(outs[0], outs[1])), "the tuned algorithm changed"
     table = json.loads((tmp_path / "algos.json").read_text())
     (key,) = [k for k in table if f"|{M}x{N}x{K}|" in k]
+    assert f"|bfloat16|{odt.name}|nk|" in key
+    assert key.endswith("|bias") == (case == "addend_bias")
     entry = table[key]
-    assert "|bfloat16|float32|nk|" in key and key.endswith("|-")
-    assert 0 <= entry["algo"] < len(entry["ms"]) and entry["ms"][entry["algo"]] == min(
-        t for t in entry["ms"] if t is not None)
+    assert len(entry["ms"]) >= 2 and all(t is not None and t > 0 for t in entry["ms"])
+    (plan,) = [p for k, p in gemm_core._cublaslt().plans.items() if k[4:7] == (M, N, K)]
+    assert plan.tuned and plan.algo is plan.algos[entry["algo"]]
 
 
 @pytest.mark.gpu
@@ -1120,7 +1136,9 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     does; the choice is kept in the algorithm table (its own file) under GPU, cublasLt version,
     dtypes, layout, exact shape, alignment and epilogue, and a fresh plan (another process)
     takes it from there without timing (CUFLUX_GEMM_TUNE=0 does not stop it). A small shape,
-    CUFLUX_GEMM_ALGO_TUNE=0 and a call under capture time nothing (the capture's plan is tuned at its next call outside)."""
+    CUFLUX_GEMM_ALGO_TUNE=0 and a call under capture time nothing (the capture's plan is tuned
+    at its next call outside); a timing the budget cut short is used but not kept;
+    prepare_cublaslt tunes without a call of its own; tune=False leaves a new plan untuned."""
     import json
 
     from cuflux.arrays import dtype_info
@@ -1133,14 +1151,18 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     monkeypatch.setenv("CUFLUX_GEMM_TUNE", "0")  # the Hopper tuner's switch is not this one
     timed = []
 
+    complete = [True]
+
     def fake_timing(run, count, stream, budget_s):
-        assert stream.ptr == 0x20 and budget_s > 0
+        assert stream.ptr == 0x20 and budget_s > 0 and stream.synced  # earlier work run first
         timed.append(count)
         assert [run(i) for i in range(count)] == [0] * count
-        return {0: 3.0, 1: 1.0, 2: 2.0}
+        return {0: 3.0, 1: 1.0, 2: 2.0}, complete[0]
 
     monkeypatch.setattr(gemm_core, "_time_candidates", fake_timing)
     arr, stream = _lt_operands(monkeypatch)
+    stream.synced = False
+    stream.synchronize = lambda: setattr(stream, "synced", True)
     a, b, out = arr(0x10000), arr(0x20000), arr(0x30000)
     bf = dtype_info("bfloat16")
     M, N, K = 4096, 4096, 4096
@@ -1176,6 +1198,16 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     assert not lt.plans[(0, "bfloat16", "bfloat16", "nk", M, N, 4 * K, 256, False)].tuned
     assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, 4 * K, "nk", stream)
     assert timed == [3, 3] and words(lt.lib.log)[-1] == 78
+    complete[0] = False  # the budget cut the timing short: used here, not kept in the table
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, 8 * K, "nk", stream)
+    assert timed == [3, 3, 3] and words(lt.lib.log)[-1] == 78
+    assert not any(f"|{M}x{N}x{8 * K}|" in k
+                   for k in json.loads((tmp_path / "algos.json").read_text()))
+    assert gemm_core.prepare_cublaslt(a, b, None, out, bf, bf, M, 2 * N, K, "nk", stream)
+    assert timed == [3, 3, 3, 3] and words(lt.lib.log)[-1] == 79  # timed, no call of its own
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, 4 * N, K, "nk", stream,
+                                     tune=False)
+    assert timed == [3, 3, 3, 3] and words(lt.lib.log)[-1] == 77  # tune=False: untuned
 
 
 def test_time_candidates_judges_sustained_blocks(monkeypatch):
@@ -1210,8 +1242,8 @@ def test_time_candidates_judges_sustained_blocks(monkeypatch):
 
     monkeypatch.setattr(cupy.cuda, "Event", Ev)
     monkeypatch.setattr(cupy.cuda, "get_elapsed_time", lambda a, b: b.t - a.t)
-    times = gemm_core._time_candidates(run, 4, "S", 60.0)
-    assert set(times) == {0, 1, 2} and min(times, key=times.get) == 2
+    times, complete = gemm_core._time_candidates(run, 4, "S", 60.0)
+    assert complete and set(times) == {0, 1, 2} and min(times, key=times.get) == 2
     assert times[2] == pytest.approx(0.8) and times[1] == pytest.approx(0.9)
     assert calls[:9] == [0, 0, 0, 1, 1, 1, 2, 2, 2]  # warm-up + 2 each, in order
     blocks = calls[9:]  # reverse order, then forward: candidate 2 first and last
@@ -1229,7 +1261,8 @@ def test_time_candidates_judges_sustained_blocks(monkeypatch):
         return real() + (0 if asked[0] <= 4 else 1e6)
 
     monkeypatch.setattr(time, "monotonic", monotonic)
-    times = gemm_core._time_candidates(run, 3, "S", 5.0)
+    times, complete = gemm_core._time_candidates(run, 3, "S", 5.0)
+    assert not complete  # cut short: not for the table
     assert min(times, key=times.get) == 0  # boosted estimates only: candidate 0 looks fastest
     assert calls == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
@@ -1238,7 +1271,8 @@ def test_cublaslt_addend_and_bias_epilogue(monkeypatch):
     """addend: cublasLt's C is the addend (beta 1) and D is out, on the shape's plain plan;
     with a bias too, a plan of its own whose descriptor has the bias epilogue (EPILOGUE_BIAS,
     the bias in the input dtype, which is what cublasLt takes for a bf16 output) and the
-    bias's pointer set on it right before each call."""
+    bias's pointer set on it right before each call. An addend overlapping out is refused (the
+    tuning's calls would add onto their own results)."""
     from cuflux.arrays import dtype_info
 
     lt = _fake_lt(monkeypatch)
@@ -1261,6 +1295,14 @@ def test_cublaslt_addend_and_bias_epilogue(monkeypatch):
     call = lt.lib.log[-1]
     assert call[0] == "cublasLtMatmul" and call[1:3] == (p.h, p.desc)
     assert call[8] == gemm_core._ONE_PTR and call[9] == 0x4000 and call[11] == 0x3000
+    n = len(lt.lib.log)
+    for overlapping in (arr(0x3000), arr(0x3000 + 8 * 64 * 2 - 16), arr(0x3000 - 8 * 64 * 2 + 16)):
+        with pytest.raises(ValueError, match="addend overlaps out"):
+            gemm_core.launch_cublaslt(a, b, None, out, bf, bf, 8, 64, 64, "nk", stream,
+                                      addend=overlapping)
+    assert len(lt.lib.log) == n  # refused before anything
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, 8, 64, 64, "nk", stream,
+                                     addend=arr(0x3000 + 8 * 64 * 2))  # right after out: fine
 
 
 def test_real_libcublaslt_takes_the_plans_descriptors():

@@ -1163,13 +1163,20 @@ def _recording_chunked(monkeypatch, W, me, n, fold=False, lt_ok=True, out_dtype=
     monkeypatch.setattr(R, "gemm", lambda a, b, out, b_layout, impl, stream: log.append(
         ("gemm", a.r0, a.r1, out.name, out.r0, b_layout, impl)))
 
-    def lt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, addend=None):
+    def lt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, addend=None, tune=True):
         log.append(("cublaslt", a.r0, a.r1, out.name, out.r0, M, N, K, addend.name, addend.r0,
                     bias))
         assert (dt.name, odt.name, b_layout, stream) == ("bfloat16", out_dtype, "nk", "S")
+        assert not tune  # tuned by prepare_cublaslt, before any wait
         return lt_ok
 
+    def prepare(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, addend=None):
+        log.append(("prepare", a.r0, a.r1, out.name, out.r0, M, N, K, addend.name, addend.r0,
+                    bias))
+        return True
+
     monkeypatch.setattr(R.core, "launch_cublaslt", lt)
+    monkeypatch.setattr(R.core, "prepare_cublaslt", prepare)
     monkeypatch.setattr(cupy.cuda.runtime, "memcpyAsync", lambda dst, src, nb, kind, sptr:
                         log.append(("copy", dst, src, nb, sptr)))
     monkeypatch.setattr(R.driver, "stream_write_value32", lambda st, addr, v: log.append(
@@ -1252,6 +1259,9 @@ def test_folded_call_queues_parts_and_adds_them_in_the_own_gemm(monkeypatch, row
         launched.clear()
         op.run(Rows("a"), "b", bias_arg, out, M, "S", "nk", "auto")
         want = []
+        if folds:  # the own parts' plans tuned first, on the parts' own pointers
+            want += [("prepare", me * rows + r0, me * rows + r1, "out", r0, r1 - r0, n, 72,
+                      "data", (p * rows + r0) * n, bias_arg) for r0, r1 in parts]
         for c, (r0, r1) in enumerate(parts):
             want += [("gemm", p * rows + r0, p * rows + r1, "staging", r0, "nk", "cublas"),
                      ("record", (p, c)), ("lane wait event", 0, (p, c))]

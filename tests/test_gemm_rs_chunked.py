@@ -290,7 +290,10 @@ def _chunked_ops(monkeypatch, sim, W, kind, max_rows, fold=False):
 
     monkeypatch.setattr(kernels, "launch", launch)
 
-    def launch_cublaslt(a_rows, b, bias, out, dt, odt, M, n, k, b_layout, stream, addend=None):
+    monkeypatch.setattr(R.core, "prepare_cublaslt", lambda *a, **k: True)  # plans: no queue
+
+    def launch_cublaslt(a_rows, b, bias, out, dt, odt, M, n, k, b_layout, stream, addend=None,
+                        tune=True):
         op = ops[ctx.rank]
         rows = ctx.M // op.world.size
         assert (M, n, dt, odt) == (a_rows.stop - a_rows.start, N, DT, DT) and addend is not None

@@ -28,7 +28,8 @@ and one small kernel (rs_sum) sums the W partials in rank order once every chunk
 W = 2 where that sum would cost more than splitting the GEMMs (small k: fold_route), the chunks
 go in two row parts each and the own parts' GEMMs add the received parts as they land (cublasLt's
 C), leaving no summing kernel. Its epochs are counted on the host: not capturable (refused under
-capture).
+capture). Its bits are the same run to run for the cuBLAS algorithms it runs, which come from
+the machine's algorithm table (gemm_core.ALGO_CANDIDATES; CUFLUX_GEMM_ALGO_TUNE=0 pins them).
 
 `GemmReduceScatter.reduce_scatter(partial)` is the same reduce-scatter on an already computed
 partial (e.g. cuBLAS's): the unfused baseline, through the same buffers, flags and order.
@@ -285,6 +286,11 @@ class ChunkedRs(CopyGather):
                         np.int32(n), bias if bias is not None else np.uint64(0), out),
                        s, op=_OP, name=self.sum_name)
 
+    def _received(self, p: int, R: int, r0: int, r1: int):
+        """Rows [r0, r1) of peer p's partial of our R rows, in our data region."""
+        n = self.n
+        return self.data[(p * R + r0) * n:(p * R + r1) * n].reshape(r1 - r0, n)
+
     def run(self, a, b, bias, out, M: int, s, b_layout: str, impl: str) -> None:
         """One call (arguments checked by GemmReduceScatter, M agreed, 1 <= M <= max_m, the
         stream not capturing: refuse_capture)."""
@@ -297,6 +303,13 @@ class ChunkedRs(CopyGather):
         self._last_stream = s  # abort() and close() look at it
         rb = self.row_bytes
         impl = "cublas" if impl == "auto" else impl  # the route hides the links behind cuBLAS
+        folds = self.fold and (bias is None or self.out_dtype.name != "float32")
+        if folds:  # the own parts' plans made and tuned now, while nothing waits for a peer
+            (p,) = self.peers  # (the same pointers as the parts' calls below: the same plans;
+            for r0, r1 in parts:  # a timing reads the received rows before they land: no use)
+                core.prepare_cublaslt(a[me * R + r0:me * R + r1], b, bias, out[r0:r1],
+                                      self.in_dtype, self.out_dtype, r1 - r0, n, a.shape[1],
+                                      b_layout, s, addend=self._received(p, R, r0, r1))
         for j, p in enumerate(self.peers):
             lane = self.lane_of[p]
             for c, (r0, r1) in enumerate(parts):
@@ -312,15 +325,16 @@ class ChunkedRs(CopyGather):
                                     (r1 - r0) * rb, _MEMCPY_DEFAULT, lane.ptr)
                 driver.stream_write_value32(lane, self._chunk_flag(p, me, c), e)
         # An fp32 output with a bias has no cublasLt algorithm (the bias would have to be fp32)
-        if self.fold and (bias is None or self.out_dtype.name != "float32"):
+        if folds:
             (p,) = self.peers
             k = a.shape[1]
             for c, (r0, r1) in enumerate(parts):
                 self._wait(s, "chunk", e, p, index0=p * self.max_chunks + c)
-                got = self.data[(p * R + r0) * n:(p * R + r1) * n].reshape(r1 - r0, n)
+                # tuned before the call's first wait (run's start): never behind a peer
                 if not core.launch_cublaslt(a[me * R + r0:me * R + r1], b, bias, out[r0:r1],
                                             self.in_dtype, self.out_dtype, r1 - r0, n, k,
-                                            b_layout, s, addend=got):
+                                            b_layout, s, addend=self._received(p, R, r0, r1),
+                                            tune=False):
                     mine = self.data[(me * R + r0) * n:(me * R + r1) * n].reshape(r1 - r0, n)
                     gemm(a[me * R + r0:me * R + r1], b, out=mine, b_layout=b_layout,
                          impl=impl, stream=s)
