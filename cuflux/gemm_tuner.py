@@ -75,14 +75,20 @@ def heuristic(M: int, N: int, K: int) -> str:
     return CUBLAS if M < CUBLAS_BELOW_M else core_heuristic(M, N, K)
 
 
+def _read_table(path) -> dict:
+    """A table file's contents, {} where it is missing or unreadable (tuning starts over)."""
+    try:
+        table = json.loads(path.read_text())
+    except Exception:
+        return {}
+    return table if isinstance(table, dict) else {}
+
+
 def load_tuner() -> dict:
     """The tuner table (in memory after the first read)."""
     global _TUNER_TABLE
     if _TUNER_TABLE is None:
-        try:
-            _TUNER_TABLE = json.loads(tuner_path().read_text())
-        except Exception:
-            _TUNER_TABLE = {}
+        _TUNER_TABLE = _read_table(tuner_path())
     return _TUNER_TABLE
 
 
@@ -133,10 +139,7 @@ def _store(table: dict, path, key: str, entry: dict) -> None:
     """table[key] = entry, merged with what other processes wrote to `path` since this one read
     it, the oldest entries dropped past _TUNER_MAX_ENTRIES, written atomically."""
     with _TUNER_LOCK:
-        try:
-            table.update(json.loads(path.read_text()))
-        except Exception:
-            pass
+        table.update(_read_table(path))
         table.pop(key, None)
         table[key] = entry
         while len(table) > _TUNER_MAX_ENTRIES:
@@ -157,10 +160,7 @@ def algo_path():
 def _algo_table() -> dict:
     global _ALGO_TABLE
     if _ALGO_TABLE is None:
-        try:
-            _ALGO_TABLE = json.loads(algo_path().read_text())
-        except Exception:
-            _ALGO_TABLE = {}
+        _ALGO_TABLE = _read_table(algo_path())
     return _ALGO_TABLE
 
 
