@@ -870,6 +870,9 @@ def _fake_world(W=2, rank=0, device=None, kind="nvlink", peer_values=None):
     (dict(route="cublas"), ValueError,
      r"route must be one of \('auto', 'fused', 'unfused', 'chunked'\)"),
     (dict(route="chunked", reduce="atomic"), ValueError, "route='chunked' sums the partials"),
+    (dict(route="chunked", fold="yes"), ValueError, "fold must be None, True or False"),
+    (dict(route="chunked", fold=1.0), ValueError, "fold must be None, True or False"),
+    (dict(fold=False), ValueError, "fold is route='chunked''s choice; got route='auto'"),
     (dict(timeout_s=0), ValueError, "timeout_s must be a finite number of seconds > 0"),
     (dict(max_m=0), ValueError, "max_m must be an int"),
     (dict(max_m=1.5), ValueError, "max_m must be an int"),
@@ -915,6 +918,14 @@ def test_mismatched_arguments_between_ranks_found_at_construction():
                     (v[0], v[1] + 8) + tuple(v[2:]))
     with pytest.raises(ValueError, match="GemmReduceScatter arguments .* differs between ranks"):
         GemmReduceScatter(w, 64, 256, 128, "bfloat16")
+
+
+@pytest.mark.parametrize("W,impl", [(2, "sm80"), (4, "sm80")])
+def test_fold_where_it_cannot_is_refused_on_every_rank(W, impl):
+    # impl="sm80": no device query (the fake world has no GPU behind device 0)
+    with pytest.raises(ValueError, match=r"GemmReduceScatter: fold=True needs W = 2 .*impl='auto'"):
+        GemmReduceScatter(_fake_world(W=W, device=0), 64, 256, 128, "bfloat16", impl=impl,
+                          route="chunked", fold=True)
 
 
 def test_atomic_mode_refused_over_pcie():
@@ -1092,6 +1103,14 @@ def test_fold_route_and_bounds():
     assert not R.fold_route(4, [8] * 4, 2, "auto", True)
     assert not R.fold_route(2, [8] * 2, 2, "sm90", True)
     assert not R.fold_route(2, [8] * 2, 2, "auto", False)
+    big = [lim] * 2  # the caller's choice over k's
+    assert R.fold_route(2, big, 2, "auto", True, fold=True)
+    assert not R.fold_route(2, [8] * 2, 2, "auto", True, fold=False)
+    for args in ((4, [8] * 4, 2, "auto", True), (2, [8] * 2, 2, "sm90", True),
+                 (2, [8] * 2, 2, "auto", False)):
+        assert not R.fold_route(*args, fold=False)
+        with pytest.raises(ValueError, match="fold=True needs W = 2"):
+            R.fold_route(*args, fold=True)
     assert R.fold_bounds(1, 2) == [(0, 1)]
     assert R.fold_bounds(5, 2) == [(0, 2), (2, 5)]
     assert R.fold_bounds(6, 1) == [(0, 6)]

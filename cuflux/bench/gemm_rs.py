@@ -9,7 +9,9 @@ Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
                    moved by copy engines while the next computes); chunked_to_cublas =
                    chunked_ms / cublas_ms (issue 15's bar: <= 1.03), chunked_speedup_nccl =
                    nccl_ms / chunked_ms; chunked_fold: whether it folds the sum into its own
-                   GEMMs (W = 2, small k: gemm_rs.fold_route)
+                   GEMMs (W = 2, small k: gemm_rs.fold_route); at W = 2 chunked_other_ms (and
+                   _to_cublas, _fold): the same route with the other choice (fold=not
+                   chunked_fold), so that one run measures both sides of the threshold
   gemm_ms          the GEMM alone on the same core and tile configuration ([M, n] written
                    locally): exposed_comm_ms = cuflux_ms - gemm_ms, ratio_to_gemm =
                    cuflux_ms / gemm_ms; at W = 1, where the op itself runs the plain GEMM,
@@ -82,6 +84,8 @@ def op_args(world_size: int, rows) -> dict:
     args = {"cuflux_ms": {"w1": "gemm", "route": "auto"}}
     if any("chunked_ms" in r for r in rows):
         args["chunked_ms"] = {"route": "chunked"}
+    if any("chunked_other_ms" in r for r in rows):
+        args["chunked_other_ms"] = {"route": "chunked", "fold": "not chunked_fold"}
     if world_size == 1 and any("fused_kernel_ms" in r for r in rows):
         args["fused_kernel_ms"] = {"w1": "fused"}
     return args
@@ -126,6 +130,10 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     if W > 1:
         extra["chunked"] = GemmReduceScatter(world, M, n, k, "bfloat16", b_layout=layout,
                                              route="chunked")
+        if W == 2 and knobs.gemm_cublaslt():  # both sides of fold_route's threshold, measured
+            extra["chunked_other"] = GemmReduceScatter(
+                world, M, n, k, "bfloat16", b_layout=layout, route="chunked",
+                fold=not extra["chunked"].fold)
     state = {"i": 0}
 
     def pick():
@@ -153,7 +161,7 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     if "atomic" in ops:
         timed["atomic_ms"] = lambda: ops["atomic"](*pick(), out=out, stream=stream)
     for c, op in extra.items():
-        timed[f"{c}_ms" if c == "chunked" else f"cuflux_{c}_ms"] = \
+        timed[f"{c}_ms" if c.startswith("chunked") else f"cuflux_{c}_ms"] = \
             lambda op=op: op(*pick(), out=out, stream=stream)
     if nccl is not None:
         lib, comm = nccl
@@ -170,6 +178,8 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
            "config": det.config if det.impl == "sm90" else "sm80"}
     if "chunked" in extra:
         row["chunked_fold"] = extra["chunked"].fold
+    if "chunked_other" in extra:
+        row["chunked_other_fold"] = extra["chunked_other"].fold
     def raise_pending():
         for op in list(ops.values()) + list(extra.values()):
             op.synchronize(stream)
@@ -208,6 +218,8 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     row["tflops"] = 2.0 * M * n * k / row["cuflux_ms"] / 1e9
     if "atomic_ms" in row:
         row["atomic_wins"] = row["atomic_ms"] < row["cuflux_ms"]
+    if "chunked_other_ms" in row:
+        row["chunked_other_to_cublas"] = row["chunked_other_ms"] / row["cublas_ms"]
     if "chunked_ms" in row:
         row["chunked_to_cublas"] = row["chunked_ms"] / row["cublas_ms"]
         if "nccl_ms" in row:
@@ -258,6 +270,8 @@ def run(world, args):
             "atomic_ms", "baseline_ms", "speedup", "cublas_ms", "rs_ms", "tflops"]
     cols += ["nccl_ms"] if nccl is not None else []
     cols += ["chunked_ms", "chunked_to_cublas", "chunked_fold"] if W > 1 else []
+    cols += (["chunked_other_ms", "chunked_other_to_cublas", "chunked_other_fold"]
+             if any("chunked_other_ms" in r for r in rows) else [])
     cols += ["chunked_speedup_nccl"] if nccl is not None else []
     cols += ["ideal_ms", "fused_to_ideal", "chunked_to_ideal"] if link is not None else []
     cols += ["fused_kernel_ms"] if W == 1 else []
@@ -265,7 +279,8 @@ def run(world, args):
     cols += REGIME_COLS
     cols += ["chunked_user_loop_ms", "chunked_host_us"] if W > 1 else []
     cols += ["nccl_user_loop_ms", "nccl_host_us", "nccl_graph_ms"] if nccl is not None else []
-    print_bench_table(rows, cols, set(cols) - {"case", "config", "chunked_fold"}, measured)
+    print_bench_table(rows, cols, set(cols) - {"case", "config", "chunked_fold",
+                                               "chunked_other_fold"}, measured)
     if W == 1:
         worst = max(r["ratio_to_gemm"] for r in rows)
         print(f"W = 1 bar (fused kernel <= {BAR} x GEMM-only): worst {worst:.4f} -> "

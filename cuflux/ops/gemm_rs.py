@@ -200,13 +200,21 @@ FOLD_SPLITS = 2
 FOLD_BELOW_K_BYTES = 2 * 10240  # k < 10240 for bf16 / fp16 partials, k < 5120 for fp32
 
 
-def fold_route(world_size: int, ks, out_itemsize: int, impl: str, cublaslt: bool) -> bool:
-    """Whether route="chunked" folds (W = 2 only): every rank's k (the largest decides) under
-    FOLD_BELOW_K_BYTES, the chunk GEMMs left to cuflux.gemm's choice (impl "auto": the fold's
-    own parts are cuBLAS) and the cublasLt route on (knobs.gemm_cublaslt). The same on every
-    rank given the same arguments (GemmReduceScatter agrees them)."""
-    return (world_size == 2 and impl == "auto" and cublaslt
-            and max(ks) * out_itemsize < FOLD_BELOW_K_BYTES)
+def fold_route(world_size: int, ks, out_itemsize: int, impl: str, cublaslt: bool,
+               fold: bool | None = None) -> bool:
+    """Whether route="chunked" folds. It can at W = 2 with impl "auto" (the fold's own parts
+    are cuBLAS) and the cublasLt route on (knobs.gemm_cublaslt); fold None: it does where
+    every rank's k (the largest decides) is under FOLD_BELOW_K_BYTES; True / False: the
+    caller's choice (True where it cannot: ValueError). The same on every rank given the same
+    arguments (GemmReduceScatter agrees them)."""
+    possible = world_size == 2 and impl == "auto" and cublaslt
+    if fold is None:
+        return possible and max(ks) * out_itemsize < FOLD_BELOW_K_BYTES
+    if fold and not possible:
+        raise ValueError(f"fold=True needs W = 2 (got {world_size}), impl='auto' (got "
+                         f"{impl!r}) and the cublasLt route (CUFLUX_GEMM_CUBLASLT=1) on every "
+                         f"rank")
+    return bool(fold)
 
 
 def fold_bounds(rows: int, splits: int) -> list[tuple[int, int]]:
@@ -380,6 +388,8 @@ class GemmReduceScatter(CommOp):
         route's buffer of 2 max_m rows, which reduce_scatter() keeps using, it holds a data
         region of max_m rows and a staging of (W-1) max_m / W rows). At W = 2 with a small k
         it folds the sum into its own GEMMs (op.fold; fold_route says when).
+      fold: route="chunked" only: None (default: by k, fold_route), True (fold; W = 2,
+        impl="auto" and the cublasLt route only) or False (the summing kernel).
         `plan(M)` says what a call with M rows runs.
 
     Calls of one op must be ordered on each rank (one stream, or streams the caller orders),
@@ -397,7 +407,7 @@ class GemmReduceScatter(CommOp):
                  b_layout: str = "kn", reduce: str = "deterministic",
                  timeout_s: float = DEFAULT_TIMEOUT_S,
                  impl: str = "auto", config: str | None = None, w1: str = "gemm",
-                 route: str = "auto"):
+                 route: str = "auto", fold: bool | None = None):
         dt = dtype_info(dtype, core.IN_DTYPES, _OP)
         odt = dtype_info(out_dtype if out_dtype is not None else dt.name,
                          (dt.name, "float32"), _OP)
@@ -415,6 +425,11 @@ class GemmReduceScatter(CommOp):
         if route == "chunked" and reduce != "deterministic":
             raise ValueError(f"{_OP}: route='chunked' sums the partials in rank order "
                              f"(reduce='deterministic'); got reduce={reduce!r}")
+        if not (fold is None or isinstance(fold, (bool, np.bool_))):
+            raise ValueError(f"{_OP}: fold must be None, True or False, got {fold!r}")
+        fold = None if fold is None else bool(fold)
+        if fold is not None and route != "chunked":
+            raise ValueError(f"{_OP}: fold is route='chunked''s choice; got route={route!r}")
         check_timeout(_OP, timeout_s)
         max_m = count(_OP, "max_m", max_m, W, MAX_DIM,
                       f"the GEMM's M: world size {W} * the rows each rank receives")
@@ -424,9 +439,9 @@ class GemmReduceScatter(CommOp):
                   "this rank's slice of K; rows move in 16-byte pieces", 8)
         require_world_device(world, _OP)
         world.check_same((int(max_m), int(n), dt.name, odt.name, b_layout, reduce, impl, config,
-                          route),
+                          route, fold),
                          f"{_OP} arguments (max_m, n, dtype, out_dtype, b_layout, reduce, impl, "
-                         f"config, route)")
+                         f"config, route, fold)")
         # Decided together, so that every rank raises (or none does) before the collective
         # allocation, and every rank runs kernels of one tile geometry (tile flags are indexed
         # by it): the Hopper core only where every rank is on sm_90a.
@@ -448,9 +463,12 @@ class GemmReduceScatter(CommOp):
         self.b_layout, self.reduce, self.atomic = b_layout, reduce, reduce == "atomic"
         self.impl = "sm90" if all(h for _, h, *_ in everyone) else "sm80"
         # route="chunked" at W = 2: whether its chunks fold (fold_route), from every rank's k
-        self.fold = route == "chunked" and fold_route(
-            W, [kk for _, _, kk, _ in everyone], odt.itemsize, impl,
-            all(lt for *_, lt in everyone))
+        try:
+            self.fold = route == "chunked" and fold_route(
+                W, [kk for _, _, kk, _ in everyone], odt.itemsize, impl,
+                all(lt for *_, lt in everyone), fold)
+        except ValueError as e:  # every rank raises: the same agreed arguments
+            raise ValueError(f"{_OP}: {e}") from None
         self._impl_arg = impl  # the unfused route's GEMM: "auto" lets cuflux.gemm take cuBLAS
         self.config = config or SM90_RS_DEFAULT
         self._config_given = config is not None  # W = 1: else the GEMM's tuner picks
