@@ -130,7 +130,8 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     if W > 1:
         extra["chunked"] = GemmReduceScatter(world, M, n, k, "bfloat16", b_layout=layout,
                                              route="chunked")
-        if W == 2 and knobs.gemm_cublaslt():  # both sides of fold_route's threshold, measured
+        # both sides of fold_route's threshold, measured (decided together: the op is collective)
+        if W == 2 and all(world.allgather(knobs.gemm_cublaslt())):
             extra["chunked_other"] = GemmReduceScatter(
                 world, M, n, k, "bfloat16", b_layout=layout, route="chunked",
                 fold=not extra["chunked"].fold)
