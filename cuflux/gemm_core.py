@@ -472,6 +472,11 @@ ALGO_CANDIDATES = 8
 # tuned 128 x 8192 x 8192 read 0.90x cupy.matmul GPU-queued in scripts/results/
 # gemm-h200-W1-2026-12-02-tuned.log, 1.01x untuned), and the gain is a few microseconds.
 ALGO_TUNE_MIN_FLOP = 2**36
+# Timings per process at most: a shape is timed once per machine (the table keeps it), but a
+# server that meets many new M (dynamic batches) would otherwise stall ~0.1-0.5 s at each; past
+# the cap new shapes take the heuristic's first (the table's choices are still read).
+ALGO_TUNE_MAX_PER_PROCESS = 64
+_ALGO_TIMINGS = [0]  # timings run in this process
 
 
 class LtPlan:
@@ -701,7 +706,8 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
     its earlier work. The timing calls write `out` (beta 0, or + addend, never + out: the call
     that follows overwrites it). Only a complete timing (every candidate's blocks within the
     budget) goes to the table; a cut-short one is used by this process alone. bias: the
-    epilogue's (plans with a bias epilogue), else None."""
+    epilogue's (plans with a bias epilogue), else None. At most ALGO_TUNE_MAX_PER_PROCESS
+    timings a process."""
     plan.tuned = True  # decided now, whatever happens below (one attempt per plan)
     if len(plan.algos) < 2 or 2 * M * N * K < ALGO_TUNE_MIN_FLOP or not knobs.gemm_algo_tune():
         return
@@ -715,6 +721,9 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
         if 0 <= chosen < len(plan.algos):
             plan.algo = plan.algos[chosen]
         return
+    if _ALGO_TIMINGS[0] >= ALGO_TUNE_MAX_PER_PROCESS:
+        return
+    _ALGO_TIMINGS[0] += 1
     c_ptr = out.data.ptr if addend is None else addend.data.ptr
     beta = _ZERO_PTR if addend is None else _ONE_PTR
 

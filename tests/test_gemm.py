@@ -1138,7 +1138,8 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     takes it from there without timing (CUFLUX_GEMM_TUNE=0 does not stop it). A small shape,
     CUFLUX_GEMM_ALGO_TUNE=0 and a call under capture time nothing (the capture's plan is tuned
     at its next call outside); a timing the budget cut short is used but not kept;
-    prepare_cublaslt tunes without a call of its own; tune=False leaves a new plan untuned."""
+    prepare_cublaslt tunes without a call of its own; tune=False leaves a new plan untuned;
+    past ALGO_TUNE_MAX_PER_PROCESS timings a new shape takes the heuristic's first."""
     import json
 
     from cuflux.arrays import dtype_info
@@ -1146,6 +1147,7 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     lt = _fake_lt(monkeypatch, candidates=3)
     monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
     monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
+    monkeypatch.setattr(gemm_core, "_ALGO_TIMINGS", [0])
     monkeypatch.setattr(gemm_core, "device_props", lambda dev=None: (0, "sm_90a", 132, "GPU X"))
     monkeypatch.delenv("CUFLUX_GEMM_ALGO_TUNE", raising=False)
     monkeypatch.setenv("CUFLUX_GEMM_TUNE", "0")  # the Hopper tuner's switch is not this one
@@ -1208,6 +1210,10 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, 4 * N, K, "nk", stream,
                                      tune=False)
     assert timed == [3, 3, 3, 3] and words(lt.lib.log)[-1] == 77  # tune=False: untuned
+    assert gemm_core._ALGO_TIMINGS == [4]
+    monkeypatch.setattr(gemm_core, "ALGO_TUNE_MAX_PER_PROCESS", 4)  # the process's cap reached
+    assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, 8 * N, K, "nk", stream)
+    assert timed == [3, 3, 3, 3] and words(lt.lib.log)[-1] == 77  # a new shape: untimed
 
 
 def test_time_candidates_judges_sustained_blocks(monkeypatch):
