@@ -721,9 +721,10 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
         if 0 <= chosen < len(plan.algos):
             plan.algo = plan.algos[chosen]
         return
-    if _ALGO_TIMINGS[0] >= ALGO_TUNE_MAX_PER_PROCESS:
-        return
-    _ALGO_TIMINGS[0] += 1
+    with lt.lock:  # torch's backward thread may tune beside the main one
+        if _ALGO_TIMINGS[0] >= ALGO_TUNE_MAX_PER_PROCESS:
+            return
+        _ALGO_TIMINGS[0] += 1
     c_ptr = out.data.ptr if addend is None else addend.data.ptr
     beta = _ZERO_PTR if addend is None else _ONE_PTR
 

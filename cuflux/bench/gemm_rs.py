@@ -80,12 +80,13 @@ def cases(world_size: int, quick: bool) -> list[tuple[str, int, int, int]]:
 def op_args(world_size: int, rows) -> dict:
     """The op's constructor knobs per timed column (the JSON's knobs.op_args): w1, what
     GemmReduceScatter runs at W = 1 (ignored at W > 1), and route (every shape here has
-    M >= UNFUSED_BELOW_M: "auto" runs the fused kernel)."""
+    M >= UNFUSED_BELOW_M: "auto" runs the fused kernel). The chunked columns' fold differs by
+    row: chunked_fold and chunked_other_fold say it."""
     args = {"cuflux_ms": {"w1": "gemm", "route": "auto"}}
     if any("chunked_ms" in r for r in rows):
         args["chunked_ms"] = {"route": "chunked"}
-    if any("chunked_other_ms" in r for r in rows):
-        args["chunked_other_ms"] = {"route": "chunked", "fold": "not chunked_fold"}
+    if any("chunked_other_ms" in r for r in rows):  # its fold: each row's chunked_other_fold
+        args["chunked_other_ms"] = {"route": "chunked"}
     if world_size == 1 and any("fused_kernel_ms" in r for r in rows):
         args["fused_kernel_ms"] = {"w1": "fused"}
     return args
