@@ -192,8 +192,8 @@ SUM_BLOCKS_PER_SM = 8
 # the GEMM's time times the GPU's flop-to-byte rate (~206 on an H200: 700 TFLOP/s, 3.4 TB/s),
 # i.e. 4.3 % at k = 7168 (W = 2, bf16), 2.2 % at 14336, 1.3 % at 24576. Measured on one H200
 # without the communication (scripts/results/probes/probe_rs_schedule-h200-2026-12-02b.json,
-# the SM work of one rank's call against cupy.matmul of the whole GEMM): summing 1.033x / 0.975x /
-# 1.001x, folding 1.016x / 1.028x / 1.044x at k = 7168 / 14336 / 24576 (8192x4096, 8192x8192,
+# the SM work of one rank's call against cupy.matmul of the whole GEMM): summing 1.033x / 0.974x /
+# 1.000x, folding 1.016x / 1.028x / 1.044x at k = 7168 / 14336 / 24576 (8192x4096, 8192x8192,
 # 4096x12288 outputs). So the fold runs where the sum would cost more than ~3 % of the GEMM:
 # k * out itemsize < FOLD_BELOW_K_BYTES.
 FOLD_SPLITS = 2
