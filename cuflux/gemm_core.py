@@ -31,8 +31,7 @@ __all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "
            "sm80_kernel", "check_aligned", "check_bias", "device_props", "tensor_map", "prepare",
            "max_ctas", "cluster_resident_ctas", "launch_sm90", "launch_sm80", "launch_cublas",
            "launch_cublaslt", "prepare_cublaslt", "LtPlan", "ALGO_CANDIDATES",
-           "ALGO_TUNE_MIN_FLOP", "cupy_module",
-           "grouped_tile", "WORKSPACE_BYTES"]
+           "ALGO_TUNE_MIN_FLOP", "cupy_module", "grouped_tile", "WORKSPACE_BYTES"]
 
 _OP = "cuflux.gemm"
 IN_DTYPES = ("bfloat16", "float16")
@@ -482,8 +481,8 @@ _ALGO_TIMINGS = [0]  # timings run in this process
 class LtPlan:
     """A shape's cublasLt plan: handle, descriptor, the A / B / C(= D) layouts, the heuristic's
     candidate algorithms (best first by its estimate), the one calls use, whether it was
-    tuned (or tuning was declined), and its key among _CublasLt.plans (_tune_algo makes its key in the
-    algorithm table from it)."""
+    tuned (or tuning was declined), and its key among _CublasLt.plans (_tune_algo makes its
+    key in the algorithm table from it)."""
 
     __slots__ = ("h", "desc", "a_lay", "b_lay", "c_lay", "algos", "algo", "tuned", "key")
 
@@ -679,24 +678,29 @@ def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
         with stream:
             out[...] = bias
         c = out
-    args = (plan.h, plan.desc, _ONE_PTR, b.data.ptr, plan.a_lay, a.data.ptr, plan.b_lay,
-            _ZERO_PTR if c is None else _ONE_PTR, out.data.ptr if c is None else c.data.ptr,
-            plan.c_lay, out.data.ptr, plan.c_lay, lt.ctypes.byref(plan.algo), ws.data.ptr,
-            WORKSPACE_BYTES, stream.ptr)
-    if addend is not None and bias is not None:  # the descriptor is shared by every call of
-        with lt.lock:                            # the shape: set and use it at once
-            _set_bias(lt, plan, bias)
-            err = lt.lib.cublasLtMatmul(*args)
-    else:
-        err = lt.lib.cublasLtMatmul(*args)
+    err = _matmul(lt, plan, plan.algo, a, b, c, out, ws, stream,
+                  bias if addend is not None else None)
     lt._check(f"cublasLtMatmul for {M}x{N}x{K} ({b_layout})", err)
     return True
 
 
-def _set_bias(lt, plan: LtPlan, bias) -> None:
-    ptr = lt.ctypes.c_void_p(bias.data.ptr)
-    lt._check("cublasLtMatmulDescSetAttribute (bias)", lt.lib.cublasLtMatmulDescSetAttribute(
-        plan.desc, lt._BIAS_POINTER, lt.ctypes.byref(ptr), lt.ctypes.sizeof(ptr)))
+def _matmul(lt, plan: LtPlan, algo, a, b, c, out, ws, stream, epilogue_bias) -> int:
+    """Enqueue out = a @ b (+ c: beta 1, None: beta 0) with `algo`; its cublasStatus.
+    epilogue_bias: the bias of a bias-epilogue plan, whose pointer lives on the descriptor
+    every call of the shape shares: set and used at once, under the lock."""
+    args = (plan.h, plan.desc, _ONE_PTR, b.data.ptr, plan.a_lay, a.data.ptr, plan.b_lay,
+            _ZERO_PTR if c is None else _ONE_PTR, out.data.ptr if c is None else c.data.ptr,
+            plan.c_lay, out.data.ptr, plan.c_lay, lt.ctypes.byref(algo), ws.data.ptr,
+            WORKSPACE_BYTES, stream.ptr)
+    if epilogue_bias is None:
+        return lt.lib.cublasLtMatmul(*args)
+    ptr = lt.ctypes.c_void_p(epilogue_bias.data.ptr)
+    with lt.lock:
+        lt._check("cublasLtMatmulDescSetAttribute (bias)",
+                  lt.lib.cublasLtMatmulDescSetAttribute(plan.desc, lt._BIAS_POINTER,
+                                                        lt.ctypes.byref(ptr),
+                                                        lt.ctypes.sizeof(ptr)))
+        return lt.lib.cublasLtMatmul(*args)
 
 
 def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -> None:
@@ -725,18 +729,8 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
         if _ALGO_TIMINGS[0] >= ALGO_TUNE_MAX_PER_PROCESS:
             return
         _ALGO_TIMINGS[0] += 1
-    c_ptr = out.data.ptr if addend is None else addend.data.ptr
-    beta = _ZERO_PTR if addend is None else _ONE_PTR
-
     def run(i: int) -> int:
-        args = (plan.h, plan.desc, _ONE_PTR, b.data.ptr, plan.a_lay, a.data.ptr, plan.b_lay,
-                beta, c_ptr, plan.c_lay, out.data.ptr, plan.c_lay,
-                lt.ctypes.byref(plan.algos[i]), ws.data.ptr, WORKSPACE_BYTES, stream.ptr)
-        if bias is None:
-            return lt.lib.cublasLtMatmul(*args)
-        with lt.lock:  # the shared descriptor's bias pointer: set and use it at once
-            _set_bias(lt, plan, bias)
-            return lt.lib.cublasLtMatmul(*args)
+        return _matmul(lt, plan, plan.algos[i], a, b, addend, out, ws, stream, bias)
 
     stream.synchronize()  # the budget is for the timing, not for work queued before it
     times, complete = _time_candidates(run, len(plan.algos), stream,

@@ -21,8 +21,8 @@ import os
 from typing import Any, Callable, Mapping
 
 __all__ = ["Knob", "KNOBS", "CACHE_DIR", "HOST_TIMEOUT_S", "NUMA_SIZE", "NODE_SIZE", "GEMM_TUNE",
-           "GEMM_TUNE_BUDGET_S", "GEMM_CUBLASLT", "GEMM_ALGO_TUNE", "GEMM_BENCH_CONFIGS", "cache_dir",
-           "host_timeout_s", "numa_size", "node_size", "gemm_tune", "gemm_tune_budget_s",
+           "GEMM_TUNE_BUDGET_S", "GEMM_CUBLASLT", "GEMM_ALGO_TUNE", "GEMM_BENCH_CONFIGS",
+           "cache_dir", "host_timeout_s", "numa_size", "node_size", "gemm_tune", "gemm_tune_budget_s",
            "gemm_cublaslt", "gemm_algo_tune", "gemm_bench_configs", "describe"]
 
 

@@ -30,34 +30,32 @@ SHAPES = ((8192, 8192, 14336), (4096, 12288, 24576), (8192, 4096, 7168))
 def main():
     import cupy
 
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=8)
+    args = ap.parse_args()
+    s = cupy.cuda.Stream(non_blocking=True)
+    rows = []
+    for M, N, K in SHAPES:
+        rows.append(shape_row(M, N, K, s, args))
+        cupy.get_default_memory_pool().free_all_blocks()
+    write(rows, args, cupy.cuda.runtime.getDevice())
+
+
+def shape_row(M, N, K, s, args):
+    import cupy
+
     from cuflux import gemm_core as core
     from cuflux import kernels
     from cuflux.arrays import dtype_info
     from cuflux.ops import gemm_rs
     from cuflux.ops.gemm import gemm
 
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--json")
-    ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--reps", type=int, default=8)
-    args = ap.parse_args()
-    dev = cupy.cuda.runtime.getDevice()
     bf = dtype_info("bfloat16")
-    mod = kernels.load("gemm_rs.cu", dev)
-    sum_fn = mod[gemm_rs.sum_kernel(bf.cuda_type, bf.cuda_type)]
+    dev = cupy.cuda.runtime.getDevice()
+    sum_fn = kernels.load("gemm_rs.cu", dev)[gemm_rs.sum_kernel(bf.cuda_type, bf.cuda_type)]
     sms = cupy.cuda.Device(dev).attributes["MultiProcessorCount"]
-    s = cupy.cuda.Stream(non_blocking=True)
-    rows = []
-    for M, N, K in SHAPES:
-        rows.append(shape_row(M, N, K, s, args, core, kernels, gemm_rs, gemm, bf, dtype_info,
-                              sum_fn, sms))
-        cupy.get_default_memory_pool().free_all_blocks()
-    write(rows, args, dev)
-
-
-def shape_row(M, N, K, s, args, core, kernels, gemm_rs, gemm, bf, dtype_info, sum_fn, sms):
-    import cupy
-
     rng = cupy.random.default_rng(M + N + K)
     with s:
         a = (rng.standard_normal((M, K), dtype=cupy.float32) * 0.1).astype(bf.storage)
@@ -74,6 +72,14 @@ def shape_row(M, N, K, s, args, core, kernels, gemm_rs, gemm, bf, dtype_info, su
         with s:
             cupy.matmul(a, b.T, out=full)
 
+    def rs_sum(W, R, dst):  # the W slots of R rows of `data`, as ChunkedRs._sum launches it
+        elems = R * N
+        grid = max(1, min(-(-(elems * 2 // 16) // gemm_rs.SUM_THREADS),
+                          gemm_rs.SUM_BLOCKS_PER_SM * sms))
+        kernels.launch(sum_fn, (grid,), (gemm_rs.SUM_THREADS,),
+                       (data, np.int64(elems), np.int64(elems), np.int32(W), np.int32(N),
+                        np.uint64(0), dst), s, op="probe", name="rs_sum")
+
     def chunked(W):
         R = M // W
         me = 0
@@ -84,14 +90,7 @@ def shape_row(M, N, K, s, args, core, kernels, gemm_rs, gemm, bf, dtype_info, su
                      impl="cublas", stream=s)
             gemm(a[me * R:(me + 1) * R], b, out=data[me * R * N:(me + 1) * R * N]
                  .reshape(R, N), b_layout="nk", impl="cublas", stream=s)
-            elems = R * N
-            vecs = elems * 2 // 16
-            grid = max(1, min(-(-vecs // gemm_rs.SUM_THREADS),
-                              gemm_rs.SUM_BLOCKS_PER_SM * sms))
-            kernels.launch(sum_fn, (grid,), (gemm_rs.SUM_THREADS,),
-                           (data, np.int64(elems), np.int64(elems), np.int32(W), np.int32(N),
-                            np.uint64(0),
-                            out[:R]), s, op="probe", name="rs_sum")
+            rs_sum(W, R, out[:R])
         return run
 
     def fold(S):
@@ -132,13 +131,7 @@ def shape_row(M, N, K, s, args, core, kernels, gemm_rs, gemm, bf, dtype_info, su
             joined.record(s2)
             s.wait_event(joined)
             if not fold_c:
-                elems = R * N
-                grid = max(1, min(-(-(elems * 2 // 16) // gemm_rs.SUM_THREADS),
-                                  gemm_rs.SUM_BLOCKS_PER_SM * sms))
-                kernels.launch(sum_fn, (grid,), (gemm_rs.SUM_THREADS,),
-                               (data, np.int64(elems), np.int64(elems), np.int32(2),
-                                np.int32(N), np.uint64(0),
-                                out), s, op="probe", name="rs_sum")
+                rs_sum(2, R, out)
         return run
 
     variants = {"cublas": cublas, "matmul": matmul, "chunked2": chunked(2),
@@ -191,16 +184,10 @@ def shape_row(M, N, K, s, args, core, kernels, gemm_rs, gemm, bf, dtype_info, su
             algos[f"{m}x{N}x{K}"] = algo_sweep(core, bf, a[:m], b, full[:m], m, N, K, s, args)
         except Exception as e:  # a probe: report and go on
             print(f"  algo sweep {m}x{N}x{K} failed: {e!r}", flush=True)
-    try:
-        plans = bias_plans(core, bf, dtype_info, M // 2, N, K)
-    except Exception as e:
-        plans = repr(e)
     row = {"M": M, "N": N, "K": K, "ms": med,
            "to_cublas": {k: med[k] / med["cublas"] for k in med},
            "fold_rel_err": err, "fold_bias_f32_rel_err": err_bias,
-           "bias_epilogue_plans": plans,
            "cublaslt_algos": algos}
-    print(f"  bias epilogue plans: {row['bias_epilogue_plans']}")
     for shape, al in algos.items():
         t = al["tuned"]
         print(f"  cublasLt algos {shape}: heuristic #0 {al['ms'][0]:.3f} ms, best #{al['best']} "
@@ -211,48 +198,6 @@ def shape_row(M, N, K, s, args, core, kernels, gemm_rs, gemm, bf, dtype_info, su
                                        for k, v in med.items())
           + f"; fold max rel err {err:.2e}, with bias (fp32 out) {err_bias}", flush=True)
     return row
-
-
-def _heuristics(core, dt, odt, M, N, K, count, epilogue=False, bias_type=None):
-    """cublasLt's first `count` algorithms for out [M, N] = a [M, K] b[N, K]^T (the layouts of
-    gemm_core's plan), on a descriptor of our own: (desc, layouts, [algo...])."""
-    lt = core._cublaslt()
-    ct, lib = lt.ctypes, lt.lib
-    h = lt.plan(0, dt, odt, M, N, K, "nk").h
-    desc = lt._new("cublasLtMatmulDescCreate", core._COMPUTE_32F, core._CUDA_R["float32"])
-    settings = [(lt._TRANSA, ct.c_int32(1))]
-    if epilogue:
-        settings.append((lt._EPILOGUE, ct.c_int32(lt._EPILOGUE_BIAS)))
-        settings.append((lt._BIAS_POINTER, ct.c_void_p(256)))
-        if bias_type is not None:
-            settings.append((lt._BIAS_TYPE, ct.c_int32(core._CUDA_R[bias_type])))
-    for attr, v in settings:
-        lt._check("set", lib.cublasLtMatmulDescSetAttribute(desc, attr, ct.byref(v),
-                                                            ct.sizeof(v)))
-    a_lay = lt._new("cublasLtMatrixLayoutCreate", core._CUDA_R[dt.name], K, N, K)
-    b_lay = lt._new("cublasLtMatrixLayoutCreate", core._CUDA_R[dt.name], K, M, K)
-    c_lay = lt._new("cublasLtMatrixLayoutCreate", core._CUDA_R[odt.name], N, M, N)
-    pref = lt._new("cublasLtMatmulPreferenceCreate")
-    v = ct.c_uint64(core.WORKSPACE_BYTES)
-    lib.cublasLtMatmulPreferenceSetAttribute(pref, lt._PREF_MAX_WORKSPACE, ct.byref(v),
-                                             ct.sizeof(v))
-    results, found = (lt.Heuristic * count)(), ct.c_int(0)
-    err = lib.cublasLtMatmulAlgoGetHeuristic(h, desc, a_lay, b_lay, c_lay, c_lay, pref, count,
-                                             results, ct.byref(found))
-    algos = [results[i].algo for i in range(found.value) if results[i].state == 0] if not err \
-        else []
-    return h, desc, a_lay, b_lay, c_lay, algos, err
-
-
-def bias_plans(core, bf, dtype_info, M, N, K):
-    """Which bias-epilogue descriptors cublasLt has an algorithm for (bias in the input dtype
-    or fp32, bias type unset), per output dtype."""
-    found = {}
-    for odt in ("bfloat16", "float32"):
-        for bt in (None, "bfloat16", "float32"):
-            r = _heuristics(core, bf, dtype_info(odt), M, N, K, 1, True, bt)
-            found[f"out {odt}, bias {bt or 'unset'}"] = (len(r[5]), r[6])
-    return found
 
 
 def algo_sweep(core, bf, a, b, out, M, N, K, s, args):
@@ -266,10 +211,7 @@ def algo_sweep(core, bf, a, b, out, M, N, K, s, args):
     ws = core._cublas().workspace(0, s.ptr, False)
 
     def run(algo):
-        lt._check("matmul", lt.lib.cublasLtMatmul(
-            plan.h, plan.desc, core._ONE_PTR, b.data.ptr, plan.a_lay, a.data.ptr, plan.b_lay,
-            core._ZERO_PTR, out.data.ptr, plan.c_lay, out.data.ptr, plan.c_lay,
-            lt.ctypes.byref(algo), ws.data.ptr, core.WORKSPACE_BYTES, s.ptr))
+        lt._check("matmul", core._matmul(lt, plan, algo, a, b, None, out, ws, s, None))
 
     for al in plan.algos:
         run(al)

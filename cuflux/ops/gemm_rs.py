@@ -294,30 +294,34 @@ class ChunkedRs(CopyGather):
                         np.int32(n), bias if bias is not None else np.uint64(0), out),
                        s, op=_OP, name=self.sum_name)
 
-    def _received(self, p: int, R: int, r0: int, r1: int):
-        """Rows [r0, r1) of peer p's partial of our R rows, in our data region."""
+    def _slot(self, q: int, R: int, r0: int, r1: int):
+        """Rows [r0, r1) of rank q's partial of our R rows, in our data region (slot q)."""
         n = self.n
-        return self.data[(p * R + r0) * n:(p * R + r1) * n].reshape(r1 - r0, n)
+        return self.data[(q * R + r0) * n:(q * R + r1) * n].reshape(r1 - r0, n)
 
     def run(self, a, b, bias, out, M: int, s, b_layout: str, impl: str) -> None:
         """One call (arguments checked by GemmReduceScatter, M agreed, 1 <= M <= max_m, the
         stream not capturing: refuse_capture)."""
         from cupy.cuda import runtime
 
-        W, me, n = self.world.size, self.world.rank, self.n
+        W, me, n, k = self.world.size, self.world.rank, self.n, a.shape[1]
         R = M // W
         parts = fold_bounds(R, self.splits)
         e = self._next_epoch(s if self._last_stream is None else self._last_stream)
         self._last_stream = s  # abort() and close() look at it
         rb = self.row_bytes
         impl = "cublas" if impl == "auto" else impl  # the route hides the links behind cuBLAS
+        # An fp32 output with a bias has no cublasLt algorithm (the bias would have to be fp32)
         folds = self.fold and (bias is None or self.out_dtype.name != "float32")
+
+        def fold_part(r0, r1, launch, **kw):  # own rows [r0, r1) @ b + peer's part, into out
+            return launch(a[me * R + r0:me * R + r1], b, bias, out[r0:r1], self.in_dtype,
+                          self.out_dtype, r1 - r0, n, k, b_layout, s,
+                          addend=self._slot(self.peers[0], R, r0, r1), **kw)
+
         if folds:  # the own parts' plans made and tuned now, while nothing waits for a peer
-            (p,) = self.peers  # (the same pointers as the parts' calls below: the same plans;
-            for r0, r1 in parts:  # a timing reads the received rows before they land: no use)
-                core.prepare_cublaslt(a[me * R + r0:me * R + r1], b, bias, out[r0:r1],
-                                      self.in_dtype, self.out_dtype, r1 - r0, n, a.shape[1],
-                                      b_layout, s, addend=self._received(p, R, r0, r1))
+            for r0, r1 in parts:  # (a timing reads the received rows before they land: no use)
+                fold_part(r0, r1, core.prepare_cublaslt)
         for j, p in enumerate(self.peers):
             lane = self.lane_of[p]
             for c, (r0, r1) in enumerate(parts):
@@ -332,24 +336,18 @@ class ChunkedRs(CopyGather):
                 runtime.memcpyAsync(self.buf.ptr(p, "data", (me * R + r0) * rb), chunk.data.ptr,
                                     (r1 - r0) * rb, _MEMCPY_DEFAULT, lane.ptr)
                 driver.stream_write_value32(lane, self._chunk_flag(p, me, c), e)
-        # An fp32 output with a bias has no cublasLt algorithm (the bias would have to be fp32)
         if folds:
             (p,) = self.peers
-            k = a.shape[1]
             for c, (r0, r1) in enumerate(parts):
                 self._wait(s, "chunk", e, p, index0=p * self.max_chunks + c)
-                # tuned before the call's first wait (run's start): never behind a peer
-                if not core.launch_cublaslt(a[me * R + r0:me * R + r1], b, bias, out[r0:r1],
-                                            self.in_dtype, self.out_dtype, r1 - r0, n, k,
-                                            b_layout, s, addend=self._received(p, R, r0, r1),
-                                            tune=False):
-                    mine = self.data[(me * R + r0) * n:(me * R + r1) * n].reshape(r1 - r0, n)
-                    gemm(a[me * R + r0:me * R + r1], b, out=mine, b_layout=b_layout,
-                         impl=impl, stream=s)
+                # tuned before the call's first wait (above): never behind a peer
+                if not fold_part(r0, r1, core.launch_cublaslt, tune=False):
+                    gemm(a[me * R + r0:me * R + r1], b, out=self._slot(me, R, r0, r1),
+                         b_layout=b_layout, impl=impl, stream=s)
                     self._sum(r0, r1 - r0, R, bias, out[r0:r1], s)
         else:
-            own = self.data[me * R * n:(me + 1) * R * n].reshape(R, n)
-            gemm(a[me * R:(me + 1) * R], b, out=own, b_layout=b_layout, impl=impl, stream=s)
+            gemm(a[me * R:(me + 1) * R], b, out=self._slot(me, R, 0, R), b_layout=b_layout,
+                 impl=impl, stream=s)
             for p in self.peers:  # the own chunk is ordered by the stream: no flag, no wait
                 for c in range(len(parts)):
                     self._wait(s, "chunk", e, p, index0=p * self.max_chunks + c)
