@@ -17,7 +17,7 @@ Inputs rotate over buffers larger than the L2 cache, filled with random data.
 
 Regimes (cuflux.bench.__main__.REGIMES_DOC): cuflux_ms / baseline_ms / speedup are GPU-queued
 (calls queued behind a hold, GPU time per call; queued_host_us is that loop's host time).
-Beside them, for the op (and for the NCCL baseline on distinct GPUs, baseline_*):
+Beside them, for the op (and for the NCCL baseline, every rank on its own GPU, baseline_*):
   user_loop_ms   back-to-back calls from Python, nothing held, wall time per call
   host_us        host time per call alone (the regime's own measurement, same name)
   graph_ms       a graph of N calls replayed, GPU time per call
@@ -257,21 +257,23 @@ def run(world, args):
             for mode in ("owned", "out"):
                 rows.append(_case(world, args, *bar, mode, direction, pdl=False))
     extra = {"copy_ceiling_gbps": ceiling}
-    if distinct:
+    if not shared_gpu:  # W = 1 too (NCCL's one-rank all-to-all: allreduce.run says why)
         from cupy.cuda import nccl
 
-        extra["link_gbps_one_way"] = peer_copy_gbps(world)
+        if distinct:
+            extra["link_gbps_one_way"] = peer_copy_gbps(world)
         if nccl.available:
             for B, T, H, D, _ in cases:
                 nccl_ms, ok, nccl_reg, nccl_notes = _nccl_row(world, args, B, T, H, D)
                 ours = _case(world, args, B, T, H, D, "bfloat16", "owned", "scatter")
                 if me == 0:
-                    sent = B * (T // W) * H * D * 2 * (W - 1) / W  # bytes leaving each GPU
                     ours.update({"baseline": "nccl all-to-all + 2 permutes", "baseline_ms": nccl_ms,
                                  "speedup": nccl_ms / ours["cuflux_ms"], "nccl_correct": ok,
-                                 "link_gbps_per_gpu": sent / (ours["cuflux_ms"] * 1e-3) / 1e9,
                                  **nccl_reg})
-                    if extra["link_gbps_one_way"]:  # None: the link could not be timed
+                    if distinct:
+                        sent = B * (T // W) * H * D * 2 * (W - 1) / W  # bytes leaving each GPU
+                        ours["link_gbps_per_gpu"] = sent / (ours["cuflux_ms"] * 1e-3) / 1e9
+                    if extra.get("link_gbps_one_way"):  # None: the link could not be timed
                         ours["fraction_of_link"] = (ours["link_gbps_per_gpu"]
                                                     / extra["link_gbps_one_way"])
                     add_note(ours, *nccl_notes)

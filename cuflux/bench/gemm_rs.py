@@ -20,7 +20,7 @@ Per case (times in ms, CUDA events, median; with W > 1 the slowest rank's):
                    (GemmReduceScatter.reduce_scatter, same buffers and order), one after the
                    other; speedup = baseline_ms / cuflux_ms
   cublas_ms, rs_ms the two halves of the baseline alone
-  nccl_ms          cuBLAS then NCCL reduce-scatter (only when every rank has its own GPU)
+  nccl_ms          cuBLAS then NCCL reduce-scatter (every rank on its own GPU, W = 1 included)
   ideal_ms         distinct GPUs only: max(cublas_ms, comm_ms), comm_ms = the W - 1 partials a
                    rank sends (M / W x n bf16 each) at the measured peer copy rate (peer_gbps,
                    common.sends_ms): the op if every byte were hidden behind cuBLAS;
@@ -249,7 +249,7 @@ def run(world, args):
     # Decided together: a rank that alone set up NCCL (or skipped it) would hang the others.
     shared_gpu = ranks_share_gpu(world)
     measured = speed_measured(W, shared_gpu)
-    nccl = _nccl(world) if W > 1 and not shared_gpu else None
+    nccl = _nccl(world) if not shared_gpu else None  # W = 1 too (allreduce.run says why)
     link = peer_copy_gbps(world) if W > 1 and not shared_gpu else None
     iters = min(args.iters, 5) if W > 1 and shared_gpu else args.iters
     stream = cupy.cuda.Stream(non_blocking=True)
