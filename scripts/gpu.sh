@@ -3,9 +3,11 @@
 # benchmarks with the GPU to themselves, logs and JSON under $OUT (packed in $OUT/logs.tgz).
 #   bash scripts/gpu.sh GROUP...           tests of the groups one after the other, then benches
 #   bash scripts/gpu.sh all [-k EXPR]      every GPU test at W = 1, 2, 4, 8, then quick benches
-#   bash scripts/gpu.sh multi              ranks on distinct GPUs (W = GPU count): every bench
-#                                          with its NCCL baseline, then the comm tests at that W
-#   bash scripts/gpu.sh multi-tests        the other GPU tests at W = GPU count (a second call)
+#   bash scripts/gpu.sh multi              ranks on distinct GPUs (W = GPU count): the comm
+#                                          benches with their NCCL baselines, their tests at W
+#   bash scripts/gpu.sh multi-gemm         the same for gemm_rs, ag_gemm, across (second call)
+#   bash scripts/gpu.sh multi-tests        the other GPU tests at W = GPU count (third call)
+# Every run ends with `python -m cuflux.bench bars` on the JSON it wrote (the issues' bars).
 #   bash scripts/gpu.sh pytest NAME WS CAP ARGS...   one capped pytest run (log tests-NAME.log)
 # Groups (tests; the benches of the groups named run after all tests):
 #   runtime   World, nodes, rails, symmetric memory, AllGather, watchdog, reliability | allgather
@@ -124,9 +126,11 @@ bench_gemm() { step "$B" 150 "${MPI[@]}" -np 1 python -m cuflux.bench gemm --ite
 bench_rs() { bench 150 1 gemm_rs --iters 150; }
 bench_ag() { bench 120 1 ag_gemm --iters 200; }
 bench_across() { CUFLUX_NODE_SIZE=1 bench 150 2 across; }
-bench_multi2() { bench 150 2 ag_gemm; bench 120 2 gemm_rs; bench 60 2 allreduce; }
+bench_multi2() { bench 150 2 ag_gemm; bench 120 2 gemm_rs; bench 120 2 allreduce; bench 90 2 all2all; }
 
 finish() {
+  # the issues' bars on the JSON this run wrote (cuflux/bench/bars.py); its own JSON beside them
+  ls "$L"/*.json >/dev/null 2>&1 && python -m cuflux.bench bars "$L" >"$L/bars.log" 2>&1
   mkdir -p "$L/cubins"; for f in "$CUFLUX_CACHE_DIR"/*; do
     [ -e ".cubins/$(basename "$f")" ] || cp "$f" "$L/cubins/" 2>/dev/null; done
   tar -C "$OUT" -czf "$OUT/logs.tgz" logs && rm -rf "$L/cubins"
@@ -135,6 +139,8 @@ finish() {
     [ -e "$f" ] || continue; echo "##### $f"
     grep -E "^=== |passed|failed|FAILED|Error| us$|^soak |^small |\"ok\"|ERROR SUMMARY" "$f" | tail -30; done
   [ -e "$B" ] && { echo "##### bench"; grep -vE "^\s*$" "$B" | cut -c1-220 | tail -70; }
+  [ -e "$L/bars.log" ] && { echo "##### bars"; grep -E "^issue|MISSED|Error" "$L/bars.log" \
+    | cut -c1-220 | tail -40; }
   # The device tool returns at most 8 files from $OUT: keep the archive alone (every log and
   # JSON is in it; `tar -xzf logs.tgz` here), so several runs of this script fit in one call.
   [ "${CUFLUX_KEEP_LOGS:-0}" = 1 ] || rm -rf "$L"
@@ -152,14 +158,19 @@ case $1 in
     step "$L/tests-all.log" 3000 python -m pytest -q -rf -m gpu --durations=12 "$@" tests
     for W in 1 2 4 8; do bench 60 "$W" allgather; done
     bench_comm; finish ;;
-  multi)  # one device call (< 10 minutes): every benchmark, ranks on distinct GPUs
+  multi)  # one device call (< 10 minutes): the collectives' benchmarks, ranks on distinct
+    # GPUs (issues 14, 16, 17), and their tests at that W; the GEMM ones: multi-gemm
     W=$(nvidia-smi -L | wc -l)
     nvidia-smi topo -m >"$L/topo.txt" 2>&1
-    for op in all2all allreduce; do bench 60 "$W" "$op"; done
-    bench 120 "$W" gemm_rs; bench 120 "$W" ag_gemm; bench 60 "$W" allgather
-    CUFLUX_NODE_SIZE=1 bench 150 "$W" across  # issue 20: each GPU a node, NCCL between
-    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 90 python -m pytest -q -rf -m gpu \
+    bench 90 "$W" all2all; bench 180 "$W" allreduce; bench 60 "$W" allgather
+    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 120 python -m pytest -q -rf -m gpu \
       tests/test_all2all.py tests/test_allreduce.py
+    finish ;;
+  multi-gemm)  # a second device call: the GEMM benchmarks (issues 14, 15) and the cross-node
+    # ops with each GPU a node (issue 20), ranks on distinct GPUs
+    W=$(nvidia-smi -L | wc -l)
+    bench 150 "$W" gemm_rs; bench 150 "$W" ag_gemm
+    CUFLUX_NODE_SIZE=1 bench 150 "$W" across  # issue 20: each GPU a node, NCCL between
     finish ;;
   pytest)  # one capped pytest run of chosen tests: pytest NAME WS CAP PYTEST-ARGS...
     TEST_END=$((SECONDS + $4)); tests "$2" "$3" "$4" "${@:5}"; finish ;;

@@ -1,5 +1,7 @@
 """python -m cuflux.bench <op>|all [--quick] [--iters N] [--outdir DIR] [--plot]
 (under mpiexec -n W for W ranks).
+python -m cuflux.bench bars DIR [DIR...] [--outdir OUT]: the open issues' bars checked against
+a run's JSON files (cuflux.bench.bars; no GPU needed).
 
 The JSON results go to --outdir, by default ./cuflux-results/ under the working directory
 (never inside the installed package). The project's own runs keep their record in the
@@ -252,6 +254,11 @@ def parse_args(argv=None, cwd=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bars"]:  # reads JSON only: before any knob, CUDA or World
+        from cuflux.bench import bars
+
+        return bars.main(argv[1:])
     args = parse_args(argv)
     from cuflux import knobs as K
 

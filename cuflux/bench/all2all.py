@@ -15,6 +15,13 @@ the GPU, sets the pace. At W = 1 with out=, copy_ms is a bare cudaMemcpyAsync of
 through the same buffers, timed in alternation with the op (ratio_to_copy = copy_ms / cuflux_ms).
 Inputs rotate over buffers larger than the L2 cache, filled with random data.
 
+Rows carry their case as fields (direction, B, T, H, D, dtype, scales, mode) for
+`python -m cuflux.bench bars`. On distinct GPUs every row also has link_gbps_per_gpu (the bytes
+leaving each GPU, sent_bytes_per_gpu: (W - 1) / W of the input, plus the scales its peers
+receive, over cuflux_ms) and fraction_of_link (against the measured one-way peer copy rate,
+common.peer_copy_gbps). Every rank on its own GPU (W = 1 included), owned scatter is timed again
+against NCCL all-to-all + the two permute copies ("vs_nccl": true) at T = 1024 and at each case.
+
 Regimes (cuflux.bench.__main__.REGIMES_DOC): cuflux_ms / baseline_ms / speedup are GPU-queued
 (calls queued behind a hold, GPU time per call; queued_host_us is that loop's host time).
 Beside them, for the op (and for the NCCL baseline, every rank on its own GPU, baseline_*):
@@ -149,7 +156,14 @@ def _case(world, args, B, T_total, H, D, dtype, mode, direction, num_sms=None, s
     if me != 0:
         return None
     moved = 2 * in_bytes  # read + written per rank (input and output have the same size)
-    return {"case": f"{direction} B={B} T={T_total} H={H} D={D} {dtype}"
+    # bytes leaving each GPU a call: (W - 1) / W of the input (the other ranks' heads or
+    # tokens), and with scales those of the tokens each peer receives
+    sent = in_bytes * (W - 1) // W + (0 if sc is None else
+                                      (W - 1) * sc[0].nbytes // (W if direction == "gather"
+                                                                 else 1))
+    return {"direction": direction, "B": B, "T": T_total, "H": H, "D": D, "dtype": dtype,
+            "scales": scales, "mode": mode, "sent_bytes_per_gpu": sent,
+            "case": f"{direction} B={B} T={T_total} H={H} D={D} {dtype}"
                     + (" +scales" if scales else "") + f" {mode}"
                     + (f" sms={num_sms}" if num_sms else "") + (" kernel" if kernel else "")
                     + ("" if pdl or W > 1 else " memcpy"),
@@ -245,8 +259,9 @@ def run(world, args):
             for mode in ("owned", "out", "view"):
                 rows.append(_case(world, args, B, T, H, D, dt, mode, direction,
                                   measured=measured))
-    rows.append(_case(world, args, 1, 8192, 32, 128, "float8_e4m3fn", "owned", "scatter",
-                      scales=True, measured=measured))
+    for direction in ("scatter", "gather"):
+        rows.append(_case(world, args, 1, 8192, 32, 128, "float8_e4m3fn", "owned", direction,
+                          scales=True, measured=measured))
     # The default num_sms (every SM) comes from this sweep (at W = 1: of the kernel).
     for sms in ((33, 66, 132, 264) if W == 1 else (33, 132)):
         rows.append(_case(world, args, *bar, "owned", "scatter", num_sms=sms, kernel=True,
@@ -263,24 +278,24 @@ def run(world, args):
         if distinct:
             extra["link_gbps_one_way"] = peer_copy_gbps(world)
         if nccl.available:
-            for B, T, H, D, _ in cases:
+            # beside the cases, T = 1024: a Ulysses layer of a short sequence (issue 17's
+            # user-loop bar against NCCL is at that size)
+            for B, T, H, D, _ in [(1, 1024, 32, 128, "bfloat16")] + cases:
                 nccl_ms, ok, nccl_reg, nccl_notes = _nccl_row(world, args, B, T, H, D)
                 ours = _case(world, args, B, T, H, D, "bfloat16", "owned", "scatter")
                 if me == 0:
                     ours.update({"baseline": "nccl all-to-all + 2 permutes", "baseline_ms": nccl_ms,
                                  "speedup": nccl_ms / ours["cuflux_ms"], "nccl_correct": ok,
-                                 **nccl_reg})
-                    if distinct:
-                        sent = B * (T // W) * H * D * 2 * (W - 1) / W  # bytes leaving each GPU
-                        ours["link_gbps_per_gpu"] = sent / (ours["cuflux_ms"] * 1e-3) / 1e9
-                    if extra.get("link_gbps_one_way"):  # None: the link could not be timed
-                        ours["fraction_of_link"] = (ours["link_gbps_per_gpu"]
-                                                    / extra["link_gbps_one_way"])
+                                 "vs_nccl": True, **nccl_reg})
                     add_note(ours, *nccl_notes)
                     rows.append(ours)
     if me != 0:
         return None
     for r in rows:
+        if distinct:  # every row's rate over the link, against the measured peer copy rate
+            r["link_gbps_per_gpu"] = r["sent_bytes_per_gpu"] / (r["cuflux_ms"] * 1e-3) / 1e9
+            if extra.get("link_gbps_one_way"):  # None: the link could not be timed
+                r["fraction_of_link"] = r["link_gbps_per_gpu"] / extra["link_gbps_one_way"]
         r.setdefault("baseline", "d2d copy ceiling")
         if r["baseline"] == "d2d copy ceiling":
             # the copy moving the same bytes at the ceiling; with ranks sharing one GPU every
@@ -300,6 +315,7 @@ def run(world, args):
     cols = ["case", "cuflux_ms", "single_ms", "queued_host_us", "host_bound", "copy_ms",
             "ratio_to_copy", "gbps_per_rank", "gbps_all_ranks", "fraction_of_copy",
             "baseline_ms", "speedup"] + REGIME_COLS
+    cols += ["link_gbps_per_gpu", "fraction_of_link"] if distinct else []
     print_bench_table(rows, cols, set(cols) - {"case"}, measured)
     path = write_results("all2all", W, rows, bench_extra(args, measured, **extra,
                                                          ranks_share_gpu=shared_gpu),

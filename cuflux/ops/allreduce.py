@@ -341,6 +341,14 @@ class _P2PReduce(CommOp):
 
 
 _NULL = np.uint64(0)
+
+
+def _copy_d2d(dst, src, stream) -> None:
+    """dst <- src (C-contiguous, same size) on `stream`: a capturable memcpy node."""
+    import cupy
+
+    cupy.cuda.runtime.memcpyAsync(dst.data.ptr, src.data.ptr, src.nbytes,
+                                  cupy.cuda.runtime.memcpyDeviceToDevice, stream.ptr)
 _EPS0 = np.float32(0.0)
 
 
@@ -405,7 +413,14 @@ class AllReduce(_P2PReduce):
                         device=self.world.device)
         if self.world.size > 1 and (x.size, algo) not in self._agreed:
             self._agree((x.size, algo), "x.size and algo of the call")
-        if x.size:
+        if x.size and self.world.size == 1:
+            # The sum over one rank is x: one device-to-device copy (none in place). The
+            # generic kernel ran at a third of a copy's rate here (bench allreduce, W = 1:
+            # 3.7 us against 1.2 at 4 KiB, 110 us against 34 at 64 MiB on the H200).
+            self._last_stream = s
+            if out.data.ptr != x.data.ptr:
+                _copy_d2d(out, x, s)
+        elif x.size:
             plan = self._plan(x.size, None, algo or self.algo,
                               not (x.data.ptr | out.data.ptr) & 15)
             self._launch(plan, x, out, None, None, self._eps, s)
