@@ -229,6 +229,11 @@ def plain_sweep(world, dtypes=("bfloat16", "float16", "float32"), max_blocks=Non
                 y = ar(x)  # owned output, auto algorithm
                 ar.synchronize()
                 assert y.shape == x.shape and _hash(cp, y) == hashes["one_shot"]
+                if W == 1:  # a copy, and none in place (AllReduce.__call__)
+                    x_in = x.copy()
+                    assert ar(x_in, out=x_in) is x_in
+                    ar.synchronize()
+                    assert _hash(cp, x_in) == hashes["one_shot"]
     return True
 
 
