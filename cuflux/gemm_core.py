@@ -476,6 +476,18 @@ ALGO_TUNE_MIN_FLOP = 2**36
 # the cap new shapes take the heuristic's first (the table's choices are still read).
 ALGO_TUNE_MAX_PER_PROCESS = 64
 _ALGO_TIMINGS = [0]  # timings run in this process
+# A shape class: the same GEMM (device, dtypes, layout, N, K, alignment, epilogue) with M in the
+# same power-of-two range [2^(b-1), 2^b). A server whose batches change M every call would time
+# each new M; once one M of a class is timed (or read from the table), a new M of the class
+# takes that winner without timing where the heuristic offers it for the new M too (the same
+# algorithm struct, so valid there), and is timed as a shape of its own only where it does not.
+# In memory only: the table keeps exact shapes. {class key: the winning algorithm's bytes}
+_CLASS_WINNERS: dict[tuple, bytes] = {}
+
+
+def _class_key(plan_key: tuple, M: int) -> tuple:
+    """The shape class of a plan key (_CublasLt.plan's: M at index 4)."""
+    return plan_key[:4] + (M.bit_length(),) + plan_key[5:]
 
 
 class LtPlan:
@@ -705,7 +717,8 @@ def _matmul(lt, plan: LtPlan, algo, a, b, c, out, ws, stream, epilogue_bias) -> 
 
 def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -> None:
     """Pick plan.algo among plan.algos (ALGO_CANDIDATES' comment): the table's choice for the
-    shape, else (tuning on, the GEMM big enough) the fastest by timing each on this call's
+    shape, else its class's winner where offered (_CLASS_WINNERS), else (tuning on, the GEMM
+    big enough) the fastest by timing each on this call's
     operands, on its stream, before the call itself (_time_candidates), once the stream has run
     its earlier work. The timing calls write `out` (beta 0, or + addend, never + out: the call
     that follows overwrites it). Only a complete timing (every candidate's blocks within the
@@ -720,11 +733,19 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
     dev, dt_name, odt_name, b_layout, _, _, _, align, epilogue = plan.key
     table_key = (f"{device_props(dev)[3]}|cublasLt {lt.version}|{dt_name}|{odt_name}|"
                  f"{b_layout}|{M}x{N}x{K}|{align}|{'bias' if epilogue else '-'}")
+    cls = _class_key(plan.key, M)
     chosen = gemm_tuner.recall_algo(table_key)
     if chosen is not None:
         if 0 <= chosen < len(plan.algos):
             plan.algo = plan.algos[chosen]
+            _CLASS_WINNERS.setdefault(cls, bytes(plan.algo))
         return
+    won = _CLASS_WINNERS.get(cls)
+    if won is not None:  # another M of the class was timed: its winner, where offered here
+        for algo in plan.algos:
+            if bytes(algo) == won:
+                plan.algo = algo
+                return
     with lt.lock:  # torch's backward thread may tune beside the main one
         if _ALGO_TIMINGS[0] >= ALGO_TUNE_MAX_PER_PROCESS:
             return
@@ -738,6 +759,7 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
     if times:
         fastest = min(times, key=times.get)
         plan.algo = plan.algos[fastest]
+        _CLASS_WINNERS.setdefault(cls, bytes(plan.algo))
         if complete:
             gemm_tuner.remember_algo(table_key, fastest,
                                      [times.get(i) for i in range(len(plan.algos))])

@@ -236,6 +236,7 @@ def test_cublaslt_tunes_its_algorithm_and_stays_exact(monkeypatch, tmp_path, cas
     monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
     monkeypatch.setattr(gemm_core, "_CUBLASLT", [])  # plans made afresh: this test tunes them
     monkeypatch.setattr(gemm_core, "_ALGO_TIMINGS", [0])  # whatever ran before in the process
+    monkeypatch.setattr(gemm_core, "_CLASS_WINNERS", {})
     seed = fresh_seed()
     M, N, K = 2000, 4104, 4240  # odd: not a multiple of any tile
     assert 2 * M * N * K >= gemm_core.ALGO_TUNE_MIN_FLOP
@@ -270,6 +271,20 @@ def test_cublaslt_tunes_its_algorithm_and_stays_exact(monkeypatch, tmp_path, cas
     assert len(entry["ms"]) >= 2 and all(t is not None and t > 0 for t in entry["ms"])
     (plan,) = [p for k, p in gemm_core._cublaslt().plans.items() if k[4:7] == (M, N, K)]
     assert plan.tuned and plan.algo is plan.algos[entry["algo"]]
+    if case == "plain":  # another M of the class [1024, 2048) (>= ALGO_TUNE_MIN_FLOP too)
+        M2 = 1990
+        assert 2 * M2 * N * K >= gemm_core.ALGO_TUNE_MIN_FLOP and M2.bit_length() == 11
+        out2 = cupy.full((M2, N), np.nan, dtype=np.float32).astype(odt.storage)
+        G.gemm(a[:M2], b, out=out2, b_layout="nk", impl="cublas", stream=s)
+        s.synchronize()
+        check_close(out2, cupy.asnumpy(want[:M2]), odt.name, "the class's winner at M = 1990")
+        (plan2,) = [p for k, p in gemm_core._cublaslt().plans.items() if k[4:7] == (M2, N, K)]
+        offered = bytes(plan.algo) in [bytes(x) for x in plan2.algos]
+        assert plan2.tuned
+        if offered:  # the class's winner, untimed
+            assert bytes(plan2.algo) == bytes(plan.algo) and gemm_core._ALGO_TIMINGS == [1]
+        else:  # not offered at M = 1990: timed as a shape of its own
+            assert gemm_core._ALGO_TIMINGS == [2]
 
 
 @pytest.mark.gpu
@@ -1149,6 +1164,7 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
     monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
     monkeypatch.setattr(gemm_core, "_ALGO_TIMINGS", [0])
+    monkeypatch.setattr(gemm_core, "_CLASS_WINNERS", {})
     monkeypatch.setattr(gemm_core, "device_props", lambda dev=None: (0, "sm_90a", 132, "GPU X"))
     monkeypatch.delenv("CUFLUX_GEMM_ALGO_TUNE", raising=False)
     monkeypatch.setenv("CUFLUX_GEMM_TUNE", "0")  # the Hopper tuner's switch is not this one
@@ -1215,6 +1231,64 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
     monkeypatch.setattr(gemm_core, "ALGO_TUNE_MAX_PER_PROCESS", 4)  # the process's cap reached
     assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, 8 * N, K, "nk", stream)
     assert timed == [3, 3, 3, 3] and words(lt.lib.log)[-1] == 77  # a new shape: untimed
+
+
+def test_cublaslt_shape_class_takes_its_winner_without_timing(monkeypatch, tmp_path):
+    """A new M of a timed shape's class (the same GEMM, M in the same power-of-two range)
+    takes the class's winner without timing where the heuristic offers that algorithm for the
+    new M too; where it does not, the new M is timed as a shape of its own; an M of another
+    range is timed; a shape read from the table gives its class its choice."""
+    import ctypes
+    import json
+
+    from cuflux.arrays import dtype_info
+
+    lt = _fake_lt(monkeypatch, candidates=3)
+    monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
+    monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
+    monkeypatch.setattr(gemm_core, "_ALGO_TIMINGS", [0])
+    monkeypatch.setattr(gemm_core, "_CLASS_WINNERS", {})
+    monkeypatch.setattr(gemm_core, "device_props", lambda dev=None: (0, "sm_90a", 132, "GPU X"))
+    monkeypatch.delenv("CUFLUX_GEMM_ALGO_TUNE", raising=False)
+    timed = []
+
+    def fake_timing(run, count, stream, budget_s):
+        timed.append(count)
+        return {i: t for i, t in enumerate((3.0, 1.0, 2.0)[:count])}, True
+
+    monkeypatch.setattr(gemm_core, "_time_candidates", fake_timing)
+    arr, stream = _lt_operands(monkeypatch)
+    stream.synchronize = lambda: None
+    a, b, out = arr(0x10000), arr(0x20000), arr(0x30000)
+    bf = dtype_info("bfloat16")
+    N, K = 4096, 4096
+
+    def last_word():
+        return [e[13] for e in lt.lib.log if e[0] == "cublasLtMatmul"][-1]
+
+    def call(M):
+        assert gemm_core.launch_cublaslt(a, b, None, out, bf, bf, M, N, K, "nk", stream)
+        return last_word()
+
+    assert call(4000) == 78 and timed == [3]  # timed: candidate 1 wins
+    assert call(3000) == 78 and timed == [3]  # same range [2048, 4096): its winner, untimed
+    assert call(2048) == 78 and timed == [3]
+    assert call(4096) == 78 and timed == [3, 3]  # [4096, 8192): a class of its own, timed
+    # the winner not among a new M's candidates: that M is timed as a shape of its own
+    plan = lt.plan(0, bf, bf, 2500, N, K, "nk")
+    algo_type = type(plan.algos[0])
+    plan.algos = [algo_type(), algo_type()]
+    plan.algos[0].data[0], plan.algos[1].data[0] = 90, 91
+    plan.algo = plan.algos[0]
+    assert call(2500) == 91 and timed == [3, 3, 2]
+    assert ctypes.sizeof(algo_type) == 64
+    # another process: the table's exact shape gives its class the choice, untimed
+    table = json.loads((tmp_path / "algos.json").read_text())
+    assert any("|4000x4096x4096|" in k for k in table)
+    lt = _fake_lt(monkeypatch, candidates=3)
+    monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
+    monkeypatch.setattr(gemm_core, "_CLASS_WINNERS", {})
+    assert call(4000) == 78 and call(3500) == 78 and timed == [3, 3, 2]
 
 
 def test_time_candidates_judges_sustained_blocks(monkeypatch):
