@@ -154,16 +154,25 @@ def _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters, m
                 lo, hi = token_slice(T, W, me)
                 n_rows = norm.out_rows(T)  # rows of out and residual this rank holds
 
-                def make():  # x, residual, out, y (the unfused sum)
+                # NCCL's reduce-scatter takes one count: sequence_parallel's baseline reduces
+                # T padded to a multiple of W (the op's x is the first T rows of the same
+                # memory; with uneven slices at W > 2 its rows are not token_slice's, its cost
+                # is the same)
+                T_pad = -(-T // W) * W
+
+                def make():  # x (padded), residual, out, y (the unfused sum)
                     def rand(shape):
                         return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(st)
-                    return rand((T, H)), rand((n_rows, H)), rand((n_rows, H)), rand((T, H))
+                    return rand((T_pad, H)), rand((n_rows, H)), rand((n_rows, H)), \
+                        rand((T_pad, H))
 
-                pick, sets = _rotating_sets(make, 2 * (T + n_rows) * H * st.itemsize)
+                # sets sized from T alone: every rank rotates as many sets, so every rank
+                # captures as many calls (n_rows differs between ranks)
+                pick, sets = _rotating_sets(make, 4 * T * H * st.itemsize)
 
                 def fused(algo=None):
                     x, res, out, _ = pick()
-                    (one if algo == "one_shot" else norm)(x, res, weight, out=out, algo=algo)
+                    (one if algo == "one_shot" else norm)(x[:T], res, weight, out=out, algo=algo)
 
                 def norm_of(y, res, out):  # the norm over the rows this rank holds
                     rows_y = y[lo:hi] if output == "sequence_parallel" else y
@@ -171,22 +180,22 @@ def _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters, m
 
                 def unfused():
                     x, res, out, y = pick()
-                    arop(x, out=y)
-                    norm_of(y, res, out)
+                    arop(x[:T], out=y[:T])
+                    norm_of(y[:T], res, out)
 
                 def with_nccl():
-                    # sequence_parallel: NCCL's reduce-scatter where the slices are equal (it
-                    # takes one count), else its all-reduce; the other outputs: all-reduce
+                    # sequence_parallel: NCCL's reduce-scatter of the padded rows, then the
+                    # norm of this rank's; the other outputs: its all-reduce, then the norm
                     x, res, out, y = pick()
                     lib, comm = nccl
-                    if output == "sequence_parallel" and T % W == 0:
-                        comm.reduceScatter(x.data.ptr, y.data.ptr, (T // W) * H,
+                    if output == "sequence_parallel":
+                        comm.reduceScatter(x.data.ptr, y.data.ptr, (T_pad // W) * H,
                                            lib.NCCL_BFLOAT16, lib.NCCL_SUM, stream.ptr)
-                        rmsnorm_residual(y[:T // W], res, weight, eps=norm.eps, out=out)
+                        rmsnorm_residual(y[:n_rows], res, weight, eps=norm.eps, out=out)
                     else:
-                        comm.allReduce(x.data.ptr, y.data.ptr, x.size, lib.NCCL_BFLOAT16,
+                        comm.allReduce(x.data.ptr, y.data.ptr, T * H, lib.NCCL_BFLOAT16,
                                        lib.NCCL_SUM, stream.ptr)
-                        norm_of(y, res, out)
+                        norm_of(y[:T], res, out)
 
                 timed = {"cuflux_ms": fused, "baseline_ms": unfused}
                 if W > 1:
@@ -227,7 +236,7 @@ def _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters, m
                     row["gbps"] = moved / (row["cuflux_ms"] * 1e-3) / 1e9
                     row["fraction_of_hbm"] = row["gbps"] / ceiling
                 rows.append(row)
-                sets = None  # freed before the next T
+                pick = sets = None  # freed before the next T's sets (pick holds them too)
         finally:
             if one is not None:
                 one.close()
@@ -295,7 +304,7 @@ def _plain_rows(world, args, sizes, nccl, stream, iters, measured, shared_gpu):
             if row.get("nccl_busbw_gbps"):
                 row["busbw_to_nccl"] = row["busbw_gbps"] / row["nccl_busbw_gbps"]
             rows.append(row)
-            sets = None
+            pick = sets = None  # freed before the next size's
     return rows
 
 

@@ -39,6 +39,10 @@ The bars (thresholds from the issues' texts; the constants below name them):
   issue 20, across: every row correct (checked whether or not speed was measured); speedup
       as info
 
+--expect OP,OP names the benchmarks the run meant to write: one that left no JSON (failed, or
+cut off by its time cap) is a missed check under its issue (OP_ISSUE), so a lost benchmark
+cannot pass for a quiet one.
+
 A check is {"issue", "bar", "file", "case", "value", "threshold", "met", "why"}: met True or
 False, or None where the file cannot measure the bar ("not measured here": ranks time-sharing one
 GPU measure no speed; a W >= 2 bar in a W = 1 file) or a field it needs is absent. Such a file
@@ -258,8 +262,9 @@ def _a2a_kind(row: dict) -> str | None:
 
 
 def check_all2all(rows, world_size):
-    yield from _host_checks(rows, host_bar(world_size))
-    yield from _host_checks(rows, A2A_HOST)
+    ops = [r for r in rows if r.get("direction")]  # not the bare cudaMemcpyAsync row (W = 1)
+    yield from _host_checks(ops, host_bar(world_size))
+    yield from _host_checks(ops, A2A_HOST)
     linked = [r for r in rows if (r.get("T") or 0) >= A2A_LINK_TOKENS and _default_kernel(r)]
     for row in linked:
         yield A2A_LINK, _case(row), *field(row, "fraction_of_link")
@@ -283,9 +288,8 @@ def check_gemm_rs(rows, world_size):
             yield RS_CHUNKED, case, *field(row, "chunked_to_cublas")
         routes = [(RS_NCCL, "cuflux_ms")]
         routes += [(RS_NCCL_CHUNKED, "chunked_ms")] if "chunked_ms" in row else []
-        for bar, ours in routes:
-            yield bar, case, *(ratio(row, "nccl_ms", ours) if "nccl_ms" in row
-                               else (None, NOT_IN_RUN))
+        for bar, ours in routes:  # no nccl_ms (a CuPy without NCCL): not measured
+            yield bar, case, *ratio(row, "nccl_ms", ours)
         for bar, name in ((RS_FUSED_IDEAL, "fused_to_ideal"),
                           (RS_CHUNKED_IDEAL, "chunked_to_ideal")):
             if row.get(name) is not None:
@@ -428,23 +432,47 @@ def _joined(values) -> str:
     return "+".join(str(v) for v in sorted(set(values))) or "unknown"
 
 
+# --expect: the issue each op's benchmark measures, for a run that wrote no JSON of the op
+OP_ISSUE = {"gemm": 14, "allgather": 14, "gemm_rs": 15, "ag_gemm": 15, "allreduce": 16,
+            "all2all": 17, "across": 20}
+
+
+def missing_ops(expect: list[str], runs: list[RunFile]) -> list[dict]:
+    """A missed record for each expected op no file of the run holds (its benchmark failed or
+    was cut off before it wrote its JSON: every bar it measures goes unchecked)."""
+    have = {f.doc["op"] for f in runs}
+    return [record(Bar(OP_ISSUE[op], f"the {op} benchmark wrote its JSON", 1.0, speed=False),
+                   "", op, None, NOT_IN_RUN) for op in expect if op not in have]
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m cuflux.bench bars",
                                 description="Check the open issues' bars against a run's JSON.")
     p.add_argument("dirs", nargs="+", metavar="DIR", help="folders of a run's JSON files")
     p.add_argument("--outdir", default=None, help="where bars-*.json goes (default: first DIR)")
+    p.add_argument("--expect", default="", metavar="OP,OP",
+                   help="ops whose benchmark the run meant to write (each one missing: a missed "
+                        f"check under its issue); of {', '.join(OP_ISSUE)}")
     return p
 
 
 def main(argv: list[str]) -> int:
     """argv: what follows "bars" on the command line."""
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    expect = [op for op in args.expect.split(",") if op]
+    unknown = [op for op in expect if op not in OP_ISSUE]
+    if unknown:
+        p.error(f"--expect: unknown op(s) {', '.join(unknown)}; known: {', '.join(OP_ISSUE)}")
     runs = read_runs(args.dirs)
     if not runs:
         print(f"bars: no JSON of a known op ({', '.join(sorted(CHECKS))}) in "
               f"{', '.join(args.dirs)}")
+        for c in missing_ops(expect, runs):
+            print(f"issue {c['issue']}: MISSED: {c['bar']}")
         return 2
-    checks = sorted((c for f in runs for c in check_file(f)), key=lambda c: c["issue"])
+    checks = sorted([c for f in runs for c in check_file(f)] + missing_ops(expect, runs),
+                    key=lambda c: c["issue"])
     print_table([{**c, "verdict": verdict(c)} for c in checks],
                 ["issue", "bar", "file", "case", "value", "threshold", "verdict"])
     counts = summary(checks)
