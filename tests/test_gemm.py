@@ -1146,6 +1146,19 @@ def _lt_operands(monkeypatch):
     return arr, SimpleNamespace(ptr=0x20)
 
 
+def _fresh_algo_tuning(monkeypatch, tmp_path):
+    """A fake cublasLt of 3 candidates, an empty algorithm table in tmp_path, no timings or
+    class winners yet in this process, tuning on, a GPU named "GPU X"."""
+    lt = _fake_lt(monkeypatch, candidates=3)
+    monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
+    monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
+    monkeypatch.setattr(gemm_core, "_ALGO_TIMINGS", [0])
+    monkeypatch.setattr(gemm_core, "_CLASS_WINNERS", {})
+    monkeypatch.setattr(gemm_core, "device_props", lambda dev=None: (0, "sm_90a", 132, "GPU X"))
+    monkeypatch.delenv("CUFLUX_GEMM_ALGO_TUNE", raising=False)
+    return lt
+
+
 def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path):
     """A shape of at least ALGO_TUNE_MIN_FLOP: its first call times every candidate on its own
     operands (beta 0 into out, before the call) and runs on the fastest, as every later call
@@ -1160,13 +1173,7 @@ def test_cublaslt_tunes_a_big_shape_once_and_remembers_it(monkeypatch, tmp_path)
 
     from cuflux.arrays import dtype_info
 
-    lt = _fake_lt(monkeypatch, candidates=3)
-    monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
-    monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
-    monkeypatch.setattr(gemm_core, "_ALGO_TIMINGS", [0])
-    monkeypatch.setattr(gemm_core, "_CLASS_WINNERS", {})
-    monkeypatch.setattr(gemm_core, "device_props", lambda dev=None: (0, "sm_90a", 132, "GPU X"))
-    monkeypatch.delenv("CUFLUX_GEMM_ALGO_TUNE", raising=False)
+    lt = _fresh_algo_tuning(monkeypatch, tmp_path)
     monkeypatch.setenv("CUFLUX_GEMM_TUNE", "0")  # the Hopper tuner's switch is not this one
     timed = []
 
@@ -1243,13 +1250,7 @@ def test_cublaslt_shape_class_takes_its_winner_without_timing(monkeypatch, tmp_p
 
     from cuflux.arrays import dtype_info
 
-    lt = _fake_lt(monkeypatch, candidates=3)
-    monkeypatch.setattr(gemm_tuner, "algo_path", lambda: tmp_path / "algos.json")
-    monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
-    monkeypatch.setattr(gemm_core, "_ALGO_TIMINGS", [0])
-    monkeypatch.setattr(gemm_core, "_CLASS_WINNERS", {})
-    monkeypatch.setattr(gemm_core, "device_props", lambda dev=None: (0, "sm_90a", 132, "GPU X"))
-    monkeypatch.delenv("CUFLUX_GEMM_ALGO_TUNE", raising=False)
+    lt = _fresh_algo_tuning(monkeypatch, tmp_path)
     timed = []
 
     def fake_timing(run, count, stream, budget_s):
