@@ -277,7 +277,7 @@ def run(world, args):
 
         if distinct:
             extra["link_gbps_one_way"] = peer_copy_gbps(world)
-        if nccl.available:
+        if all(world.allgather(bool(nccl.available))):  # together: no rank waits alone
             # beside the cases, T = 1024: a Ulysses layer of a short sequence (issue 17's
             # user-loop bar against NCCL is at that size)
             for B, T, H, D, _ in [(1, 1024, 32, 128, "bfloat16")] + cases:
