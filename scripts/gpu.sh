@@ -176,7 +176,7 @@ case $1 in
     finish ;;
   pytest)  # one capped pytest run of chosen tests: pytest NAME WS CAP PYTEST-ARGS...
     TEST_END=$((SECONDS + $4)); tests "$2" "$3" "$4" "${@:5}"; finish ;;
-  multi-tests)  # a second device call: every GPU test at W = GPU count, a rank per GPU
+  multi-tests)  # a third device call: every GPU test at W = GPU count, a rank per GPU
     W=$(nvidia-smi -L | wc -l)
     CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 540 python -m pytest -q -rf -m gpu \
       tests/test_runtime.py tests/test_allgather.py tests/test_reliability.py tests/test_graphs.py \
