@@ -222,21 +222,40 @@ class NcclRail(_Rail):
         uid = group.allgather(nccl.get_unique_id() if group.rank == 0 else None, timeout_s,
                               "NCCL unique id")[0]
         made: list = []
+        lock, late = threading.Lock(), [False]
 
         def init():  # ncclCommInitRank waits for every rail rank: off the caller's thread
+            comm = None
             try:
                 with cupy.cuda.Device(device):
-                    made.append(nccl.NcclCommunicator(group.size, uid, group.rank))
+                    comm = nccl.NcclCommunicator(group.size, uid, group.rank)
+                    self._connect(comm)
+                got = comm
             except BaseException as e:  # noqa: BLE001 - reported below
-                made.append(e)
+                got = e
+                if comm is not None:  # made, then its connecting failed
+                    comm.abort()
+                    comm = None
+            with lock:
+                if not late[0]:
+                    made.append(got)
+                    return
+            if comm is not None:  # the caller gave up on it: never left to CuPy's finalizer
+                comm.abort()  # (its destroy() would wait for every rank)
 
         worker = threading.Thread(target=init, name="cuflux-nccl-init", daemon=True)
         worker.start()
         worker.join(timeout_s)
-        got = made[0] if made else None
+        with lock:
+            got = made[0] if made else None
+            late[0] = got is None
         if isinstance(got, nccl.NcclCommunicator):
             self.comm = got
-        ok = group.allgather(self.comm is not None, timeout_s, "NCCL set-up")
+        try:
+            ok = group.allgather(self.comm is not None, timeout_s, "NCCL set-up")
+        except BaseException:
+            self.abort()  # a communicator made here is aborted, not left to the finalizer
+            raise
         if not all(ok):
             self._failed = CommTimeoutError(
                 "rail NCCL set-up", group.rank, ok.index(False), timeout_s,
@@ -244,6 +263,32 @@ class NcclRail(_Rail):
                 f"communicator" + (f" (here: {got!r})" if got is not None else ""))
             self.abort()
             raise self._failed
+
+    def _connect(self, comm) -> None:
+        """One tiny call of every kind the rail makes, completed, inside the bounded set-up:
+        NCCL connects its channels at a kind's first call, and that connection blocks the
+        calling host thread until the peers make the same call (no stream, no deadline), so a
+        rank failing between a call's agreement and the call would leave its peers stuck there
+        without it."""
+        import cupy
+
+        nccl, n, me = self._nccl, self.group.size, self.group.rank
+        s = cupy.cuda.Stream(non_blocking=True)
+        buf = cupy.zeros(2 * n, dtype=cupy.float32)
+        comm.allReduce(buf.data.ptr, buf.data.ptr, 1, NCCL_DTYPES["float32"], _NCCL_SUM, s.ptr)
+        comm.allGather(buf.data.ptr, buf[n:].data.ptr, 4, _NCCL_UINT8, s.ptr)
+        comm.reduceScatter(buf.data.ptr, buf[n:].data.ptr, 1, NCCL_DTYPES["float32"],
+                           _NCCL_SUM, s.ptr)
+        if n > 1:  # a send and a receive with every peer
+            nccl.groupStart()
+            try:
+                for j in range(n):
+                    if j != me:
+                        comm.send(buf.data.ptr, 4, _NCCL_UINT8, j, s.ptr)
+                        comm.recv(buf[n + j:].data.ptr, 4, _NCCL_UINT8, j, s.ptr)
+            finally:
+                nccl.groupEnd()
+        s.synchronize()
 
     @staticmethod
     def _ptr(a) -> int:
@@ -301,8 +346,12 @@ class NcclRail(_Rail):
             if polls % 64 == 0:
                 self._check_async(what)
             if time.monotonic() > deadline:
-                self._failed = CommTimeoutError(what, self.rank, -1, self.timeout_s,
-                                                "the rail's NCCL work did not complete")
+                # NCCL does not say whom it waits for: the other rank of a two-rank rail, else
+                # the next one (rail ranks, in World-rank order)
+                self._failed = CommTimeoutError(what, self.rank, (self.rank + 1) % self.size,
+                                                self.timeout_s,
+                                                "rail ranks: the rail's NCCL work did not "
+                                                "complete")
                 self.abort()
                 raise self._failed
             time.sleep(0.0002)

@@ -305,7 +305,8 @@ def test_main_plots_the_json_it_wrote(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "fake_bench_op", types.SimpleNamespace(run=run))
     monkeypatch.setitem(cli.OPS, "gemm", "fake_bench_op")
     monkeypatch.setattr(cuflux, "device_count", lambda: 1, raising=False)
-    monkeypatch.setattr(cuflux, "init", lambda: types.SimpleNamespace(rank=0, size=1),
+    monkeypatch.setattr(cuflux, "init", lambda: types.SimpleNamespace(rank=0, size=1,
+                                                                      device=None),
                         raising=False)
     monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name: object())
     drawn = []
@@ -316,6 +317,29 @@ def test_main_plots_the_json_it_wrote(tmp_path, monkeypatch):
     (paths, outdir), = drawn
     assert pathlib.Path(outdir) == tmp_path / "cuflux-results"
     assert [pathlib.Path(p).parent for p in paths] == [tmp_path / "cuflux-results"]
+
+
+def test_main_makes_the_rank_s_gpu_current_before_any_bench(monkeypatch):
+    """cuflux never moves the caller's current device; the benchmarks make their arrays,
+    streams and NCCL communicators on the current one, so main makes the rank's GPU current
+    first (rank 1 of two on distinct GPUs would otherwise work on GPU 0)."""
+    import types
+
+    import cupy
+
+    import cuflux
+
+    order = []
+    monkeypatch.setitem(sys.modules, "fake_bench_op",
+                        types.SimpleNamespace(run=lambda world, args: order.append("run")))
+    monkeypatch.setitem(cli.OPS, "gemm", "fake_bench_op")
+    monkeypatch.setattr(cuflux, "device_count", lambda: 2, raising=False)
+    monkeypatch.setattr(cuflux, "init", lambda: types.SimpleNamespace(rank=1, size=2,
+                                                                      device=1), raising=False)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d: types.SimpleNamespace(
+        use=lambda: order.append(("use", d))))
+    assert cli.main(["gemm"]) == 0
+    assert order == [("use", 1), "run"]
 
 
 def test_plot_without_matplotlib_fails_before_any_bench(monkeypatch, capsys):

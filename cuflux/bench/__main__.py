@@ -273,6 +273,13 @@ def main(argv=None) -> int:
         print("cuflux.bench: no CUDA device on this machine; nothing to measure.")
         return 0
     world = cuflux.init()
+    if world.device is not None:
+        # This rank's GPU (cuflux never moves the caller's current device): the benchmarks'
+        # arrays, streams and NCCL communicators are made on the current one, and at W = 2 on
+        # two GPUs rank 1 would otherwise make them all on GPU 0.
+        import cupy
+
+        cupy.cuda.Device(world.device).use()
     written = []
     for op in (sorted(OPS) if args.op == "all" else [args.op]):
         path = importlib.import_module(OPS[op]).run(world, args)

@@ -67,17 +67,10 @@ def _nccl(world, distinct: bool):
     """An NCCL communicator over the world, or None (shared GPUs, or no NCCL in CuPy)."""
     if not distinct:
         return None
-    try:
-        from cupy.cuda import nccl
+    from cuflux.bench.allreduce import _nccl as make  # availability agreed over the ranks
 
-        if not nccl.available:
-            return None
-        uid = nccl.get_unique_id() if world.rank == 0 else None
-        uid = world.comm.bcast(uid, root=0)
-        return nccl.NcclCommunicator(world.size, uid, world.rank)
-    except Exception as e:  # the benchmark still runs without the NCCL baseline
-        print(f"rank {world.rank}: no NCCL baseline ({e})")
-        return None
+    got = make(world)
+    return None if got is None else got[1]
 
 
 def _slowest(world, ms: float) -> float:

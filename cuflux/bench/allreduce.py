@@ -63,8 +63,8 @@ def _nccl(world):
         if world.rank == 0:
             print("NCCL baseline unavailable in this CuPy build")
         return None
-    uid = nccl.get_unique_id() if world.rank == 0 else None
-    uid = world.comm.bcast(uid, root=0)
+    # through the World's bounded allgather (an MPI bcast waits without a deadline)
+    uid = world.allgather(nccl.get_unique_id() if world.rank == 0 else None)[0]
     return nccl, nccl.NcclCommunicator(world.size, uid, world.rank)
 
 
