@@ -964,7 +964,13 @@ class World:
     def _probe_link(self, peer: int, bus: str) -> PeerLink:
         from cupy.cuda import runtime
 
-        peer_dev = runtime.deviceGetByPCIBusId(bus)
+        try:
+            peer_dev = runtime.deviceGetByPCIBusId(bus)
+        except runtime.CUDARuntimeError:
+            # The peer's GPU is not visible to this process (a CUDA_VISIBLE_DEVICES per rank,
+            # as Slurm's --gpu-bind sets): IPC cannot map its memory here, so no P2P; the
+            # ranks fall into different nodes and reach each other through the rail.
+            return PeerLink(peer, True, False, False, "none")
         p2p = bool(runtime.deviceCanAccessPeer(self.device, peer_dev))
         link = "none"
         if p2p:

@@ -23,16 +23,19 @@ DONE = "CUFLUX-POOL-DONE"
 
 
 def run_case(target: str, kwargs: dict) -> dict:
+    """The outcome of one test body on this rank; "device": the rank's GPU (None: no World)."""
+    device = None
     try:
         import cuflux
 
         module, func = target.split(":")
         fn = getattr(importlib.import_module(module), func)
         world = cuflux.init()
+        device = world.device
         with world.device_context():  # the World never moves the current device itself
-            return {"ok": True, "result": fn(world, **kwargs)}
+            return {"ok": True, "result": fn(world, **kwargs), "device": device}
     except BaseException:
-        return {"ok": False, "traceback": traceback.format_exc()}
+        return {"ok": False, "traceback": traceback.format_exc(), "device": device}
 
 
 def write_outcome(outdir: str, rank: int, outcome: dict) -> None:
@@ -79,10 +82,14 @@ def pool(folder: str) -> int:
         try:
             import cupy
 
-            cupy.cuda.Device().synchronize()
-            cupy.get_default_memory_pool().free_all_blocks()
-            cupy.get_default_pinned_memory_pool().free_all_blocks()
-            free_b, total_b = cupy.cuda.runtime.memGetInfo()
+            # on the rank's own GPU (the test ran there; the current device outside its World
+            # is GPU 0 for every rank): its work done, its cached blocks freed, its memory read
+            dev = outcome.get("device")
+            with cupy.cuda.Device(0 if dev is None else dev):
+                cupy.cuda.Device().synchronize()
+                cupy.get_default_memory_pool().free_all_blocks()
+                cupy.get_default_pinned_memory_pool().free_all_blocks()
+                free_b, total_b = cupy.cuda.runtime.memGetInfo()
             free = free_b / total_b
         except Exception:
             pass

@@ -350,3 +350,20 @@ def test_cache_files_are_written_aside_then_renamed(tmp_path, monkeypatch):
     assert target.read_bytes() == b"x" * 1000
     assert seen == [(str(tmp_path), False, b"x" * 1000)]  # whole file aside, same directory
     assert [p.name for p in tmp_path.iterdir()] == ["load-abc.cubin"]
+
+
+def test_a_peer_gpu_this_process_cannot_see_is_no_p2p_link(monkeypatch):
+    """A rank whose peer's GPU is not visible here (a CUDA_VISIBLE_DEVICES per rank): the
+    peer's bus id names no device of this process, so the link is no P2P (the ranks become
+    different nodes, reached by the rail) instead of World set-up raising."""
+    from cupy.cuda import runtime
+
+    from cuflux.world import World
+
+    def unknown_bus(bus):
+        raise runtime.CUDARuntimeError(101)  # cudaErrorInvalidDevice
+
+    monkeypatch.setattr(runtime, "deviceGetByPCIBusId", unknown_bus)
+    w = World.__new__(World)
+    w.device = 0
+    assert w._probe_link(1, "0000:99:00.0") == PeerLink(1, True, False, False, "none")

@@ -337,6 +337,7 @@ class AllGatherAcrossNodes(_AcrossNodes):
             cupy.take(gathered.reshape(k * nodes, rows, self.cols), self._src, axis=0,
                       out=out.reshape(W, rows, self.cols))
 
+    @on_op_device
     def gather_parts(self, x, out, stream, part, check_more=None) -> None:
         """The gather of __call__ into out ([W * rows, cols], allocated where None), calling
         part(lo, hi, a) on the call's stream for World blocks lo..hi-1 (rows a, [(hi - lo) *

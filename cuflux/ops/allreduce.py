@@ -606,7 +606,8 @@ def rmsnorm_residual(x, residual, weight, eps: float = 1e-6, out=None, stream=No
                          dtype=d, device=dev)
     if not eps > 0:
         raise ValueError(f"{op}: eps must be > 0, got {eps}")
-    s = stream_of(stream, x_in)
+    with cupy.cuda.Device(dev):  # x's GPU: its current stream, not the caller's GPU's
+        s = stream_of(stream, x_in)
     if out is None:
         with cupy.cuda.Device(dev):
             out = _empty((T, H), d.storage, s if is_torch(x_in) else None)

@@ -291,7 +291,7 @@ class CommOp(Closeable):
         if self.board_buf is not None:
             self.board_buf.close(abort=True, streams=None)
         if self.err is not None:
-            self.err.close()
+            self._close_err()
         self.comm.free()
 
     # ---- the call path -----------------------------------------------------------------------
@@ -414,7 +414,14 @@ class CommOp(Closeable):
             self._abort()
             return
         self.comm.free()
-        self.err.close()
+        self._close_err()
+
+    def _close_err(self) -> None:
+        """The error record's pinned memory freed with the rank's GPU current (cudaFreeHost on
+        another GPU would make a context there, ~0.5 GB under eager module loading)."""
+        ctx = getattr(self.world, "device_context", None)
+        with ctx() if ctx is not None else contextlib.nullcontext():
+            self.err.close()
 
     def abort(self) -> None:
         """Local, returns at once (no collective): for a peer that is dead or late. Every wait
