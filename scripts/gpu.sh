@@ -161,12 +161,15 @@ case $1 in
     for W in 1 2 4 8; do bench 60 "$W" allgather; done
     bench_comm; finish ;;
   multi)  # one device call (< 10 minutes): the collectives' benchmarks, ranks on distinct
-    # GPUs (issues 14, 16, 17), and their tests at that W; the GEMM ones: multi-gemm
+    # GPUs (issues 14, 16, 17), their tests and the cross-node ones at that W; the GEMM
+    # benchmarks: multi-gemm
     W=$(nvidia-smi -L | wc -l); EXPECT=all2all,allreduce,allgather
     nvidia-smi topo -m >"$L/topo.txt" 2>&1
     bench 90 "$W" all2all; bench 180 "$W" allreduce; bench 60 "$W" allgather
-    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 120 python -m pytest -q -rf -m gpu \
-      tests/test_all2all.py tests/test_allreduce.py
+    # test_nodes: every op across emulated nodes (node size 1: the NCCL rail between the
+    # GPUs, issue 20), exact against its reference
+    CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 200 python -m pytest -q -rf -m gpu \
+      tests/test_all2all.py tests/test_allreduce.py tests/test_nodes.py
     finish ;;
   multi-gemm)  # a second device call: the GEMM benchmarks (issues 14, 15) and the cross-node
     # ops with each GPU a node (issue 20), ranks on distinct GPUs
