@@ -137,11 +137,12 @@ def on_stream(fn, stream):
     return call
 
 
-def add_speedups(row: dict) -> dict:
-    """user_loop_speedup and graph_speedup (baseline / cuflux) where both figures exist."""
+def add_speedups(row: dict, base: str = "baseline_", suffix: str = "") -> dict:
+    """user_loop_speedup and graph_speedup (+ suffix): the baseline's figure (prefix `base`)
+    over cuflux's, where both exist."""
     for regime, key in (("user_loop_ms", "user_loop_speedup"), ("graph_ms", "graph_speedup")):
-        ours, base = row.get(regime), row.get("baseline_" + regime)
-        row[key] = base / ours if ours and base else None
+        ours, theirs = row.get(regime), row.get(base + regime)
+        row[key + suffix] = theirs / ours if ours and theirs else None
     return row
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from cuflux.bench.__main__ import (bench_extra, measure_regimes, on_stream, print_bench_table,
                                    regime_calls, speed_header, speed_measured)
-from cuflux.bench.common import ranks_share_gpu, time_interleaved, write_results
+from cuflux.bench.common import nccl_comm, ranks_share_gpu, time_interleaved, write_results
 
 HEADS, HEAD_DIM = 32, 128   # All2AllHeads: a Llama-style attention layer
 TOLERANCE = 2e-2  # max relative difference from the NCCL composition (bfloat16 sums)
@@ -177,7 +177,6 @@ def run(world, args):
     from mpi4py import MPI
 
     import cuflux
-    from cuflux.bench.allreduce import _nccl
 
     W = world.size
     if W == 1:
@@ -189,7 +188,7 @@ def run(world, args):
     node_size = knobs.node_size() or 1  # CUFLUX_NODE_SIZE; unset: every rank its own node
     shared_gpu = ranks_share_gpu(world)
     measured = speed_measured(W, shared_gpu)
-    nccl = None if shared_gpu else _nccl(world)
+    nccl = nccl_comm(world, shared_gpu)
     nodes = cuflux.World(MPI.COMM_WORLD, device=world.device, timeout_s=60, node_size=node_size)
     stream = cupy.cuda.Stream(non_blocking=True)
     iters = args.iters if measured else 2

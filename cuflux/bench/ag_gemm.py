@@ -40,8 +40,8 @@ from __future__ import annotations
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, on_stream, print_bench_table, regime_calls,
                                    speed_header, speed_measured)
-from cuflux.bench.common import (peer_copy_gbps, ranks_share_gpu, sends_ms, time_interleaved,
-                                 time_ms, write_results)
+from cuflux.bench.common import (nccl_comm, peer_copy_gbps, ranks_share_gpu, sends_ms,
+                                 time_interleaved, time_ms, write_results)
 
 # (name, M, N, K, N is split over the ranks)
 SHAPES = [("flux", 4096, 49152, 12288, True), ("llama70b-qkv", 8192, 10240, 8192, True),
@@ -63,16 +63,6 @@ def cases(world_size: int, quick: bool) -> list[tuple[str, int, int, int]]:
     return out
 
 
-def _nccl(world, distinct: bool):
-    """An NCCL communicator over the world, or None (shared GPUs, or no NCCL in CuPy)."""
-    if not distinct:
-        return None
-    from cuflux.bench.allreduce import _nccl as make  # availability agreed over the ranks
-
-    got = make(world)
-    return None if got is None else got[1]
-
-
 def _slowest(world, ms: float) -> float:
     return max(world.allgather(ms))
 
@@ -91,9 +81,7 @@ def run(world, args):
     measured = speed_measured(W, shared_gpu)
     iters = args.iters if measured else min(args.iters, 5)  # shared GPU: correctness only
     rstream = cupy.cuda.Stream(non_blocking=True)  # the regimes' stream (capturable)
-    comm = _nccl(world, distinct)
-    if not all(world.allgather(comm is not None)):  # decided together: the timings are collective
-        comm = None
+    comm = (nccl_comm(world, shared_gpu) or (None, None))[1]  # None on every rank or on none
     link = peer_copy_gbps(world) if W > 1 and distinct else None
     stream = cupy.cuda.get_current_stream()
     layouts = ("nk",) if args.quick else ("nk", "kn")

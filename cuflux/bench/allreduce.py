@@ -45,27 +45,10 @@ from __future__ import annotations
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, on_stream, print_bench_table, regime_calls,
                                    speed_header, speed_measured)
-from cuflux.bench.common import (copy_bandwidth_gbps, peer_copy_gbps, ranks_share_gpu, time_ms,
-                                 write_results)
+from cuflux.bench.common import (copy_bandwidth_gbps, nccl_comm, peer_copy_gbps,
+                                 ranks_share_gpu, time_ms, write_results)
 
 L2_BYTES = 60 << 20
-
-
-def _nccl(world):
-    """An NCCL communicator over the world's ranks, or None when NCCL cannot be used."""
-    try:
-        from cupy.cuda import nccl
-
-        ok = bool(nccl.available)
-    except Exception:
-        ok = False
-    if not all(world.allgather(ok)):  # decided together: nobody waits in bcast alone
-        if world.rank == 0:
-            print("NCCL baseline unavailable in this CuPy build")
-        return None
-    # through the World's bounded allgather (an MPI bcast waits without a deadline)
-    uid = world.allgather(nccl.get_unique_id() if world.rank == 0 else None)[0]
-    return nccl, nccl.NcclCommunicator(world.size, uid, world.rank)
 
 
 def graph_ms(fn, calls: int, iters: int, stream) -> float:
@@ -92,8 +75,9 @@ PLAIN_BYTES_FULL = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 
 
 
 def _rotating_sets(make, set_bytes: int):
-    """(pick, sets): enough input sets (at most 16) to exceed twice the L2 cache, and a pick()
-    that returns the next one, so small calls are not served from L2."""
+    """(pick, nsets): enough input sets (at most 16) to exceed twice the L2 cache, and a pick()
+    that returns the next one, so small calls are not served from L2 (the sets live as long
+    as pick)."""
     nsets = max(1, min(16, -(-2 * L2_BYTES // set_bytes)))
     sets = [make() for _ in range(nsets)]
     it = [0]
@@ -101,12 +85,16 @@ def _rotating_sets(make, set_bytes: int):
     def pick():
         it[0] = (it[0] + 1) % nsets
         return sets[it[0]]
-    return pick, sets
+    return pick, nsets
 
 
-def _time_row(world, row, timed, regime_variants, ops, stream, iters, calls, args, measured):
-    """Graph-replayed ms per call of every fn in `timed` (the slowest rank's) into row, then
-    the user regimes of regime_variants (measure_regimes) and the speed-ups."""
+def _time_row(world, row, timed, regime_variants, ops, stream, iters, nsets, shared_gpu, args,
+              measured):
+    """Graph-replayed ms per call of every fn in `timed` (the slowest rank's; a graph of as
+    many calls as input sets, a few where ranks share a GPU) into row, then the user regimes
+    of regime_variants (measure_regimes) and the speed-ups."""
+    calls = min(nsets, 2) if world.size > 1 and shared_gpu else max(nsets, 4)
+
     def settle():
         for op in ops:
             op.synchronize(stream)
@@ -124,10 +112,7 @@ def _time_row(world, row, timed, regime_variants, ops, stream, iters, calls, arg
     row["speedup"] = row["baseline_ms"] / row["cuflux_ms"]
     if "nccl_ms" in row:
         row["speedup_nccl"] = row["nccl_ms"] / row["cuflux_ms"]
-        for regime in ("graph_ms", "user_loop_ms"):
-            ours, theirs = row.get(regime), row.get("nccl_" + regime)
-            row[regime.replace("_ms", "_speedup_nccl")] = theirs / ours if ours and theirs \
-                else None
+        add_speedups(row, "nccl_", "_nccl")
 
 
 def _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters, measured,
@@ -168,7 +153,7 @@ def _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters, m
 
                 # sets sized from T alone: every rank rotates as many sets, so every rank
                 # captures as many calls (n_rows differs between ranks)
-                pick, sets = _rotating_sets(make, 4 * T * H * st.itemsize)
+                pick, nsets = _rotating_sets(make, 4 * T * H * st.itemsize)
 
                 def fused(algo=None):
                     x, res, out, _ = pick()
@@ -207,14 +192,13 @@ def _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters, m
                 row = {"case": f"T={T} H={H} bf16 {output}", "kind": "norm", "T": T, "H": H,
                        "mode": output, "baseline": "AllReduce + rmsnorm_residual",
                        "auto_algo": choose_algo(T * H * st.itemsize, W, output)}
-                calls = min(len(sets), 2) if W > 1 and shared_gpu else max(len(sets), 4)
                 _time_row(world, row, timed,
                           [("", on_stream(fused, stream), "AllReduceRMSNorm"),
                            ("baseline_", on_stream(unfused, stream),
                             "AllReduce + rmsnorm_residual"),
                            ("nccl_", on_stream(with_nccl, stream) if nccl is not None else None,
                             "NCCL + rmsnorm_residual")],
-                          ops, stream, iters, calls, args, measured)
+                          ops, stream, iters, nsets, shared_gpu, args, measured)
                 world.barrier()
                 with stream:
                     ms = time_ms(fused, warmup=3, iters=iters, stream=stream)
@@ -236,7 +220,7 @@ def _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters, m
                     row["gbps"] = moved / (row["cuflux_ms"] * 1e-3) / 1e9
                     row["fraction_of_hbm"] = row["gbps"] / ceiling
                 rows.append(row)
-                pick = sets = None  # freed before the next T's sets (pick holds them too)
+                pick = None  # its sets freed before the next T's
         finally:
             if one is not None:
                 one.close()
@@ -264,7 +248,7 @@ def _plain_rows(world, args, sizes, nccl, stream, iters, measured, shared_gpu):
                 return (cupy.random.standard_normal(n, dtype=cupy.float32).astype(st),
                         cupy.empty(n, dtype=st), cupy.empty(n, dtype=st))
 
-            pick, sets = _rotating_sets(make, 3 * nbytes)
+            pick, nsets = _rotating_sets(make, 3 * nbytes)
 
             def ours(algo=None):
                 x, out, _ = pick()
@@ -288,23 +272,20 @@ def _plain_rows(world, args, sizes, nccl, stream, iters, measured, shared_gpu):
                 timed["nccl_ms"] = with_nccl
             row = {"case": f"AllReduce {nbytes} B bf16", "kind": "plain", "bytes": nbytes,
                    "baseline": "a copy of x (cupy)", "auto_algo": choose_algo(nbytes, W, "plain")}
-            calls = min(len(sets), 2) if W > 1 and shared_gpu else max(len(sets), 4)
             _time_row(world, row, timed,
                       [("", on_stream(ours, stream), "AllReduce"),
                        ("baseline_", on_stream(copy_baseline, stream), "copy"),
                        ("nccl_", on_stream(with_nccl, stream) if nccl is not None else None,
                         "NCCL all-reduce")],
-                      (arop, one), stream, iters, calls, args, measured)
+                      (arop, one), stream, iters, nsets, shared_gpu, args, measured)
             bus = 2 * (W - 1) / W if W > 1 else 1.0
-            for key in ("cuflux_ms", "nccl_ms"):
-                if row.get(key):
-                    row[key.replace("cuflux_ms", "busbw_gbps").replace("nccl_ms",
-                                                                       "nccl_busbw_gbps")] = \
-                        nbytes * bus / (row[key] * 1e-3) / 1e9
+            for ms, gbps in (("cuflux_ms", "busbw_gbps"), ("nccl_ms", "nccl_busbw_gbps")):
+                if row.get(ms):
+                    row[gbps] = nbytes * bus / (row[ms] * 1e-3) / 1e9
             if row.get("nccl_busbw_gbps"):
                 row["busbw_to_nccl"] = row["busbw_gbps"] / row["nccl_busbw_gbps"]
             rows.append(row)
-            pick = sets = None  # freed before the next size's
+            pick = None  # its sets freed before the next size's
     return rows
 
 
@@ -317,9 +298,7 @@ def run(world, args):
     shared_gpu = ranks_share_gpu(world)
     measured = speed_measured(W, shared_gpu)
     ceiling = copy_bandwidth_gbps() if me == 0 else None
-    # W = 1 too: NCCL's one-rank all-reduce is a copy, and the W = 1 run then exercises the
-    # baseline's code that otherwise runs only where two GPUs are lent
-    nccl = _nccl(world) if not shared_gpu else None
+    nccl = nccl_comm(world, shared_gpu)
     link = peer_copy_gbps(world) if W > 1 and not shared_gpu else None
     world.barrier()
     Ts = TS_QUICK if args.quick else TS_FULL

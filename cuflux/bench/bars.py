@@ -298,10 +298,9 @@ def check_gemm_rs(rows, world_size):
 
 def check_copy_host(rows, world_size):
     """Issue 14's two bars of a copy op (allgather, ag_gemm)."""
-    bar = copy_host_bar(world_size)
+    yield from _host_checks(rows, copy_host_bar(world_size))
     for row in rows:
         if "host_us" in row:
-            yield bar, _case(row), *field(row, "host_us")
             per_ms, why = ratio(row, "host_us", "cuflux_ms")
             # host us per GPU us: us / (ms * 1000)
             yield COPY_HOST_OF_GPU, _case(row), None if why else per_ms / 1e3, why

@@ -181,6 +181,28 @@ def ranks_share_gpu(world) -> bool:
     return world.size > 1 and any(world.allgather(mine))
 
 
+def nccl_comm(world, shared_gpu: bool):
+    """(cupy.cuda.nccl, a communicator over the world's ranks), or None where ranks share a GPU
+    (NCCL refuses two ranks on one GPU) or NCCL is missing on any rank (decided together: no
+    rank waits alone). Collective. W = 1 too: a one-rank all-reduce is a copy, and a one-GPU
+    run then exercises the baselines' code."""
+    if shared_gpu:
+        return None
+    try:
+        from cupy.cuda import nccl
+
+        ok = bool(nccl.available)
+    except Exception:
+        ok = False
+    if not all(world.allgather(ok)):
+        if world.rank == 0:
+            print("NCCL baseline unavailable in this CuPy build")
+        return None
+    # through the World's bounded allgather (an MPI bcast waits without a deadline)
+    uid = world.allgather(nccl.get_unique_id() if world.rank == 0 else None)[0]
+    return nccl, nccl.NcclCommunicator(world.size, uid, world.rank)
+
+
 def peer_copy_gbps(world, num_bytes: int = 256 << 20) -> float | None:
     """Measured one-way copy rate from each rank's GPU to the next rank's (cudaMemcpyPeer), in
     GB/s, the highest over the ranks: the link figure the collectives' link fractions divide

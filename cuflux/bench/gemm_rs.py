@@ -54,8 +54,8 @@ from cuflux import knobs
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, print_bench_table, regime_calls,
                                    speed_header, speed_measured)
-from cuflux.bench.common import (peer_copy_gbps, ranks_share_gpu, sends_ms, time_interleaved,
-                                 write_results)
+from cuflux.bench.common import (nccl_comm, peer_copy_gbps, ranks_share_gpu, sends_ms,
+                                 time_interleaved, write_results)
 
 L2_BYTES = 60 << 20
 SHAPES = [  # (name, M, n, K over all ranks)
@@ -90,12 +90,6 @@ def op_args(world_size: int, rows) -> dict:
     if world_size == 1 and any("fused_kernel_ms" in r for r in rows):
         args["fused_kernel_ms"] = {"w1": "fused"}
     return args
-
-
-def _nccl(world):
-    from cuflux.bench.allreduce import _nccl as make
-
-    return make(world)
 
 
 def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=False,
@@ -249,7 +243,7 @@ def run(world, args):
     # Decided together: a rank that alone set up NCCL (or skipped it) would hang the others.
     shared_gpu = ranks_share_gpu(world)
     measured = speed_measured(W, shared_gpu)
-    nccl = _nccl(world) if not shared_gpu else None  # W = 1 too (allreduce.run says why)
+    nccl = nccl_comm(world, shared_gpu)
     link = peer_copy_gbps(world) if W > 1 and not shared_gpu else None
     iters = min(args.iters, 5) if W > 1 and shared_gpu else args.iters
     stream = cupy.cuda.Stream(non_blocking=True)
