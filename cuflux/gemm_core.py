@@ -722,7 +722,8 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
     operands, on its stream, before the call itself (_time_candidates), once the stream has run
     its earlier work. The timing calls write `out` (beta 0, or + addend, never + out: the call
     that follows overwrites it). Only a complete timing (every candidate's blocks within the
-    budget) goes to the table; a cut-short one is used by this process alone. bias: the
+    budget) goes to the table and names its class's winner; a cut-short one is used by this
+    shape in this process alone. bias: the
     epilogue's (plans with a bias epilogue), else None. At most ALGO_TUNE_MAX_PER_PROCESS
     timings a process."""
     plan.tuned = True  # decided now, whatever happens below (one attempt per plan)
@@ -759,8 +760,8 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
     if times:
         fastest = min(times, key=times.get)
         plan.algo = plan.algos[fastest]
-        _CLASS_WINNERS.setdefault(cls, bytes(plan.algo))
-        if complete:
+        if complete:  # a cut-short timing is this shape's guess, not its class's
+            _CLASS_WINNERS.setdefault(cls, bytes(plan.algo))
             gemm_tuner.remember_algo(table_key, fastest,
                                      [times.get(i) for i in range(len(plan.algos))])
 

@@ -475,6 +475,11 @@ class LoadedModule:
         self.family, self.arch = family, arch
         self._module = cupy.RawModule(path=str(got.path))
         self.functions = {n: self._module.get_function(got.lowered[n]) for n in family.names}
+        # Each kernel's CUfunction resolved now, under this module's device (load() makes it
+        # current): launch resolves a kernel once and keeps it, and a first launch made with
+        # another GPU current would have resolved (and kept) that GPU's copy.
+        for fn in self.functions.values():
+            _launch._function(fn)
 
     def __getitem__(self, name: str):
         try:

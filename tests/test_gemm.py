@@ -1244,18 +1244,19 @@ def test_cublaslt_shape_class_takes_its_winner_without_timing(monkeypatch, tmp_p
     """A new M of a timed shape's class (the same GEMM, M in the same power-of-two range)
     takes the class's winner without timing where the heuristic offers that algorithm for the
     new M too; where it does not, the new M is timed as a shape of its own; an M of another
-    range is timed; a shape read from the table gives its class its choice."""
+    range is timed; a shape read from the table gives its class its choice; a timing the
+    budget cut short names no class winner (a later M of that class is timed)."""
     import ctypes
     import json
 
     from cuflux.arrays import dtype_info
 
     lt = _fresh_algo_tuning(monkeypatch, tmp_path)
-    timed = []
+    timed, complete = [], [True]
 
     def fake_timing(run, count, stream, budget_s):
         timed.append(count)
-        return {i: t for i, t in enumerate((3.0, 1.0, 2.0)[:count])}, True
+        return {i: t for i, t in enumerate((3.0, 1.0, 2.0)[:count])}, complete[0]
 
     monkeypatch.setattr(gemm_core, "_time_candidates", fake_timing)
     arr, stream = _lt_operands(monkeypatch)
@@ -1290,6 +1291,8 @@ def test_cublaslt_shape_class_takes_its_winner_without_timing(monkeypatch, tmp_p
     monkeypatch.setattr(gemm_tuner, "_ALGO_TABLE", None)
     monkeypatch.setattr(gemm_core, "_CLASS_WINNERS", {})
     assert call(4000) == 78 and call(3500) == 78 and timed == [3, 3, 2]
+    complete[0] = False  # [8192, 16384): cut short, so used by 9000 alone; 10000 is timed
+    assert call(9000) == 78 and call(10000) == 78 and timed == [3, 3, 2, 3, 3]
 
 
 def test_time_candidates_judges_sustained_blocks(monkeypatch):

@@ -111,3 +111,20 @@ def test_launch_structures_match_cuda_h():
     assert L._LaunchConfig.hStream.offset == 32
     assert L._LaunchConfig.attrs.offset == 40 and L._LaunchConfig.numAttrs.offset == 48
     assert struct.calcsize("=Qi128sQ") == 148
+
+
+@pytest.mark.gpu
+def test_kernels_are_resolved_when_their_module_loads():
+    """Every kernel of a loaded family has its CUfunction before any launch, resolved under the
+    module's device (launch keeps the first resolution: a first launch made with another GPU
+    current must not be the one that resolves it)."""
+    import cupy
+
+    from cuflux import kernels
+
+    mod = kernels.load("allreduce.cu", cupy.cuda.Device().id)
+    assert mod.functions
+    for name, fn in mod.functions.items():
+        entry = L._FUNCTIONS.get(id(fn))
+        assert entry is not None and entry[0] is fn, name
+        assert entry[1] == fn.kernel.ptr != 0, name

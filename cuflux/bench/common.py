@@ -198,9 +198,12 @@ def nccl_comm(world, shared_gpu: bool):
         if world.rank == 0:
             print("NCCL baseline unavailable in this CuPy build")
         return None
-    # through the World's bounded allgather (an MPI bcast waits without a deadline)
-    uid = world.allgather(nccl.get_unique_id() if world.rank == 0 else None)[0]
-    return nccl, nccl.NcclCommunicator(world.size, uid, world.rank)
+    # NcclRail's set-up, bounded: the id through the World's allgather, ncclCommInitRank (which
+    # waits for every rank, without a deadline) in a thread joined against the World's timeout,
+    # every call kind connected there, and the ranks agreeing that each got its communicator.
+    from cuflux.rail import NcclRail
+
+    return nccl, NcclRail(world, world.device, world.timeout_s).comm
 
 
 def peer_copy_gbps(world, num_bytes: int = 256 << 20) -> float | None:
