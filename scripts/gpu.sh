@@ -35,6 +35,8 @@
 # Environment: CUFLUX_BENCH_GROUPS="rs ag" benches only those ("none": no benches);
 # CUFLUX_TEST_BUDGET_S (default 360) bounds the tests of all groups together;
 # CUFLUX_TEST_WORLD_SIZES (default 1,2,4,8) the world sizes of the tests;
+# CUFLUX_MULTI_W (default: the GPU count) the multi arms' W: a rehearsal of them on one GPU
+# (ranks share it: the scripts and paths run, no speed is measured, no NCCL baseline);
 # CUFLUX_SANITIZE_TOOLS / _WS / _CAP_S (default "memcheck racecheck synccheck", "1 2", 120) what
 # the sanitize group runs: which tools, at which world sizes, for how many seconds each.
 # A cubin cache compiled elsewhere with the same NVRTC (bash scripts/precompile.sh) can be
@@ -163,7 +165,7 @@ case $1 in
   multi)  # one device call (< 10 minutes): the collectives' benchmarks, ranks on distinct
     # GPUs (issues 14, 16, 17), their tests and the cross-node ones at that W; the GEMM
     # benchmarks: multi-gemm
-    W=$(nvidia-smi -L | wc -l); EXPECT=all2all,allreduce,allgather
+    W=${CUFLUX_MULTI_W:-$(nvidia-smi -L | wc -l)}; EXPECT=all2all,allreduce,allgather
     nvidia-smi topo -m >"$L/topo.txt" 2>&1
     bench 90 "$W" all2all; bench 180 "$W" allreduce; bench 60 "$W" allgather
     # test_nodes: every op across emulated nodes (node size 1: the NCCL rail between the
@@ -173,7 +175,7 @@ case $1 in
     finish ;;
   multi-gemm)  # a second device call: the GEMM benchmarks (issues 14, 15) and the cross-node
     # ops with each GPU a node (issue 20), ranks on distinct GPUs
-    W=$(nvidia-smi -L | wc -l); EXPECT=gemm_rs,ag_gemm
+    W=${CUFLUX_MULTI_W:-$(nvidia-smi -L | wc -l)}; EXPECT=gemm_rs,ag_gemm
     bench 150 "$W" gemm_rs; bench 150 "$W" ag_gemm
     if [ "$W" -gt 1 ]; then  # one rank is one node: nothing crosses (the bench says so)
       EXPECT=$EXPECT,across
@@ -183,7 +185,7 @@ case $1 in
   pytest)  # one capped pytest run of chosen tests: pytest NAME WS CAP PYTEST-ARGS...
     TEST_END=$((SECONDS + $4)); tests "$2" "$3" "$4" "${@:5}"; finish ;;
   multi-tests)  # a third device call: every GPU test at W = GPU count, a rank per GPU
-    W=$(nvidia-smi -L | wc -l)
+    W=${CUFLUX_MULTI_W:-$(nvidia-smi -L | wc -l)}
     CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 540 python -m pytest -q -rf -m gpu \
       tests/test_runtime.py tests/test_allgather.py tests/test_reliability.py tests/test_graphs.py \
       tests/test_base.py tests/test_gemm_rs.py tests/test_ag_gemm.py tests/test_torch.py \
