@@ -57,6 +57,25 @@ def test_gemm_user_loop_and_host_bars_at_w1(tmp_path):
     assert host.threshold == bars.HOST_US_W1 == 10.0 and "W = 1" in host.text
     assert _met(checks, host) == {"t-ok": True, "t-slow": False, "t-none": None, "decode": True}
     assert len(checks) == 7
+    assert _why(checks, host, "t-slow") is None  # no floor in the file: nothing to show
+
+
+def test_a_missed_host_bar_shows_the_host_s_floor(tmp_path):
+    """A run that measured the host's floor (common.measure_host_floor) shows it beside each
+    missed host bar (issue 14's and 17's), and nowhere else."""
+    rows = [{"case": "fast", "table_shape": True, "user_loop_speedup": 0.5, "host_us": 9.0},
+            {"case": "slow", "table_shape": True, "user_loop_speedup": 0.5, "host_us": 19.0}]
+    floor = {"launch_us": 8.25, "copy_us": 7.75, "calls": 500}
+    checks = _checks(tmp_path, "gemm", 1, rows, host_floor_us=floor)
+    host = bars.host_bar(1)
+    assert _met(checks, host) == {"fast": True, "slow": False}
+    assert _why(checks, host, "slow") == ("this host: a bare kernel launch 8.2 us, a bare copy "
+                                          "7.8 us")
+    assert _why(checks, host, "fast") is None
+    assert _why(checks, bars.GEMM_USER_LOOP, "slow") is None  # not a host bar
+    assert "bare kernel launch 8.2 us" in bars.verdict(
+        next(c for c in checks if c["case"] == "slow" and c["bar"] == host.text))
+    assert all(b.host for b in (bars.host_bar(2), bars.copy_host_bar(2), bars.A2A_HOST))
 
 
 def test_gemm_at_w2_has_no_user_loop_bar_and_the_w2_host_bar(tmp_path):

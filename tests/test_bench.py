@@ -146,6 +146,17 @@ def test_write_results_keeps_the_knobs(tmp_path):
     assert doc["knobs"]["args"]["op"] == "gemm" and doc["speed_measured"] is True
 
 
+def test_write_results_carries_the_host_floor_once_measured(tmp_path, monkeypatch):
+    from cuflux.bench import common
+
+    monkeypatch.setattr(common, "HOST_FLOOR", {})
+    doc = json.loads(common.write_results("gemm", 1, [], outdir=str(tmp_path)).read_text())
+    assert "host_floor_us" not in doc  # not measured (a run without a GPU): no key
+    common.HOST_FLOOR.update(launch_us=8.5, copy_us=7.9, calls=500)
+    doc = json.loads(common.write_results("gemm", 1, [], outdir=str(tmp_path)).read_text())
+    assert doc["host_floor_us"] == {"launch_us": 8.5, "copy_us": 7.9, "calls": 500}
+
+
 def test_gemm_decode_and_table_cases():
     from cuflux.bench import gemm
 
@@ -193,6 +204,36 @@ def test_regime_calls_are_modest_and_agree_on_the_slow_cases():
     assert cli.regime_calls(0.01) == 100 and cli.regime_calls(0.01, quick=True) == 50
     assert cli.regime_calls(0.5) == 50 and cli.regime_calls(3.0) == 10
     assert cli.regime_calls(None) == 10 and cli.regime_calls(0.01, speed=False) < 10
+
+
+def test_user_regimes_make_the_stream_current_once_a_loop(monkeypatch):
+    """common.regimes calls an on_stream(f, stream) callable's f with `stream` made current
+    once around each timed loop (as a user sets a stream once): the per-call `with stream:`
+    is the benchmark's host time, not the op's. Any other callable is called as it is."""
+    from cuflux.bench import common
+
+    _fake_cupy(monkeypatch)
+    monkeypatch.setattr(common, "hold_stream", lambda stream, us: None)
+
+    class Current(_Stream):
+        entered = depth = 0
+
+        def __enter__(self):
+            self.entered += 1
+            self.depth += 1
+
+        def __exit__(self, *exc):
+            self.depth -= 1
+
+    stream, seen = Current(), []
+    f = lambda: seen.append(stream.depth)  # noqa: E731
+    r = common.regimes(cli.on_stream(f, stream), stream, calls=3, graph=False, warmup=2)
+    assert seen == [1] * 8  # every call with the stream current
+    assert stream.entered == 2 + 1 + 1  # once a warm-up call, once a timed loop
+    assert r["graph_ms"] is None and r["user_loop_ms"] > 0 and r["host_us"] > 0
+    seen.clear()
+    common.regimes(f, stream, calls=3, graph=False, warmup=2)
+    assert seen == [0] * 8 and stream.entered == 4  # a plain callable: nothing entered
 
 
 class _World:
@@ -338,8 +379,11 @@ def test_main_makes_the_rank_s_gpu_current_before_any_bench(monkeypatch):
                                                                       device=1), raising=False)
     monkeypatch.setattr(cupy.cuda, "Device", lambda d: types.SimpleNamespace(
         use=lambda: order.append(("use", d))))
+    from cuflux.bench import common
+
+    monkeypatch.setattr(common, "measure_host_floor", lambda: order.append("floor"))
     assert cli.main(["gemm"]) == 0
-    assert order == [("use", 1), "run"]
+    assert order == [("use", 1), "floor", "run"]  # the host's floor: on the rank's GPU too
 
 
 def test_plot_without_matplotlib_fails_before_any_bench(monkeypatch, capsys):

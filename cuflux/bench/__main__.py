@@ -130,10 +130,14 @@ def measure_regimes(variants, stream, *, calls: int, world=None, graph: bool = T
 
 
 def on_stream(fn, stream):
-    """fn() with `stream` as CuPy's current stream (ops that take no stream argument)."""
+    """fn() with `stream` as CuPy's current stream (ops that take no stream argument). The
+    user regimes (common.regimes) make `stream` current once around each loop and call fn
+    itself, as a user sets a stream once and then calls ops: a `with stream:` per call
+    (~1 us of CuPy's) is the benchmark's cost, not the op's host time."""
     def call():
         with stream:
             fn()
+    call.inner, call.stream = fn, stream
     return call
 
 
@@ -281,6 +285,9 @@ def main(argv=None) -> int:
         import cupy
 
         cupy.cuda.Device(world.device).use()
+        from cuflux.bench.common import measure_host_floor
+
+        measure_host_floor()  # this host's floor of a launch and a copy, beside the host bars
     written = []
     for op in (sorted(OPS) if args.op == "all" else [args.op]):
         path = importlib.import_module(OPS[op]).run(world, args)

@@ -145,42 +145,48 @@ def _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters, m
                 # is the same)
                 T_pad = -(-T // W) * W
 
-                def make():  # x (padded), residual, out, y (the unfused sum)
+                def make():  # one input set; the views are made here once, not in the
+                    # timed calls (a CuPy slice costs the host ~1-2 us, which is not the op's)
                     def rand(shape):
                         return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(st)
-                    return rand((T_pad, H)), rand((n_rows, H)), rand((n_rows, H)), \
-                        rand((T_pad, H))
+                    x, y = rand((T_pad, H)), rand((T_pad, H))  # x padded, y: the unfused sum
+                    return {"x_pad": x, "x": x[:T], "res": rand((n_rows, H)),
+                            "out": rand((n_rows, H)), "y_pad": y, "y": y[:T],
+                            # the sum's rows this rank normalises: cuflux's unfused pair
+                            # (its AllReduce gives every row), NCCL's reduce-scatter (its
+                            # share lands first)
+                            "y_mine": y[lo:hi] if output == "sequence_parallel" else y[:T],
+                            "y_share": y[:n_rows]}
 
                 # sets sized from T alone: every rank rotates as many sets, so every rank
                 # captures as many calls (n_rows differs between ranks)
                 pick, nsets = _rotating_sets(make, 4 * T * H * st.itemsize)
 
                 def fused(algo=None):
-                    x, res, out, _ = pick()
-                    (one if algo == "one_shot" else norm)(x[:T], res, weight, out=out, algo=algo)
-
-                def norm_of(y, res, out):  # the norm over the rows this rank holds
-                    rows_y = y[lo:hi] if output == "sequence_parallel" else y
-                    rmsnorm_residual(rows_y, res, weight, eps=norm.eps, out=out)
+                    v = pick()
+                    (one if algo == "one_shot" else norm)(v["x"], v["res"], weight, out=v["out"],
+                                                          algo=algo)
 
                 def unfused():
-                    x, res, out, y = pick()
-                    arop(x[:T], out=y[:T])
-                    norm_of(y[:T], res, out)
+                    v = pick()
+                    arop(v["x"], out=v["y"])
+                    rmsnorm_residual(v["y_mine"], v["res"], weight, eps=norm.eps, out=v["out"])
 
                 def with_nccl():
                     # sequence_parallel: NCCL's reduce-scatter of the padded rows, then the
                     # norm of this rank's; the other outputs: its all-reduce, then the norm
-                    x, res, out, y = pick()
+                    v = pick()
                     lib, comm = nccl
                     if output == "sequence_parallel":
-                        comm.reduceScatter(x.data.ptr, y.data.ptr, (T_pad // W) * H,
-                                           lib.NCCL_BFLOAT16, lib.NCCL_SUM, stream.ptr)
-                        rmsnorm_residual(y[:n_rows], res, weight, eps=norm.eps, out=out)
+                        comm.reduceScatter(v["x_pad"].data.ptr, v["y_pad"].data.ptr,
+                                           (T_pad // W) * H, lib.NCCL_BFLOAT16, lib.NCCL_SUM,
+                                           stream.ptr)
+                        rows = v["y_share"]
                     else:
-                        comm.allReduce(x.data.ptr, y.data.ptr, T * H, lib.NCCL_BFLOAT16,
-                                       lib.NCCL_SUM, stream.ptr)
-                        norm_of(y[:T], res, out)
+                        comm.allReduce(v["x"].data.ptr, v["y"].data.ptr, T * H,
+                                       lib.NCCL_BFLOAT16, lib.NCCL_SUM, stream.ptr)
+                        rows = v["y"]
+                    rmsnorm_residual(rows, v["res"], weight, eps=norm.eps, out=v["out"])
 
                 timed = {"cuflux_ms": fused, "baseline_ms": unfused}
                 if W > 1:

@@ -105,6 +105,7 @@ class Bar:
     at_least: bool = True  # met when value >= threshold (else value <= threshold)
     speed: bool = True  # a speed figure: not measured where ranks share one GPU
     distinct: bool = False  # needs W >= 2 on distinct GPUs
+    host: bool = False  # a host-time bar: a miss is shown beside the host's floor
 
 
 # Issue 14.
@@ -116,14 +117,15 @@ COPY_HOST_OF_GPU = Bar(14, "copy op: host time <= its GPU time (host us / GPU us
 
 def host_bar(world_size: int) -> Bar:
     us = HOST_US_W1 if world_size == 1 else HOST_US_W2
-    return Bar(14, f"host <= {us:g} us a call (W = {world_size})", us, at_least=False)
+    return Bar(14, f"host <= {us:g} us a call (W = {world_size})", us, at_least=False,
+               host=True)
 
 
 def copy_host_bar(world_size: int) -> Bar:
     copies = max(1, world_size - 1)  # one copy per peer; at W = 1 one local copy
     us = COPY_HOST_US_PER_COPY * copies
     return Bar(14, f"copy op: host <= {us:g} us a call ({copies} x {COPY_HOST_US_PER_COPY:g} "
-                   f"us, W = {world_size})", us, at_least=False)
+                   f"us, W = {world_size})", us, at_least=False, host=True)
 
 
 # Issue 15.
@@ -156,7 +158,7 @@ PLAIN_GRAPH = Bar(16, f"plain {PLAIN_SMALL}: NCCL / ours >= {PLAIN_GRAPH_SPEEDUP
 A2A_LINK = Bar(17, f"fraction_of_link >= {A2A_LINK_FRACTION_MIN} at T >= {A2A_LINK_TOKENS}",
                A2A_LINK_FRACTION_MIN, distinct=True)
 A2A_HOST = Bar(17, f"host <= {A2A_HOST_US:g} us a call", A2A_HOST_US, at_least=False,
-               distinct=True)
+               distinct=True, host=True)
 A2A_LOOP = Bar(17, f"user loop >= {A2A_LOOP_SPEEDUP_MIN}x NCCL all-to-all + permutes at T = "
                    f"{A2A_LOOP_TOKENS}", A2A_LOOP_SPEEDUP_MIN, distinct=True)
 # Issue 20: correctness counts on a shared GPU too.
@@ -379,15 +381,29 @@ def record(bar: Bar, name: str, case: str, value, why: str | None = None) -> dic
     return rec
 
 
+def host_floor_note(doc: dict) -> str | None:
+    """The host's own floor the file's run measured (common.measure_host_floor), in words."""
+    floor = doc.get("host_floor_us")
+    if not isinstance(floor, dict) or floor.get("launch_us") is None:
+        return None
+    return (f"this host: a bare kernel launch {floor['launch_us']:.1f} us, a bare copy "
+            f"{floor.get('copy_us', float('nan')):.1f} us")
+
+
 def check_file(f: RunFile) -> list[dict]:
     """Every check of one file: one "not measured here" record per bar it cannot measure, and
-    the rows' checks of the bars it can."""
+    the rows' checks of the bars it can; a missed host bar says the host's floor where the
+    run measured it."""
     name, op, W = f.path.name, f.doc["op"], f.world_size
     out = [record(bar, name, "", None, why) for bar in op_bars(op, W)
            if (why := not_measured(bar, f))]
-    out += [record(bar, name, case, value, why)
-            for bar, case, value, why in CHECKS[op](f.doc["rows"], W)
-            if not not_measured(bar, f)]
+    floor = host_floor_note(f.doc)
+    for bar, case, value, why in CHECKS[op](f.doc["rows"], W):
+        if not not_measured(bar, f):
+            rec = record(bar, name, case, value, why)
+            if bar.host and rec["met"] is False and floor and "why" not in rec:
+                rec["why"] = floor
+            out.append(rec)
     return out
 
 

@@ -93,29 +93,38 @@ def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5
     `barrier` (multi-rank): called before each timed loop so ranks start together. The GPU-
     queued regime (calls queued behind a hold, GPU time per call) is each benchmark's own
     cuflux_ms / baseline_ms column."""
+    import contextlib
     import time
 
     import cupy
 
     from cuflux.errors import CaptureError
 
+    # fn from on_stream(f, stream): the stream made current once around each loop, f called
+    # (the per-call `with` is the benchmark's host time, not the op's)
+    current = contextlib.nullcontext()
+    if getattr(fn, "stream", None) is stream and getattr(fn, "inner", None) is not None:
+        fn, current = fn.inner, stream
     for _ in range(warmup):
-        fn()
+        with current:
+            fn()
     stream.synchronize()
     if barrier is not None:
         barrier()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    stream.synchronize()
-    user_loop_ms = (time.perf_counter() - t0) * 1e3 / calls
+    with current:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        stream.synchronize()
+        user_loop_ms = (time.perf_counter() - t0) * 1e3 / calls
     if barrier is not None:
         barrier()
     hold_stream(stream, 2 * user_loop_ms * 1e3 * calls + 200)  # clamped there
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    host_us = (time.perf_counter() - t0) * 1e6 / calls
+    with current:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host_us = (time.perf_counter() - t0) * 1e6 / calls
     stream.synchronize()
     graph_ms = None
     if graph:
@@ -124,8 +133,9 @@ def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5
                 barrier()
             stream.begin_capture()
             try:
-                for _ in range(calls):
-                    fn()
+                with current:
+                    for _ in range(calls):
+                        fn()
             finally:
                 g = stream.end_capture()
             g.launch(stream)  # warm-up replay
@@ -152,9 +162,13 @@ extern "C" __global__ void cuflux_bench_hold(unsigned long long ns) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   } while (t - t0 < ns);
 }
+extern "C" __global__ void cuflux_bench_empty(unsigned long long unused) {}
 """
 _HOLD_MAX_US = 20_000.0
 _hold_kernel = None
+# This host's floor for enqueueing GPU work from Python (measure_host_floor), written into
+# every results JSON of the run: the issues' host bars read against it.
+HOST_FLOOR: dict = {}
 
 
 def hold_stream(stream, us: float, max_us: float = _HOLD_MAX_US) -> None:
@@ -171,6 +185,53 @@ def hold_stream(stream, us: float, max_us: float = _HOLD_MAX_US) -> None:
         _hold_kernel = cupy.RawKernel(_HOLD_SRC, "cuflux_bench_hold")
     ns = int(min(max(us, 0.0), max_us) * 1e3)
     _hold_kernel((1,), (1,), (np.uint64(ns),), stream=stream)
+
+
+def measure_host_floor(calls: int = 500) -> dict:
+    """What enqueueing GPU work from Python costs this host with nothing of cuflux in the way,
+    per call, the GPU held (hold_stream) so no call waits for it: `launch_us`, cuLaunchKernel of
+    an empty one-argument kernel through ctypes with its argument block built once; `copy_us`,
+    an 8-byte cudaMemcpyAsync through CuPy. No op that launches a kernel (or a copy) per call
+    can spend less host time than these; the host bars of the issues are read against them
+    (one cuLaunchKernel took 6-14 us on the lent H200 machine, where 2-4 us is common).
+    Kept in HOST_FLOOR for write_results."""
+    import ctypes
+    import time
+
+    import cupy
+    from cupy.cuda import runtime
+
+    from cuflux.launch import driver_lib
+
+    s = cupy.cuda.Stream(non_blocking=True)
+    func = cupy.RawKernel(_HOLD_SRC, "cuflux_bench_empty").kernel.ptr
+    arg = ctypes.c_uint64(0)
+    params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
+    lib = driver_lib()
+    src, dst = cupy.zeros(2, cupy.uint32), cupy.zeros(2, cupy.uint32)
+
+    def launch():
+        lib.cuLaunchKernel(func, 1, 1, 1, 32, 1, 1, 0, s.ptr, params, None)
+
+    def copy():
+        runtime.memcpyAsync(dst.data.ptr, src.data.ptr, 8, runtime.memcpyDeviceToDevice, s.ptr)
+
+    floor = {}
+    for name, fn in (("launch_us", launch), ("copy_us", copy)):
+        for _ in range(50):
+            fn()
+        s.synchronize()
+        # 500 calls of ~10 us fit behind the hold, and in the launch queue (~1,000 entries: a
+        # full queue would block the host until the hold ends, counted as host time)
+        hold_stream(s, _HOLD_MAX_US)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        floor[name] = (time.perf_counter() - t0) * 1e6 / calls
+        s.synchronize()
+    HOST_FLOOR.clear()
+    HOST_FLOOR.update(floor, calls=calls)
+    return dict(HOST_FLOOR)
 
 
 def ranks_share_gpu(world) -> bool:
@@ -276,6 +337,8 @@ def write_results(op: str, world_size: int, rows: list[dict], extra: dict | None
     doc = {"op": op, "machine": machine_name(), "date": date,
            "command": " ".join(["python -m cuflux.bench"] + sys.argv[1:]),
            "world_size": world_size, "rows": rows}
+    if HOST_FLOOR:
+        doc["host_floor_us"] = dict(HOST_FLOOR)
     if extra:
         doc.update(extra)
     d = pathlib.Path(outdir)
