@@ -235,19 +235,33 @@ def zeros_settled(shape, dtype):
     return a
 
 
+_STREAMS: list = []  # [cupy.cuda.get_current_stream, (Stream, ExternalStream)], looked up once
+
+
+def _streams():
+    if not _STREAMS:
+        import cupy
+
+        _STREAMS.extend((cupy.cuda.get_current_stream,
+                         (cupy.cuda.Stream, cupy.cuda.ExternalStream)))
+    return _STREAMS
+
+
 def stream_of(stream, like=None):
     """A cupy Stream-like object for `stream=` (CuPy stream, raw handle, torch stream, None).
 
     None: the current stream of the caller's framework: torch's (torch.cuda.current_stream)
-    when `like` (the call's input) is a torch tensor, else CuPy's."""
-    import cupy
-
+    when `like` (the call's input) is a torch tensor, else CuPy's. Runs on every call of
+    every op: CuPy's names are looked up once."""
+    current, kinds = _STREAMS or _streams()
     if stream is None:
         if like is not None and is_torch(like):
             return _torch_current_stream(like)
-        return cupy.cuda.get_current_stream()
-    if isinstance(stream, cupy.cuda.Stream) or isinstance(stream, cupy.cuda.ExternalStream):
+        return current()
+    if isinstance(stream, kinds):
         return stream
+    import cupy
+
     if isinstance(stream, int):
         return cupy.cuda.ExternalStream(stream)
     for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream has .cuda_stream

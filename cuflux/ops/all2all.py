@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import math
 import operator
 
 import numpy as np
@@ -335,6 +336,7 @@ class All2AllHeads(CommOp):
         self._row_bytes = self.spec.row_bytes
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._hashes: dict = {}
+        self._views: dict = {}  # (region, shape, dtype) -> a view of this rank's slot
         self.w1 = w1
         self._closed = False
 
@@ -427,8 +429,6 @@ class All2AllHeads(CommOp):
 
     @on_op_device
     def _run(self, gather, a, tokens_per_rank, scale, out, out_scale, view, stream):
-        import cupy
-
         if self._closed:
             raise CufluxError(f"{_OP}: the op is closed")
         self._raise_if_failed()
@@ -459,6 +459,8 @@ class All2AllHeads(CommOp):
         if (self._last_stream is not None and self._last_stream.ptr != s.ptr
                 and not capturing):
             # Keep every call of the op in one stream order (double buffering relies on it).
+            import cupy
+
             ev = cupy.cuda.Event(disable_timing=True)
             ev.record(self._last_stream)
             s.wait_event(ev)
@@ -550,12 +552,24 @@ class All2AllHeads(CommOp):
                            device=self.spec.device)
 
     def _slot_view(self, region, shape, dtype):
+        """A CuPy array over this rank's receive slot `region`, kept per (region, shape,
+        dtype): making one (UnownedMemory, MemoryPointer, ndarray) costs the host more than
+        the rest of a small call. Handed out again only while its shape is the one asked
+        for (a caller may have set .shape in place)."""
+        key = (region, shape, dtype)
+        view = self._views.get(key)
+        if view is not None and view.shape == shape:
+            return view
         import cupy
 
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        n = math.prod(shape) * np.dtype(dtype).itemsize
         mem = cupy.cuda.UnownedMemory(self.buf.ptr(self.spec.rank, region), max(n, 1), self.buf,
                                       device_id=self.spec.device)
-        return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        view = cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(mem, 0))
+        if len(self._views) >= CACHE_MAX:  # shapes follow token lists: bounded like plans
+            self._views.clear()
+        self._views[key] = view
+        return view
 
     # ---- errors and lifetime -----------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -583,6 +597,7 @@ class All2AllHeads(CommOp):
         """Views of the slots die with the buffer (the base closes it after this)."""
         self._plans.clear()
         self._hashes.clear()
+        self._views.clear()
 
 
 class _Plan:

@@ -1,0 +1,162 @@
+"""Probe: where one op call's host time goes, piece by piece (one rank, W = 1, the GPU held so
+no call waits for it): each op's whole call, then each step of its call path timed alone with
+the same arguments, beside this host's floor (a bare launch, a bare copy). The pieces that do
+not enqueue anything are timed without a hold.
+  PYTHONPATH=. python scripts/probe_call_path.py
+"""
+import time
+
+import numpy as np
+
+
+def per_call_us(fn, calls=500, hold=None):
+    """Wall time per call of `calls` back-to-back calls; `hold`: a stream held busy first
+    (pieces that enqueue work: 500 calls fit behind the hold and in the launch queue)."""
+    from cuflux.bench.common import hold_stream
+
+    for _ in range(20):
+        fn()
+    if hold is not None:
+        hold.synchronize()
+        hold_stream(hold, 20_000)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) / calls * 1e6
+    if hold is not None:
+        hold.synchronize()
+    return us
+
+
+def main():
+    import cupy
+
+    import cuflux
+    from cuflux import arrays, kernels
+    from cuflux.bench.common import measure_host_floor
+    from cuflux.ops import all2all as A
+    from cuflux.ops import allreduce as R
+    from cuflux.ops.base import check_no_alias
+
+    world = cuflux.init()
+    cupy.cuda.Device(world.device).use()
+    s = cupy.cuda.Stream(non_blocking=True)
+
+    def row(label, us):
+        print(f"{label:64s} {us:8.2f} us", flush=True)
+
+    floor = measure_host_floor()
+    row("floor: bare cuLaunchKernel (ctypes, block built once)", floor["launch_us"])
+    row("floor: bare cudaMemcpyAsync 8 B (CuPy runtime)", floor["copy_us"])
+
+    # ---- AllReduceRMSNorm, T = 1, H = 4096, bf16, out= and stream= given ----------------------
+    H = 4096
+    with s:
+        x = cupy.ones((1, H), dtype=cupy.float16).view(cupy.uint16).view(cupy.float16)
+    norm = cuflux.AllReduceRMSNorm(world, 64, H, "float16")
+    with s:
+        res, w, out = cupy.ones_like(x), cupy.ones((H,), cupy.float16), cupy.empty_like(x)
+    row("norm: whole call (out=, stream=)", per_call_us(
+        lambda: norm(x, res, w, out=out, stream=s), hold=s))
+    with s:
+        row("norm: whole call (out=, current stream)", per_call_us(
+            lambda: norm(x, res, w, out=out), hold=s))
+    unwrapped = type(norm).__call__.__wrapped__
+    row("norm: the call without on_op_device", per_call_us(
+        lambda: unwrapped(norm, x, res, w, out=out, stream=s), hold=s))
+    row("norm: _check_open", per_call_us(norm._check_open))
+    row("norm: check_norm_call", per_call_us(
+        lambda: R.check_norm_call(norm, x, res, w, out, None)))
+    row("norm: as_cupy x", per_call_us(lambda: arrays.as_cupy(x, "x", "p")))
+    row("norm: check_array x (shape, dtype, device)", per_call_us(
+        lambda: arrays.check_array(x, name="x", op="p", shape=(1, H), dtype=norm.dtype,
+                                   device=world.device)))
+    row("norm: stream_of(s, x)", per_call_us(lambda: arrays.stream_of(s, x)))
+    row("norm: check_no_alias(out, x, residual, weight)", per_call_us(
+        lambda: check_no_alias("p", out, x=x, residual=res, weight=w)))
+    row("norm: aligned test (4 pointers)", per_call_us(
+        lambda: not (x.data.ptr | out.data.ptr | res.data.ptr | w.data.ptr) & 15))
+    row("norm: _plan (cached)", per_call_us(lambda: norm._plan(x.size, H, "auto", True)))
+    plan = norm._plan(x.size, H, "auto", True)
+    row("norm: _launch", per_call_us(
+        lambda: norm._launch(plan, x, out, res, w, norm._eps, s), hold=s))
+    p, fn, shape_args = plan
+    args = (x, out, res, w) + shape_args[:2] + (norm._eps,)
+    row("norm: kernels.launch of the same arguments", per_call_us(
+        lambda: kernels.launch(fn, p.grid, p.block, args, s, op="p", name="k",
+                               shared_mem=p.shared_mem), hold=s))
+    row("norm: to_caller", per_call_us(lambda: arrays.to_caller(out, x, out)))
+    norm.close()
+
+    # ---- AllReduce, 4 KiB, out= and stream= given (W = 1: a copy) -----------------------------
+    ar = cuflux.AllReduce(world, 1 << 20, "float16")
+    with s:
+        xa, oa = cupy.ones(2048, cupy.float16), cupy.empty(2048, cupy.float16)
+    row("allreduce 4 KiB: whole call (out=, stream=)", per_call_us(
+        lambda: ar(xa, out=oa, stream=s), hold=s))
+    from cupy.cuda import runtime
+    row("allreduce 4 KiB: its memcpyAsync alone", per_call_us(
+        lambda: runtime.memcpyAsync(oa.data.ptr, xa.data.ptr, xa.nbytes,
+                                    runtime.memcpyDeviceToDevice, s.ptr), hold=s))
+    ar.close()
+
+    # ---- All2AllHeads W = 1, T = 1024, 32 x 128 bf16, out= and stream= given ------------------
+    T, NH, D = 1024, 32, 128
+    op = cuflux.All2AllHeads(world, T, NH, D, "bfloat16")
+    tokens = (T,)
+    with s:
+        xs = cupy.ones((1, T, NH, D), dtype=cupy.uint16).view(op.spec.dtype.storage)
+        ys = cupy.empty_like(xs)
+    for mode in ("memcpy", "pdl"):
+        op.w1 = mode
+        row(f"a2a ({mode}): whole call (out=, stream=)", per_call_us(
+            lambda: op.scatter_heads(xs, tokens, out=ys, stream=s), hold=s))
+    op.w1 = "memcpy"
+    row("a2a: whole call, owned output (stream=)", per_call_us(
+        lambda: op.scatter_heads(xs, tokens, stream=s), hold=s))
+    row("a2a: whole call, view=True (stream=)", per_call_us(
+        lambda: op.scatter_heads(xs, tokens, view=True, stream=s), hold=s))
+    row("a2a: _raise_if_failed", per_call_us(op._raise_if_failed))
+    row("a2a: _plan (cached)", per_call_us(lambda: op._plan(tokens)))
+    row("a2a: check_call", per_call_us(lambda: A.check_call(op.spec, False, xs, tokens)))
+    row("a2a: io_shapes", per_call_us(lambda: A.io_shapes(op.spec, False, 1, tokens)))
+    row("a2a: _call_hash (cached)", per_call_us(lambda: op._call_hash((False, tokens, 1, 0))))
+    row("a2a: _output (given)", per_call_us(
+        lambda: op._output(ys, "out", (1, T, NH, D), op.spec.dtype, s)))
+    row("a2a: _slot_view", per_call_us(lambda: op._slot_view("data0", (1, T, NH, D),
+                                                             op.spec.dtype.storage)))
+    row("a2a: cupy.empty of the output", per_call_us(
+        lambda: cupy.empty((1, T, NH, D), dtype=op.spec.dtype.storage)))
+    plan = op._plan(tokens)
+    row("a2a: _launch (memcpy)", per_call_us(
+        lambda: op._launch(False, xs, None, ys, None, plan, 1, 0, 0, 0, False, s), hold=s))
+    row("a2a: its memcpyAsync alone", per_call_us(
+        lambda: runtime.memcpyAsync(ys.data.ptr, xs.data.ptr, xs.nbytes, 0, s.ptr), hold=s))
+    op.close()
+
+    # ---- cuflux.gemm 128 x 8192 x 8192 nk against cupy.matmul ----------------------------------
+    M, N, K = 128, 8192, 8192
+    with s:
+        a = cupy.ones((M, K), cupy.float16).view(cupy.uint16).view(cupy.float16)
+        b = cupy.ones((N, K), cupy.float16)
+        c = cupy.empty((M, N), cupy.float16)
+    cuflux.gemm(a, b, out=c, b_layout="nk", stream=s)
+    s.synchronize()
+    row("gemm 128x8192x8192 nk: whole call (out=, stream=)", per_call_us(
+        lambda: cuflux.gemm(a, b, out=c, b_layout="nk", stream=s), hold=s))
+    with s:
+        row("cupy.matmul of the same (out=, current stream)", per_call_us(
+            lambda: cupy.matmul(a, b.T, out=c), hold=s))
+    from cuflux.ops import gemm as G
+    row("gemm: _check_args", per_call_us(
+        lambda: G._check_args(a, b, None, c, None, "nk", "auto")))
+    from cuflux import gemm_core
+    dt = arrays.dtype_info("float16")
+    row("gemm: launch_cublaslt alone", per_call_us(
+        lambda: gemm_core.launch_cublaslt(a, b, None, c, dt, dt, M, N, K, "nk", s), hold=s))
+    print("plan of gemm:", G.plan(M, N, K, "float16", "nk"))
+    print("done", np.__version__)
+
+
+if __name__ == "__main__":
+    main()
