@@ -1,17 +1,27 @@
 """Probe: what one kernel launch costs the host, by kernel and by path, with the GPU held busy
-(host time alone). An empty kernel and the op's own kernels, through cuflux.launch, bare
-ctypes with a prebuilt argument block, and CuPy; then the op call for comparison.
+(host time alone): an empty kernel and AllReduceRMSNorm's W = 1 kernel, each through bare
+ctypes with its argument block built once, through cuflux.launch, and through CuPy; then the
+op's whole call. Every variant is timed in each of ROUNDS rounds, in a rotated order (the
+host's speed drifts between blocks of timing), and the median is printed.
+
+CALLS per block stays well below the launch queue (~1,000 entries): a full queue blocks the
+host until the hold ends, which reads as host time (the 2,000-call blocks of this probe's
+first version, scripts/results/probe_launch-h200-2026-12-01.txt, put a bare launch at
+13.6 us; 500-call blocks read 6-8 us on the same kind of machine).
   PYTHONPATH=. python scripts/probe_launch.py
 """
+import statistics
 import time
 
 import numpy as np
 
+CALLS, ROUNDS = 400, 5
 
-def host_us(fn, stream, calls=2000):
+
+def host_us(fn, stream, calls=CALLS):
     from cuflux.bench.common import hold_stream
 
-    for _ in range(50):
+    for _ in range(20):
         fn()
     stream.synchronize()
     hold_stream(stream, 20000)
@@ -24,20 +34,14 @@ def host_us(fn, stream, calls=2000):
 
 
 def main():
-    import os
-
     import cupy
 
     import cuflux
     from cuflux import launch as L
 
-    print("CUDA_MODULE_LOADING =", os.environ.get("CUDA_MODULE_LOADING"))
     world = cuflux.init()
+    cupy.cuda.Device(world.device).use()
     s = cupy.cuda.Stream(non_blocking=True)
-
-    def row(label, us):  # one line a measurement, printed as it comes
-        print(f"{label:64s} {us:8.2f} us", flush=True)
-
     mod = cupy.RawModule(code=r'''
     extern "C" __global__ void k7(unsigned long long a, unsigned long long b,
         unsigned long long c, unsigned long long d, int e, int f, float g) {}''')
@@ -47,41 +51,39 @@ def main():
         x = cupy.ones((1, H), dtype=cupy.float16)
         res, wt, out = cupy.ones_like(x), cupy.ones((H,), cupy.float16), cupy.empty_like(x)
     args7 = (x, out, res, wt, np.int32(1), np.int32(H), np.float32(1e-6))
-    row("empty kernel, cuflux.launch", host_us(
-        lambda: L.kernel(k7, 1, 128, args7, s, op="p", name="k7"), s))
-    row("empty kernel, CuPy", host_us(lambda: k7((1,), (128,), args7, stream=s), s))
     arn = cuflux.AllReduceRMSNorm(world, 64, H, "float16")
-    plan, fn, shape = arn._plan(H, H, "auto", True)
+    plan, fn, _ = arn._plan(H, H, "auto", True)
     print("op kernel:", plan.kernel, "grid", plan.grid, "block", plan.block, "smem",
-          plan.shared_mem)
-    row("rmsnorm kernel, cuflux.launch", host_us(
-        lambda: L.kernel(fn, plan.grid, plan.block, args7, s, op="p", name="rms"), s))
-    row("rmsnorm kernel, CuPy", host_us(lambda: fn((plan.grid,), (plan.block,), args7,
-                                                   stream=s), s))
-    p = L._packer(args7)
-    vals = [a.data.ptr if hasattr(a, "data") and not isinstance(a, np.generic) else a
-            for a in args7]
-    p.struct.pack_into(p.buf, 0, *vals)
-    lib, fptr, sptr = L.driver_lib(), fn.kernel.ptr, s.ptr
-    row("rmsnorm kernel, bare ctypes, block prebuilt", host_us(
-        lambda: lib.cuLaunchKernel(fptr, plan.grid, 1, 1, plan.block, 1, 1, 0, sptr, p.params,
-                                   None), s))
-    e7 = k7.kernel.ptr
-    row("empty kernel, bare ctypes, block prebuilt", host_us(
-        lambda: lib.cuLaunchKernel(e7, 1, 1, 1, 128, 1, 1, 0, sptr, p.params, None), s))
-    row("op call out=, stream=s", host_us(lambda: arn(x, res, wt, out=out, stream=s), s))
-    with s:
-        row("op call, current stream s", host_us(lambda: arn(x, res, wt), s))
-    row("cupy.empty", host_us(lambda: cupy.empty((1, H), cupy.float16), s))
-    # gemm: the cuBLAS route and the tuned choice, host time
-    a = cupy.ones((128, 8192), cupy.float16)
-    w = cupy.ones((8192, 8192), cupy.float16)
-    c = cupy.empty((128, 8192), cupy.float16)
-    cuflux.gemm(a, w, b_layout="nk", out=c, stream=s)
-    row("gemm 128x8192x8192 nk out= (host)", host_us(
-        lambda: cuflux.gemm(a, w, b_layout="nk", out=c, stream=s), s, 500))
-    with s:
-        row("cupy.matmul 128x8192x8192 nk (host)", host_us(lambda: cupy.matmul(a, w.T), s, 500))
+          plan.shared_mem, flush=True)
+    # the argument block of args7 built once, as a per-call cache would hold it
+    p = L._Packer(tuple(map(type, args7)))
+    p.struct.pack_into(p.buf, 0, *[a.data.ptr if isinstance(a, cupy.ndarray) else a
+                                   for a in args7])
+    lib, sptr = L.driver_lib(), s.ptr
+    f_rms, f_empty = L._function(fn), k7.kernel.ptr
+    variants = {
+        "empty kernel, bare ctypes, block built once": lambda: lib.cuLaunchKernel(
+            f_empty, 1, 1, 1, 128, 1, 1, 0, sptr, p.params, None),
+        "rmsnorm kernel, bare ctypes, block built once": lambda: lib.cuLaunchKernel(
+            f_rms, plan.grid, 1, 1, plan.block, 1, 1, 0, sptr, p.params, None),
+        "empty kernel, cuflux.launch": lambda: L.kernel(k7, 1, 128, args7, s, op="p",
+                                                        name="k7"),
+        "rmsnorm kernel, cuflux.launch": lambda: L.kernel(fn, plan.grid, plan.block, args7, s,
+                                                          op="p", name="rms"),
+        "rmsnorm kernel, CuPy": lambda: fn((plan.grid,), (plan.block,), args7, stream=s),
+        "op call out=, stream=s": lambda: arn(x, res, wt, out=out, stream=s),
+        "packing alone: tuple(map(type, args7)) + pack_into": lambda: p.struct.pack_into(
+            p.buf, 0, *[a.data.ptr if isinstance(a, cupy.ndarray) else a for a in args7]),
+    }
+    names = list(variants)
+    got = {n: [] for n in names}
+    for r in range(ROUNDS):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            got[n].append(host_us(variants[n], s))
+    for n in names:
+        print(f"{n:64s} {statistics.median(got[n]):8.2f} us  (rounds: "
+              f"{', '.join(f'{v:.1f}' for v in got[n])})", flush=True)
+    arn.close()
 
 
 if __name__ == "__main__":
