@@ -4,28 +4,15 @@ the same arguments, beside this host's floor (a bare launch, a bare copy). The p
 not enqueue anything are timed without a hold.
   PYTHONPATH=. python scripts/probe_call_path.py
 """
-import time
-
 import numpy as np
 
 
 def per_call_us(fn, calls=500, hold=None):
     """Wall time per call of `calls` back-to-back calls; `hold`: a stream held busy first
-    (pieces that enqueue work: 500 calls fit behind the hold and in the launch queue)."""
-    from cuflux.bench.common import hold_stream
+    (pieces that enqueue work): bench.common.held_host_us."""
+    from cuflux.bench.common import held_host_us
 
-    for _ in range(20):
-        fn()
-    if hold is not None:
-        hold.synchronize()
-        hold_stream(hold, 20_000)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    if hold is not None:
-        hold.synchronize()
-    return us
+    return held_host_us(fn, hold, calls)
 
 
 def main():

@@ -19,12 +19,10 @@ import numpy as np
 
 
 def per_call_us(fn, calls=2000):
-    for _ in range(20):
-        fn()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - t0) / calls * 1e6
+    """No hold (bench.common.held_host_us with no stream): the held rows hold first."""
+    from cuflux.bench.common import held_host_us
+
+    return held_host_us(fn, None, calls)
 
 
 def _on(stream, fn):

@@ -11,7 +11,6 @@ first version, scripts/results/probe_launch-h200-2026-12-01.txt, put a bare laun
   PYTHONPATH=. python scripts/probe_launch.py
 """
 import statistics
-import time
 
 import numpy as np
 
@@ -19,18 +18,9 @@ CALLS, ROUNDS = 400, 5
 
 
 def host_us(fn, stream, calls=CALLS):
-    from cuflux.bench.common import hold_stream
+    from cuflux.bench.common import held_host_us
 
-    for _ in range(20):
-        fn()
-    stream.synchronize()
-    hold_stream(stream, 20000)
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    us = (time.perf_counter() - t0) / calls * 1e6
-    stream.synchronize()
-    return us
+    return held_host_us(fn, stream, calls)
 
 
 def main():

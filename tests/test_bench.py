@@ -236,6 +236,25 @@ def test_user_regimes_make_the_stream_current_once_a_loop(monkeypatch):
     assert seen == [0] * 8 and stream.entered == 4  # a plain callable: nothing entered
 
 
+def test_held_host_us_holds_the_stream_before_its_timed_calls(monkeypatch):
+    from cuflux.bench import common
+
+    log = []
+
+    class S:
+        def synchronize(self):
+            log.append("sync")
+
+    monkeypatch.setattr(common, "hold_stream", lambda stream, us: log.append(("hold", us)))
+    us = common.held_host_us(lambda: log.append("call"), S(), calls=3, warmup=2)
+    assert log == ["call"] * 2 + ["sync", ("hold", common._HOLD_MAX_US)] + ["call"] * 3 + \
+        ["sync"]
+    assert us > 0
+    log.clear()
+    common.held_host_us(lambda: log.append("call"), None, calls=3, warmup=1)
+    assert log == ["call"] * 4  # no stream: no hold, no synchronize
+
+
 class _World:
     def __init__(self, others):
         self.size, self.rank, self.others, self.barriers = 1 + len(others), 0, others, 0

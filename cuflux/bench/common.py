@@ -187,16 +187,37 @@ def hold_stream(stream, us: float, max_us: float = _HOLD_MAX_US) -> None:
     _hold_kernel((1,), (1,), (np.uint64(ns),), stream=stream)
 
 
+def held_host_us(fn, stream, calls: int = 500, warmup: int = 20) -> float:
+    """Host microseconds per call of `calls` back-to-back fn() issued while `stream` is held
+    busy (hold_stream), so no call waits for the GPU: the host's time alone (stream None: no
+    hold, for what enqueues nothing). `calls` stays well below the launch queue (~1,000
+    entries): a full queue blocks the host until the hold ends, which would read as host time
+    (500 calls of ~10 us also fit behind the 20 ms hold)."""
+    import time
+
+    for _ in range(warmup):
+        fn()
+    if stream is not None:
+        stream.synchronize()
+        hold_stream(stream, _HOLD_MAX_US)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    us = (time.perf_counter() - t0) * 1e6 / calls
+    if stream is not None:
+        stream.synchronize()
+    return us
+
+
 def measure_host_floor(calls: int = 500) -> dict:
     """What enqueueing GPU work from Python costs this host with nothing of cuflux in the way,
-    per call, the GPU held (hold_stream) so no call waits for it: `launch_us`, cuLaunchKernel of
-    an empty one-argument kernel through ctypes with its argument block built once; `copy_us`,
-    an 8-byte cudaMemcpyAsync through CuPy. No op that launches a kernel (or a copy) per call
-    can spend less host time than these; the host bars of the issues are read against them
-    (one cuLaunchKernel took 6-14 us on the lent H200 machine, where 2-4 us is common).
-    Kept in HOST_FLOOR for write_results."""
+    per call, the GPU held (held_host_us): `launch_us`, cuLaunchKernel of an empty
+    one-argument kernel through ctypes with its argument block built once; `copy_us`, an
+    8-byte cudaMemcpyAsync through CuPy. No op that launches a kernel (or a copy) per call can
+    spend less host time than these; the host bars of the issues are read against them (a
+    bare launch took 5.6-8.6 us on the lent H200 machine, where 2-4 us is common). Kept in
+    HOST_FLOOR for write_results."""
     import ctypes
-    import time
 
     import cupy
     from cupy.cuda import runtime
@@ -216,19 +237,8 @@ def measure_host_floor(calls: int = 500) -> dict:
     def copy():
         runtime.memcpyAsync(dst.data.ptr, src.data.ptr, 8, runtime.memcpyDeviceToDevice, s.ptr)
 
-    floor = {}
-    for name, fn in (("launch_us", launch), ("copy_us", copy)):
-        for _ in range(50):
-            fn()
-        s.synchronize()
-        # 500 calls of ~10 us fit behind the hold, and in the launch queue (~1,000 entries: a
-        # full queue would block the host until the hold ends, counted as host time)
-        hold_stream(s, _HOLD_MAX_US)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        floor[name] = (time.perf_counter() - t0) * 1e6 / calls
-        s.synchronize()
+    floor = {name: held_host_us(fn, s, calls, warmup=50)
+             for name, fn in (("launch_us", launch), ("copy_us", copy))}
     HOST_FLOOR.clear()
     HOST_FLOOR.update(floor, calls=calls)
     return dict(HOST_FLOOR)
