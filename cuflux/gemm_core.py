@@ -692,7 +692,8 @@ def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
         c = out
     err = _matmul(lt, plan, plan.algo, a, b, c, out, ws, stream,
                   bias if addend is not None else None)
-    lt._check(f"cublasLtMatmul for {M}x{N}x{K} ({b_layout})", err)
+    if err:  # (the message is built only then: this runs on every call)
+        lt._check(f"cublasLtMatmul for {M}x{N}x{K} ({b_layout})", err)
     return True
 
 

@@ -141,6 +141,20 @@ def main():
     dt = arrays.dtype_info("float16")
     row("gemm: launch_cublaslt alone", per_call_us(
         lambda: gemm_core.launch_cublaslt(a, b, None, c, dt, dt, M, N, K, "nk", s), hold=s))
+    row("gemm: launch_cublas (the route's entry) alone", per_call_us(
+        lambda: gemm_core.launch_cublas(a, b, None, c, dt, dt, M, N, K, "nk", s), hold=s))
+    # the rest of gemm()'s body on this route (2026-12-02: the whole call was ~16 us more
+    # than _check_args + launch_cublaslt; these are its other steps)
+    from cuflux import knobs
+    from cuflux.gemm_tuner import choice
+    from cuflux.launch import capturing
+    row("gemm: stream_of + capturing(s)", per_call_us(
+        lambda: capturing(arrays.stream_of(s, a))))
+    row("gemm: device_props()", per_call_us(gemm_core.device_props))
+    row("gemm: knobs.gemm_tune() + knobs.gemm_cublaslt()", per_call_us(
+        lambda: (knobs.gemm_tune(), knobs.gemm_cublaslt())))
+    row("gemm: choice (remembered)", per_call_us(
+        lambda: choice(dt, "nk", M, N, K, None, s, False)))
     print("plan of gemm:", G.plan(M, N, K, "float16", "nk"))
     print("done", np.__version__)
 
