@@ -235,15 +235,15 @@ def zeros_settled(shape, dtype):
     return a
 
 
-_STREAMS: list = []  # [cupy.cuda.get_current_stream, (Stream, ExternalStream)], looked up once
+_STREAMS = None  # (cupy.cuda.get_current_stream, (Stream, ExternalStream)), looked up once
 
 
 def _streams():
-    if not _STREAMS:
+    global _STREAMS
+    if _STREAMS is None:  # one assignment: threads racing here set the same tuple
         import cupy
 
-        _STREAMS.extend((cupy.cuda.get_current_stream,
-                         (cupy.cuda.Stream, cupy.cuda.ExternalStream)))
+        _STREAMS = (cupy.cuda.get_current_stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream))
     return _STREAMS
 
 

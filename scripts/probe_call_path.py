@@ -143,8 +143,9 @@ def main():
         lambda: gemm_core.launch_cublaslt(a, b, None, c, dt, dt, M, N, K, "nk", s), hold=s))
     row("gemm: launch_cublas (the route's entry) alone", per_call_us(
         lambda: gemm_core.launch_cublas(a, b, None, c, dt, dt, M, N, K, "nk", s), hold=s))
-    # the rest of gemm()'s body on this route (2026-12-02: the whole call was ~16 us more
-    # than _check_args + launch_cublaslt; these are its other steps)
+    # the rest of gemm()'s body on this route (every row here is its own block: the host's
+    # speed drifts between blocks, so compare sizes, not sums; the benchmark's interleaved
+    # host_us put the whole call 1-7 us over cupy.matmul's on 2026-12-02)
     from cuflux import knobs
     from cuflux.gemm_tuner import choice
     from cuflux.launch import capturing

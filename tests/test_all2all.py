@@ -197,6 +197,7 @@ def features(world, seed):
         # one token list again and again: the views of the two slots are kept and handed out
         # again (each call's data exact); one whose shape the caller set is made anew
         tokens = _tokens(W, 33, seed, 61)
+        views = []
         for k in range(5):
             xs = [_data((2, tokens[r], 3 * W, 67), "float8_e5m2", seed, 61, k, r)
                   for r in range(W)]
@@ -207,7 +208,12 @@ def features(world, seed):
             want = reference_scatter_heads(xs, tokens, W)[me]
             _same_bits(kept, want, f"kept view rank {me} {k}")
             assert v.shape == want.shape
-            if k == 2 and v.size:
+            if k in (2, 3):  # the same slot (parity) as two calls before: the kept view
+                assert v is views[k - 2], f"view {k} not kept"
+            if k == 4:  # its kept view's shape was set by the caller: made anew
+                assert v is not views[2]
+            views.append(v)
+            if k == 2:
                 v.shape = (v.size,)  # the caller's own business: the next same-parity call
                 # must not hand this array out with that shape
     return _torch(world, seed)

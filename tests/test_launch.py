@@ -114,7 +114,7 @@ def test_launch_structures_match_cuda_h():
 
 
 @pytest.mark.gpu
-def test_kernels_are_resolved_when_their_module_loads():
+def test_kernels_are_resolved_when_their_module_loads(monkeypatch):
     """Every kernel of a loaded family has its CUfunction before any launch, resolved under the
     module's device (launch keeps the first resolution: a first launch made with another GPU
     current must not be the one that resolves it)."""
@@ -122,6 +122,9 @@ def test_kernels_are_resolved_when_their_module_loads():
 
     from cuflux import kernels
 
+    # nothing loaded or resolved before (other tests' launches would have resolved them)
+    monkeypatch.setattr(kernels, "_LOADED", {})
+    monkeypatch.setattr(L, "_FUNCTIONS", {})
     mod = kernels.load("allreduce.cu", cupy.cuda.Device().id)
     assert mod.functions
     for name, fn in mod.functions.items():

@@ -112,7 +112,7 @@ class Bar:
 GEMM_USER_LOOP = Bar(14, f"user loop >= {GEMM_USER_LOOP_SPEEDUP_MIN}x cupy.matmul",
                      GEMM_USER_LOOP_SPEEDUP_MIN)
 COPY_HOST_OF_GPU = Bar(14, "copy op: host time <= its GPU time (host us / GPU us)",
-                       COPY_HOST_OF_GPU_MAX, at_least=False)
+                       COPY_HOST_OF_GPU_MAX, at_least=False, host=True)
 
 
 def host_bar(world_size: int) -> Bar:

@@ -215,7 +215,8 @@ def measure_host_floor(calls: int = 500) -> dict:
     one-argument kernel through ctypes with its argument block built once; `copy_us`, an
     8-byte cudaMemcpyAsync through CuPy. No op that launches a kernel (or a copy) per call can
     spend less host time than these; the host bars of the issues are read against them (a
-    bare launch took 5.6-8.6 us on the lent H200 machine, where 2-4 us is common). Kept in
+    bare launch took 5.6-8.6 us on the lent H200 machine on 2026-12-02, where 2-4 us is
+    common). Kept in
     HOST_FLOOR for write_results."""
     import ctypes
 
@@ -232,7 +233,15 @@ def measure_host_floor(calls: int = 500) -> dict:
     src, dst = cupy.zeros(2, cupy.uint32), cupy.zeros(2, cupy.uint32)
 
     def launch():
-        lib.cuLaunchKernel(func, 1, 1, 1, 32, 1, 1, 0, s.ptr, params, None)
+        return lib.cuLaunchKernel(func, 1, 1, 1, 32, 1, 1, 0, s.ptr, params, None)
+
+    err = launch()  # a failing launch returns at once: it would read as a low floor
+    if err:
+        from cuflux.errors import CudaError
+        from cuflux.launch import error_name
+
+        raise CudaError(f"measure_host_floor: launching an empty kernel failed: "
+                        f"{error_name(err)}")
 
     def copy():
         runtime.memcpyAsync(dst.data.ptr, src.data.ptr, 8, runtime.memcpyDeviceToDevice, s.ptr)
