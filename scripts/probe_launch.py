@@ -42,7 +42,8 @@ def main():
         res, wt, out = cupy.ones_like(x), cupy.ones((H,), cupy.float16), cupy.empty_like(x)
     args7 = (x, out, res, wt, np.int32(1), np.int32(H), np.float32(1e-6))
     arn = cuflux.AllReduceRMSNorm(world, 64, H, "float16")
-    plan, fn, _ = arn._plan(H, H, "auto", True)
+    plan, prepared = arn._plan(H, H, "auto", True)
+    fn = arn.module[plan.kernel]
     print("op kernel:", plan.kernel, "grid", plan.grid, "block", plan.block, "smem",
           plan.shared_mem, flush=True)
     # the argument block of args7 built once, as a per-call cache would hold it
@@ -61,6 +62,8 @@ def main():
         "rmsnorm kernel, cuflux.launch": lambda: L.kernel(fn, plan.grid, plan.block, args7, s,
                                                           op="p", name="rms"),
         "rmsnorm kernel, CuPy": lambda: fn((plan.grid,), (plan.block,), args7, stream=s),
+        "rmsnorm kernel, the op's prepared launch": lambda: prepared(
+            s, x.data.ptr, out.data.ptr, res.data.ptr, wt.data.ptr),
         "op call out=, stream=s": lambda: arn(x, res, wt, out=out, stream=s),
         "packing alone: tuple(map(type, args7)) + pack_into": lambda: p.struct.pack_into(
             p.buf, 0, *[a.data.ptr if isinstance(a, cupy.ndarray) else a for a in args7]),

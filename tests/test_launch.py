@@ -101,6 +101,42 @@ def test_driver_error_names_op_kernel_and_launch(monkeypatch):
         L.kernel(1, (2,), (64,), (np.int32(1),), 0, op="op", name="kern")
 
 
+def test_prepared_launch_packs_once_and_writes_only_the_call_s_pointers(monkeypatch):
+    """Prepared: the fixed arguments packed at build into a block of its own (kernel()'s
+    blocks untouched), each call writes its pointers at the front and launches with the
+    plan's grid, block and shared memory on the call's stream; a second call overwrites
+    only the pointers."""
+    lib = _FakeLib()
+    monkeypatch.setattr(L, "_lib", lib)
+    args = (np.uint64(0), _Array(0), np.int32(-3), _Array(0xBEEF0), np.float32(0.5),
+            np.uint64(2**40))
+    shared = L._packer(args)
+    before = ctypes.string_at(shared.params[0], shared.struct.size)
+    prep = L.Prepared(321, 6, 128, args, 2, op="t", name="k", shared_mem=32)
+    prep(SimpleNamespace(ptr=44), 0x1000, 0x2000)
+    kind, func, g, b, smem, stream, params = lib.calls[-1]
+    assert (kind, func, g, b, smem, stream) == ("plain", 321, 6, 128, 32, 44)
+    assert params is prep.packer.params and prep.packer is not shared
+    vals, offsets = _values(prep.packer, len(args))
+    assert vals == (0x1000, 0x2000, -3, 0xBEEF0, 0.5, 2**40)
+    assert offsets == [0, 8, 16, 20, 28, 32]
+    prep(9, 0x3000, 0)
+    assert _values(prep.packer, len(args))[0] == (0x3000, 0, -3, 0xBEEF0, 0.5, 2**40)
+    assert lib.calls[-1][5] == 9
+    assert ctypes.string_at(shared.params[0], shared.struct.size) == before
+
+
+def test_prepared_launch_refuses_non_pointer_slots_and_names_a_driver_error(monkeypatch):
+    with pytest.raises(TypeError, match="first 2 arguments of kernel k must be device"):
+        L.Prepared(1, 1, 32, (np.uint64(0), np.int32(1)), 2, op="t", name="k")
+    monkeypatch.setattr(L, "_lib", _FakeLib(err=701))
+    prep = L.Prepared(1, 2, 64, (np.uint64(0),), 1, op="op", name="kern")
+    with pytest.raises(CudaError, match=r"op: launching kernel kern \(grid 2, block 64"):
+        prep(0, 0x10)
+    with pytest.raises(TypeError, match="kernel kern takes 1 pointers a call"):
+        prep(0, 0x10, 0x20)
+
+
 def test_launch_structures_match_cuda_h():
     """CUlaunchConfig / CUlaunchAttribute as cuda.h lays them out (checked with offsetof on
     CUDA 13.0: attribute 72 bytes, value at 8; config 56 bytes, stream at 32, attrs at 40)."""

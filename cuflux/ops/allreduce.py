@@ -297,7 +297,7 @@ class _P2PReduce(CommOp):
         self._args_tail = (np.int32(self.world.size), np.int32(self.world.rank))
 
     def _plan(self, num_elems, cols, algo, aligned: bool, mode: str | None = None) -> tuple:
-        """(LaunchPlan, the kernel function, the plan's own arguments), cached per call shape;
+        """(LaunchPlan, its prepared launch: _entry), cached per call shape;
         mode: the op's, or one of a plain call's halves (AllReduce.reduce_scatter)."""
         mode = mode or self.mode
         key = (num_elems, algo, aligned, mode)
@@ -324,20 +324,25 @@ class _P2PReduce(CommOp):
         return hit
 
     def _entry(self, plan: LaunchPlan) -> tuple:
-        return (plan, _kernel(self.module, plan),
-                (np.int32(plan.rows), np.int32(plan.cols), np.int64(plan.num_elems)))
-
-    def _launch(self, plan_entry, x, out, residual, weight, eps, stream):
-        plan, fn, shape_args = plan_entry
-        self._last_stream = stream
+        """(plan, its launch): every argument but the four pointers of a call (x, out,
+        residual, weight) is the plan's or the op's, packed once (kernels.prepare: a call's
+        host time is then the driver's and these pointers')."""
+        shape_args = (np.int32(plan.rows), np.int32(plan.cols), np.int64(plan.num_elems))
+        ptrs = (_NULL,) * 4  # written at each call
         if plan.local:
-            args = (x, out, residual, weight) + shape_args[:2] + (eps,)
+            args = ptrs + shape_args[:2] + (self._eps,)
         else:
-            args = ((x, out, _NULL if residual is None else residual,
-                     _NULL if weight is None else weight) + self._args_mid + shape_args
-                    + self._args_tail + (eps,) + self.err_args)
-        kernels.launch(fn, plan.grid, plan.block, args, stream, op=self.op, name=plan.kernel,
-                       shared_mem=plan.shared_mem)
+            args = (ptrs + self._args_mid + shape_args + self._args_tail + (self._eps,)
+                    + self.err_args)
+        return plan, kernels.prepare(_kernel(self.module, plan), plan.grid, plan.block, args, 4,
+                                     op=self.op, name=plan.kernel, shared_mem=plan.shared_mem)
+
+    def _launch(self, plan_entry, x, out, residual, weight, stream):
+        """One call of a cached plan (_plan) on `stream`: residual / weight None pass null."""
+        self._last_stream = stream
+        plan_entry[1](stream, x.data.ptr, out.data.ptr,
+                      0 if residual is None else residual.data.ptr,
+                      0 if weight is None else weight.data.ptr)
 
 
 _NULL = np.uint64(0)
@@ -418,7 +423,7 @@ class AllReduce(_P2PReduce):
         elif x.size:
             plan = self._plan(x.size, None, algo or self.algo,
                               not (x.data.ptr | out.data.ptr) & 15)
-            self._launch(plan, x, out, None, None, self._eps, s)
+            self._launch(plan, x, out, None, None, s)
         return to_caller(out, x_in, out_in)
 
     # ---- a two-shot call in halves (AllReduceAcrossNodes works on this rank's share between) ---
@@ -444,7 +449,7 @@ class AllReduce(_P2PReduce):
             self._agree((n, "halves"), "x.size of a call in halves")
         tmp = self.buf.local("tmp_out")
         plan = self._plan(n, None, "two_shot", not x.data.ptr & 15, "reduce_scatter")
-        self._launch(plan, x, tmp, None, None, self._eps, stream)
+        self._launch(plan, x, tmp, None, None, stream)
         self._half = (n, stream.ptr)
         lo, hi = plain_share(n, self.dtype, W, self.world.rank)
         return tmp[lo:hi]
@@ -464,7 +469,7 @@ class AllReduce(_P2PReduce):
             raise ValueError(f"{self.op}: all_gather must run on reduce_scatter's stream")
         self._half = None
         plan = self._plan(n, None, "two_shot", not out.data.ptr & 15, "all_gather")
-        self._launch(plan, out, out, None, None, self._eps, stream)
+        self._launch(plan, out, out, None, None, stream)
 
     def _check_no_half(self) -> None:
         if self._half is not None:
@@ -536,7 +541,7 @@ class AllReduceRMSNorm(_P2PReduce):
         if x.shape[0]:
             aligned = not (x.data.ptr | out.data.ptr | residual.data.ptr | weight.data.ptr) & 15
             plan = self._plan(x.size, self.hidden, algo or self.algo, aligned)
-            self._launch(plan, x, out, residual, weight, self._eps, s)
+            self._launch(plan, x, out, residual, weight, s)
         return to_caller(out, x_in, out_in)
 
 
