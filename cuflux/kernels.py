@@ -529,9 +529,9 @@ def launch(kernel, grid, block, args, stream, *, op: str, name: str, shared_mem:
 
 
 def prepare(kernel, grid, block, args, varying: int, *, op: str, name: str,
-            shared_mem: int = 0) -> "_launch.Prepared":
-    """A launch of a loaded kernel whose arguments are all fixed but the first `varying`
-    device pointers: cuflux.launch.Prepared, called with the stream and those pointers (an
-    op's cached plan: its argument block is packed once, not at every call)."""
+            shared_mem: int = 0, first: int = 0) -> "_launch.Prepared":
+    """A launch of a loaded kernel whose arguments are all fixed but `varying` device pointers
+    from argument `first` on: cuflux.launch.Prepared, called with the stream and those
+    pointers (an op's cached plan: its argument block is packed once, not at every call)."""
     return _launch.Prepared(kernel, grid, block, args, varying, op=op, name=name,
-                            shared_mem=shared_mem)
+                            shared_mem=shared_mem, first=first)

@@ -183,20 +183,23 @@ def kernel(fn, grid, block, args, stream, *, op: str, name: str, shared_mem: int
 
 class Prepared:
     """One kernel's launch with its argument block packed once: every argument is fixed but
-    the first `varying`, device pointers given at each call (`prepared(stream, *pointers)`,
-    ints). For an op's cached plan, whose grid, block and other arguments do not change
-    between calls. Thread-safe (the block is written under a lock); a CUDA error raises
-    CudaError naming the op and the kernel, as `kernel` does."""
+    `varying` consecutive device pointers from argument `first` on, given at each call
+    (`prepared(stream, *pointers)`, ints). For an op's cached plan, whose grid, block and
+    other arguments do not change between calls. Thread-safe (the block is written under a
+    lock); a CUDA error raises CudaError naming the op and the kernel, as `kernel` does."""
 
-    __slots__ = ("func", "grid", "block", "shared_mem", "op", "name", "head", "packer")
+    __slots__ = ("func", "grid", "block", "shared_mem", "op", "name", "head", "offset",
+                 "packer")
 
     def __init__(self, fn, grid: int, block: int, args, varying: int, *, op: str, name: str,
-                 shared_mem: int = 0):
+                 shared_mem: int = 0, first: int = 0):
         p = self.packer = _Packer(tuple(map(type, args)))  # its own block, never shared
-        fmt = p.struct.format
-        if fmt[1:varying + 1] != "Q" * varying:
-            raise TypeError(f"{op}: the first {varying} arguments of kernel {name} must be "
-                            f"device pointers (arrays or numpy.uint64), got format {fmt!r}")
+        fmt = "".join("Q" if f == "Q" else "x" for f in _pieces(p.struct.format[1:]))
+        if not (0 <= first and first + varying <= len(args)
+                and fmt[first:first + varying] == "Q" * varying):
+            raise TypeError(f"{op}: arguments {first} to {first + varying - 1} of kernel {name} "
+                            f"must be device pointers (arrays or numpy.uint64), got format "
+                            f"{p.struct.format!r}")
         vals = list(args)
         for i in p.arrays:
             vals[i] = vals[i].data.ptr
@@ -207,7 +210,9 @@ class Prepared:
         except struct.error as e:
             raise TypeError(f"{op}: arguments of kernel {name} do not fit their types: {e}") \
                 from None
-        self.head = struct.Struct("=" + "Q" * varying)  # at offset 0: "=" packs no padding
+        # consecutive in the block ("=" packs no padding): one pack_into a call
+        self.head = struct.Struct("=" + "Q" * varying)
+        self.offset = p.params[first] - p.params[0] if args else 0
         self.func = fn if isinstance(fn, int) else _function(fn)
         self.grid, self.block, self.shared_mem = int(grid), int(block), int(shared_mem)
         self.op, self.name = op, name
@@ -218,7 +223,7 @@ class Prepared:
         lib = _lib or driver_lib()
         with p.lock:
             try:
-                self.head.pack_into(p.buf, 0, *pointers)
+                self.head.pack_into(p.buf, self.offset, *pointers)
             except struct.error as e:  # a count or a value that is not a pointer
                 raise TypeError(f"{self.op}: kernel {self.name} takes {self.head.size // 8} "
                                 f"pointers a call: {e}") from None

@@ -126,9 +126,24 @@ def test_prepared_launch_packs_once_and_writes_only_the_call_s_pointers(monkeypa
     assert ctypes.string_at(shared.params[0], shared.struct.size) == before
 
 
+def test_prepared_launch_writes_pointers_in_the_middle_of_the_block(monkeypatch):
+    """first=: the call's pointers are arguments first .. first + varying - 1, after others
+    (All2AllHeads' receive kernel: its output pointers follow the op's fixed flags)."""
+    lib = _FakeLib()
+    monkeypatch.setattr(L, "_lib", lib)
+    args = (np.int32(7), _Array(0xF00), np.uint64(0), np.uint64(0), np.float32(2.0))
+    prep = L.Prepared(5, 1, 32, args, 2, op="t", name="k", first=2)
+    prep(3, 0xA0, 0xB0)
+    vals, offsets = _values(prep.packer, len(args))
+    assert vals == (7, 0xF00, 0xA0, 0xB0, 2.0) and offsets == [0, 4, 12, 20, 28]
+    assert prep.offset == 12
+
+
 def test_prepared_launch_refuses_non_pointer_slots_and_names_a_driver_error(monkeypatch):
-    with pytest.raises(TypeError, match="first 2 arguments of kernel k must be device"):
+    with pytest.raises(TypeError, match="arguments 0 to 1 of kernel k must be device"):
         L.Prepared(1, 1, 32, (np.uint64(0), np.int32(1)), 2, op="t", name="k")
+    with pytest.raises(TypeError, match="arguments 1 to 2 of kernel k must be device"):
+        L.Prepared(1, 1, 32, (np.uint64(0), np.uint64(1)), 2, op="t", name="k", first=1)
     monkeypatch.setattr(L, "_lib", _FakeLib(err=701))
     prep = L.Prepared(1, 2, 64, (np.uint64(0),), 1, op="op", name="kern")
     with pytest.raises(CudaError, match=r"op: launching kernel kern \(grid 2, block 64"):
