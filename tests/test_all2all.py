@@ -853,3 +853,37 @@ def test_each_recv_block_copies_what_its_peer_pushed(gather, tokens):
             covered += pushed
         rows = B * int(tokens[me]) * W if gather else B * S  # x_me [B, T_me, W groups] / y_me
         assert sorted(covered) == list(range(rows)), (me, gather)
+
+
+def test_a_full_plan_cache_is_not_emptied_under_capture(monkeypatch):
+    """Emptying the token-list cache synchronizes the device and frees prefix arrays a graph
+    may hold: never during a capture on the call's stream, never once the op was captured;
+    otherwise a full cache is emptied before the new list goes in."""
+    import collections
+
+    import cuflux.ops.all2all as A
+
+    W = 2
+    op = object.__new__(A.All2AllHeads)
+    op.spec = A.Spec(W, 0, 0, 16, 8, 64, dtype_info("bfloat16"), 1)
+    forgot = []
+    monkeypatch.setattr(op, "_forget", lambda: (forgot.append(1), op._plans.clear()),
+                        raising=False)
+
+    def full():
+        op._plans = collections.OrderedDict(((i, 0), object()) for i in range(A.CACHE_MAX))
+
+    capturing = {"yes": True, "no": False}
+    monkeypatch.setattr(A, "_capturing", lambda s: capturing[s])
+    op._captured = False
+    full()
+    plan = op._plan((3, 4), "yes")
+    assert not forgot and len(op._plans) == A.CACHE_MAX + 1 and plan.tokens == (3, 4)
+    op._captured = True
+    full()
+    op._plan((5, 6), "no")
+    assert not forgot  # captured before: the cache grows instead
+    op._captured = False
+    full()
+    op._plan((7, 8), "no")
+    assert forgot == [1] and list(op._plans) == [(7, 8)]

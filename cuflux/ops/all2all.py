@@ -363,8 +363,10 @@ class All2AllHeads(CommOp):
     __call__ = scatter_heads
 
     # ---- one call ------------------------------------------------------------------------------
-    def _plan(self, tokens_per_rank):
-        """Validated tokens and their device prefix sums, cached per distinct list."""
+    def _plan(self, tokens_per_rank, stream=None):
+        """Validated tokens and their device prefix sums, cached per distinct list. A full
+        cache is emptied (_forget: a device synchronize) only outside a capture on `stream`
+        and before the op was ever captured."""
         key = tokens_per_rank if isinstance(tokens_per_rank, tuple) else None
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
@@ -374,7 +376,8 @@ class All2AllHeads(CommOp):
             if plan is None:
                 # A captured graph holds its plans' device prefix arrays: once the op has been
                 # captured nothing is evicted (the cache grows instead of freeing them).
-                if len(self._plans) >= CACHE_MAX and not self._captured:
+                if (len(self._plans) >= CACHE_MAX and not self._captured
+                        and not (stream is not None and _capturing(stream))):
                     self._forget()
                 prefix = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32)
                 plan = _Plan(tokens, prefix)
@@ -436,7 +439,8 @@ class All2AllHeads(CommOp):
         name = "y" if gather else "x"
         a_in, given = a, (out, out_scale)  # the caller's: torch in, torch out
         a = as_cupy(a, name, _OP)
-        plan = self._plan(tokens_per_rank)
+        s = stream_of(stream, a_in)
+        plan = self._plan(tokens_per_rank, s)
         tokens = plan.tokens
         if scale is not None:
             scale = as_cupy(scale, "scale", _OP)
@@ -448,14 +452,17 @@ class All2AllHeads(CommOp):
         if out_scale is not None and not mode:
             raise ValueError(f"{_OP}: out_scale given without scale")
         h = self._call_hash((gather, tokens, B, mode))
-        s = stream_of(stream, a_in)
-        capturing = spec.world_size > 1 and _capturing(s)
+        # Under capture: the paths whose kernels read the plan's device prefix array (every
+        # path at W > 1, the copy kernel of w1="kernel" at W = 1) mark the op captured, so no
+        # plan a graph holds is evicted; at W > 1 a view is refused (below).
+        captured_now = ((spec.world_size > 1 or self.w1 == "kernel") and _capturing(s))
+        capturing = captured_now and spec.world_size > 1
         if view and (capturing or self._captured):
             raise CaptureError(
                 f"{_OP}: view=True hands out the receive slot of the call's parity, which a "
                 f"replayed CUDA graph alternates without the host knowing; use out= with an op "
                 f"that is captured" + (" (this op was captured before)" if self._captured else ""))
-        self._captured = self._captured or capturing
+        self._captured = self._captured or captured_now
         if (self._last_stream is not None and self._last_stream.ptr != s.ptr
                 and not capturing):
             # Keep every call of the op in one stream order (double buffering relies on it).
