@@ -22,10 +22,10 @@ memory earlier work writes or reads.
 Launches are capturable in CUDA graphs (driver launches on a capturing stream become kernel
 nodes with the packed argument values).
 
-`Prepared`: a launch whose arguments are all fixed but its first few device pointers, packed
-once; a call writes those pointers and calls the driver. Measured interleaved on the H200
-machine (scripts/results/probe_launch-h200-2026-12-02.txt): a bare cuLaunchKernel with its
-block built once 8.5 us, `kernel` with seven arguments 12.7 us, CuPy's launch 9.5 us; the
+`Prepared`: a launch whose arguments are all fixed but a few consecutive device pointers,
+packed once; a call writes those pointers and calls the driver. Measured interleaved on the
+H200 machine (scripts/results/probe_launch-h200-2026-12-02.txt): a bare cuLaunchKernel with
+its block built once 8.5 us, `kernel` with seven arguments 12.8 us, CuPy's launch 9.5 us; the
 packing `kernel` does per call (types, pointers, pack_into) is ~2 us of its 4.
 """
 from __future__ import annotations

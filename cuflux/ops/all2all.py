@@ -515,7 +515,7 @@ class All2AllHeads(CommOp):
                                     MEMCPY_DEFAULT, s.ptr)
             return
         vec = vec_bytes(self._row_bytes, a.data.ptr, out.data.ptr)
-        launches = plan.launches.get((vec, gather, B, mode, view))
+        launches = plan.launches.get((vec, gather, B, mode, view, h))
         if launches is None:
             launches = self._prepare(gather, plan, B, mode, h, view, vec, s)
         push, recv = launches
@@ -527,7 +527,7 @@ class All2AllHeads(CommOp):
 
     def _prepare(self, gather, plan, B, mode, h, view, vec, s) -> tuple:
         """(a2a_push's launch, a2a_recv's or None at W = 1) for calls of `plan` with this
-        batch, scale mode, view and vector width, kept on the plan: every argument but the
+        batch, scale mode, view, vector width and call hash, kept on the plan: every argument but the
         call's pointers (input, scales, output, output scales) is fixed for them, so it is
         packed once (kernels.prepare), not at every call."""
         import cupy
@@ -560,7 +560,7 @@ class All2AllHeads(CommOp):
                                     np.uint32(not view), np.uint32(self.blocks_per_target), h)
                 + self.err_args,
                 2, op=_OP, name="a2a_recv", first=len(self._wait_flags) + 4)
-        launches = plan.launches[(vec, gather, B, mode, view)] = (push, recv)
+        launches = plan.launches[(vec, gather, B, mode, view, h)] = (push, recv)
         return launches
 
     def _output(self, arr, name, shape, dtype, s):
@@ -628,4 +628,4 @@ class _Plan:
     def __init__(self, tokens, prefix):
         self.tokens, self.prefix, self.total = tokens, prefix, int(prefix[-1])
         self.prefix_dev = None
-        self.launches: dict = {}  # (vec, gather, B, mode, view) -> (push, recv): _prepare
+        self.launches: dict = {}  # (vec, gather, B, mode, view, hash) -> (push, recv): _prepare

@@ -319,8 +319,9 @@ class _P2PReduce(CommOp):
         plan = plan_launch(mode, self.dtype, num_elems, cols, self.world.size, chosen,
                            aligned, self.max_blocks, self.num_sms)
         hit = self._entry(plan)
-        if len(self._plans) < 4096:
-            self._plans[key] = hit
+        if len(self._plans) >= 4096:  # shapes that change every call: bounded, and a new one
+            self._plans.clear()  # still gets its prepared launch kept (graphs hold copies)
+        self._plans[key] = hit
         return hit
 
     def _entry(self, plan: LaunchPlan) -> tuple:
