@@ -481,13 +481,9 @@ _ALGO_TIMINGS = [0]  # timings run in this process
 # each new M; once one M of a class is timed (or read from the table), a new M of the class
 # takes that winner without timing where the heuristic offers it for the new M too (the same
 # algorithm struct, so valid there), and is timed as a shape of its own only where it does not.
-# In memory only: the table keeps exact shapes. {class key: the winning algorithm's bytes}
+# In memory only: the table keeps exact shapes. {class key (a plan key with M's power-of-two
+# range, M.bit_length(), in M's place): the winning algorithm's bytes}
 _CLASS_WINNERS: dict[tuple, bytes] = {}
-
-
-def _class_key(plan_key: tuple, M: int) -> tuple:
-    """The shape class of a plan key (_CublasLt.plan's: M at index 4)."""
-    return plan_key[:4] + (M.bit_length(),) + plan_key[5:]
 
 
 class LtPlan:
@@ -735,7 +731,7 @@ def _tune_algo(lt, plan: LtPlan, a, b, bias, out, addend, ws, stream, M, N, K) -
     dev, dt_name, odt_name, b_layout, _, _, _, align, epilogue = plan.key
     table_key = (f"{device_props(dev)[3]}|cublasLt {lt.version}|{dt_name}|{odt_name}|"
                  f"{b_layout}|{M}x{N}x{K}|{align}|{'bias' if epilogue else '-'}")
-    cls = _class_key(plan.key, M)
+    cls = (dev, dt_name, odt_name, b_layout, M.bit_length(), N, K, align, epilogue)
     chosen = gemm_tuner.recall_algo(table_key)
     if chosen is not None:
         if 0 <= chosen < len(plan.algos):

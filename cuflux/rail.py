@@ -280,14 +280,8 @@ class NcclRail(_Rail):
         comm.reduceScatter(buf.data.ptr, buf[n:].data.ptr, 1, NCCL_DTYPES["float32"],
                            _NCCL_SUM, s.ptr)
         if n > 1:  # a send and a receive with every peer
-            nccl.groupStart()
-            try:
-                for j in range(n):
-                    if j != me:
-                        comm.send(buf.data.ptr, 4, _NCCL_UINT8, j, s.ptr)
-                        comm.recv(buf[n + j:].data.ptr, 4, _NCCL_UINT8, j, s.ptr)
-            finally:
-                nccl.groupEnd()
+            _send_recv(nccl, comm, me, [buf[:1]] * n, [buf[n + j:n + j + 1] for j in range(n)],
+                       s.ptr)
         s.synchronize()
 
     @staticmethod
@@ -321,20 +315,7 @@ class NcclRail(_Rail):
                      NCCL_DTYPES[dt], _NCCL_SUM, stream=stream)
 
     def _all_to_all(self, sends, recvs, stream) -> None:
-        nccl, comm = self._nccl, self.comm
-
-        def grouped(stream_ptr):  # one NCCL group: every pair's send and receive at once
-            nccl.groupStart()
-            try:
-                for j in range(self.size):
-                    if j != self.rank and sends[j].nbytes:
-                        comm.send(sends[j].data.ptr, sends[j].nbytes, _NCCL_UINT8, j, stream_ptr)
-                    if j != self.rank and recvs[j].nbytes:
-                        comm.recv(recvs[j].data.ptr, recvs[j].nbytes, _NCCL_UINT8, j, stream_ptr)
-            finally:
-                nccl.groupEnd()
-
-        self._queued(grouped, stream=stream)
+        self._queued(_send_recv, self._nccl, self.comm, self.rank, sends, recvs, stream=stream)
 
     def wait(self, stream=None, what: str = "rail") -> None:
         """Until the latest NCCL call is done, at most timeout_s (then, or on NCCL's
@@ -378,6 +359,20 @@ class NcclRail(_Rail):
         comm, self.comm = self.comm, None
         if comm is not None:
             comm.abort()
+
+
+def _send_recv(nccl, comm, me: int, sends, recvs, stream_ptr: int) -> None:
+    """One NCCL group: this rank's send of sends[j] to and receive of recvs[j] from every
+    other rank j (arrays; empty ones skipped), all at once."""
+    nccl.groupStart()
+    try:
+        for j in range(len(sends)):
+            if j != me and sends[j].nbytes:
+                comm.send(sends[j].data.ptr, sends[j].nbytes, _NCCL_UINT8, j, stream_ptr)
+            if j != me and recvs[j].nbytes:
+                comm.recv(recvs[j].data.ptr, recvs[j].nbytes, _NCCL_UINT8, j, stream_ptr)
+    finally:
+        nccl.groupEnd()
 
 
 def make_rail(group, device: int | None, timeout_s: float, kind: str = "auto"):

@@ -70,6 +70,7 @@ tests() { local g=$1 ws=$2 cap=$3; shift 3; cap=$(( cap < TEST_END - SECONDS ? c
             --durations=5 "$@"; }
 bench() { step "$B" "$1" "${MPI[@]}" -np "$2" python -m cuflux.bench "$3" --quick --outdir "$L" "${@:4}"; }
 WS=$CUFLUX_TEST_WORLD_SIZES
+multi_w() { echo "${CUFLUX_MULTI_W:-$(nvidia-smi -L | wc -l)}"; }  # the multi arms' W
 
 tests_runtime() { tests runtime "$WS" 400 tests/test_runtime.py tests/test_allgather.py \
                    tests/test_reliability.py tests/test_nodes.py tests/test_rail.py; }
@@ -165,7 +166,7 @@ case $1 in
   multi)  # one device call (< 10 minutes): the collectives' benchmarks, ranks on distinct
     # GPUs (issues 14, 16, 17), their tests and the cross-node ones at that W; the GEMM
     # benchmarks: multi-gemm
-    W=${CUFLUX_MULTI_W:-$(nvidia-smi -L | wc -l)}; EXPECT=all2all,allreduce,allgather
+    W=$(multi_w); EXPECT=all2all,allreduce,allgather
     nvidia-smi topo -m >"$L/topo.txt" 2>&1
     bench 90 "$W" all2all; bench 180 "$W" allreduce; bench 60 "$W" allgather
     # test_nodes: every op across emulated nodes (node size 1: the NCCL rail between the
@@ -175,7 +176,7 @@ case $1 in
     finish ;;
   multi-gemm)  # a second device call: the GEMM benchmarks (issues 14, 15) and the cross-node
     # ops with each GPU a node (issue 20), ranks on distinct GPUs
-    W=${CUFLUX_MULTI_W:-$(nvidia-smi -L | wc -l)}; EXPECT=gemm_rs,ag_gemm
+    W=$(multi_w); EXPECT=gemm_rs,ag_gemm
     bench 150 "$W" gemm_rs; bench 150 "$W" ag_gemm
     if [ "$W" -gt 1 ]; then  # one rank is one node: nothing crosses (the bench says so)
       EXPECT=$EXPECT,across
@@ -185,7 +186,7 @@ case $1 in
   pytest)  # one capped pytest run of chosen tests: pytest NAME WS CAP PYTEST-ARGS...
     TEST_END=$((SECONDS + $4)); tests "$2" "$3" "$4" "${@:5}"; finish ;;
   multi-tests)  # a third device call: every GPU test at W = GPU count, a rank per GPU
-    W=${CUFLUX_MULTI_W:-$(nvidia-smi -L | wc -l)}
+    W=$(multi_w)
     CUFLUX_TEST_WORLD_SIZES=$W step "$L/tests-multi.log" 540 python -m pytest -q -rf -m gpu \
       tests/test_runtime.py tests/test_allgather.py tests/test_reliability.py tests/test_graphs.py \
       tests/test_base.py tests/test_gemm_rs.py tests/test_ag_gemm.py tests/test_torch.py \

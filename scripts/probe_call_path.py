@@ -4,7 +4,6 @@ the same arguments, beside this host's floor (a bare launch, a bare copy). The p
 not enqueue anything are timed without a hold.
   PYTHONPATH=. python scripts/probe_call_path.py
 """
-import numpy as np
 
 
 def per_call_us(fn, calls=500, hold=None):
@@ -158,7 +157,6 @@ def main():
     row("gemm: choice (remembered)", per_call_us(
         lambda: choice(dt, "nk", M, N, K, None, s, False)))
     print("plan of gemm:", G.plan(M, N, K, "float16", "nk"))
-    print("done", np.__version__)
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def run(world, args):
     measured = speed_measured(W, shared_gpu)
     iters = args.iters if measured else min(args.iters, 5)  # shared GPU: correctness only
     rstream = cupy.cuda.Stream(non_blocking=True)  # the regimes' stream (capturable)
-    comm = (nccl_comm(world, shared_gpu) or (None, None))[1]  # None on every rank or on none
+    lib, comm = nccl_comm(world, shared_gpu) or (None, None)  # None on every rank or on none
     link = peer_copy_gbps(world) if W > 1 and distinct else None
     stream = cupy.cuda.get_current_stream()
     layouts = ("nk",) if args.quick else ("nk", "kn")
@@ -159,10 +159,10 @@ def run(world, args):
                            "alone": lambda: ag(a, out=full), "unfused": unfused}
                     if comm is not None:
                         def nccl_unfused():
-                            # 1: ncclUint8, the bytes of the shard; on the current stream
-                            # (the regimes run on their own, capturable, stream)
-                            comm.allGather(a.data.ptr, full.data.ptr, rows * k * 2, 1,
-                                           cupy.cuda.get_current_stream().ptr)
+                            # the bytes of the shard; on the current stream (the regimes
+                            # run on their own, capturable, stream)
+                            comm.allGather(a.data.ptr, full.data.ptr, rows * k * 2,
+                                           lib.NCCL_UINT8, cupy.cuda.get_current_stream().ptr)
                             cupy.matmul(full, bmat, out=out)
 
                         fns["nccl"] = nccl_unfused

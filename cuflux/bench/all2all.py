@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from cuflux.bench.bars import A2A_LOOP_TOKENS
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, no_baseline_regimes, print_bench_table,
                                    regime_calls, speed_header, speed_measured)
-from cuflux.bench.common import (copy_bandwidth_gbps, hold_stream, peer_copy_gbps,
-                                 ranks_share_gpu, time_ms, write_results)
+from cuflux.bench.common import (copy_bandwidth_gbps, hold_stream, nccl_comm,
+                                 peer_copy_gbps, ranks_share_gpu, time_ms, write_results)
 
 L2_BYTES = 60 << 20
 
@@ -205,15 +206,14 @@ def _copy_row(args, B, T, H, D):
             "gbps_all_ranks": 2 * nbytes / (ms * 1e-3) / 1e9}
 
 
-def _nccl_row(world, args, B, T_total, H, D):
-    """NCCL all-to-all of the head groups plus the two permute copies (bf16 moved as uint16)."""
+def _nccl_row(world, args, nccl, B, T_total, H, D):
+    """NCCL all-to-all of the head groups plus the two permute copies (bf16 moved as uint16);
+    nccl: (cupy.cuda.nccl, the communicator) of common.nccl_comm."""
     import cupy
-    from cupy.cuda import nccl
 
+    nccl, comm = nccl
     W, me = world.size, world.rank
     T, hpr = T_total // W, H // W
-    uid = world.allgather(nccl.get_unique_id() if me == 0 else None)[0]
-    comm = nccl.NcclCommunicator(W, uid, me)
     s = cupy.cuda.Stream(non_blocking=True)
     with s:
         x = cupy.random.randint(0, 1 << 15, (B, T, H, D), dtype=cupy.uint16)
@@ -239,7 +239,6 @@ def _nccl_row(world, args, B, T_total, H, D):
                           world=world, prefix="baseline_", notes=notes,
                           what="NCCL all-to-all + permutes")
     ok = bool(cupy.all(y.reshape(B, W, T, hpr, D)[:, me] == x[:, :, me * hpr:(me + 1) * hpr]))
-    comm.destroy()
     return max(world.allgather(ms)), all(world.allgather(ok)), reg, notes
 
 
@@ -272,23 +271,21 @@ def run(world, args):
             for mode in ("owned", "out"):
                 rows.append(_case(world, args, *bar, mode, direction, pdl=False))
     extra = {"copy_ceiling_gbps": ceiling}
-    if not shared_gpu:  # W = 1 too (NCCL's one-rank all-to-all: allreduce.run says why)
-        from cupy.cuda import nccl
-
-        if distinct:
-            extra["link_gbps_one_way"] = peer_copy_gbps(world)
-        if all(world.allgather(bool(nccl.available))):  # together: no rank waits alone
-            # beside the cases, T = 1024: a Ulysses layer of a short sequence (issue 17's
-            # user-loop bar against NCCL is at that size)
-            for B, T, H, D, _ in [(1, 1024, 32, 128, "bfloat16")] + cases:
-                nccl_ms, ok, nccl_reg, nccl_notes = _nccl_row(world, args, B, T, H, D)
-                ours = _case(world, args, B, T, H, D, "bfloat16", "owned", "scatter")
-                if me == 0:
-                    ours.update({"baseline": "nccl all-to-all + 2 permutes", "baseline_ms": nccl_ms,
-                                 "speedup": nccl_ms / ours["cuflux_ms"], "nccl_correct": ok,
-                                 "vs_nccl": True, **nccl_reg})
-                    add_note(ours, *nccl_notes)
-                    rows.append(ours)
+    if distinct:
+        extra["link_gbps_one_way"] = peer_copy_gbps(world)
+    nccl = nccl_comm(world, shared_gpu)  # W = 1 too: NCCL's one-rank all-to-all
+    if nccl is not None:
+        # beside the cases, T = 1024: a Ulysses layer of a short sequence (issue 17's
+        # user-loop bar against NCCL is at that size)
+        for B, T, H, D, _ in [(1, A2A_LOOP_TOKENS, 32, 128, "bfloat16")] + cases:
+            nccl_ms, ok, nccl_reg, nccl_notes = _nccl_row(world, args, nccl, B, T, H, D)
+            ours = _case(world, args, B, T, H, D, "bfloat16", "owned", "scatter")
+            if me == 0:
+                ours.update({"baseline": "nccl all-to-all + 2 permutes", "baseline_ms": nccl_ms,
+                             "speedup": nccl_ms / ours["cuflux_ms"], "nccl_correct": ok,
+                             "vs_nccl": True, **nccl_reg})
+                add_note(ours, *nccl_notes)
+                rows.append(ours)
     if me != 0:
         return None
     for r in rows:

@@ -42,6 +42,9 @@ for the unfused baseline (and NCCL + rmsnorm_residual, prefix nccl_, on distinct
 """
 from __future__ import annotations
 
+import contextlib
+
+from cuflux.bench import bars
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, on_stream, print_bench_table, regime_calls,
                                    speed_header, speed_measured)
@@ -64,12 +67,14 @@ def graph_ms(fn, calls: int, iters: int, stream) -> float:
     return ms / calls
 
 
-# Issue 16's token counts (all in --quick); the full run adds the points between.
-TS_QUICK = (1, 16, 128, 1024, 8192)
+# Issue 16's token counts (all in --quick: the bars' own, bench.bars); the full run adds the
+# points between.
+TS_QUICK = bars.NORM_TOKENS
 TS_FULL = (1, 16, 128, 512, 1024, 2048, 4096, 8192)
 # Plain AllReduce sizes (bytes of x per rank): issue 16's bars are about small calls (<= 256
 # KiB, latency) and large ones (>= 8 MiB, bus bandwidth); the full run adds the crossover region.
-PLAIN_BYTES_QUICK = (4 << 10, 64 << 10, 256 << 10, 8 << 20, 64 << 20)
+PLAIN_BYTES_QUICK = (4 << 10, 64 << 10, bars.PLAIN_SMALL_BYTES, bars.PLAIN_LARGE_BYTES,
+                     64 << 20)
 PLAIN_BYTES_FULL = (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20,
                     32 << 20, 64 << 20, 256 << 20)
 
@@ -128,108 +133,104 @@ def _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters, m
     one_shot_ok = not _two_shot_only(output)
     rows = []
     with AllReduceRMSNorm(world, max_t, H, dtype, output=output) as norm, \
-            AllReduce(world, max_t * H, dtype) as arop:
-        one = (AllReduceRMSNorm(world, max_t, H, dtype, algo="one_shot") if one_shot_ok
-               else None)
+            AllReduce(world, max_t * H, dtype) as arop, \
+            (AllReduceRMSNorm(world, max_t, H, dtype, algo="one_shot") if one_shot_ok
+             else contextlib.nullcontext()) as one:
         ops = [op for op in (norm, one, arop) if op is not None]
         st = norm.dtype.storage
         weight = cupy.random.standard_normal(H, dtype=cupy.float32).astype(st)
-        try:
-            for T in Ts:
-                lo, hi = token_slice(T, W, me)
-                n_rows = norm.out_rows(T)  # rows of out and residual this rank holds
+        for T in Ts:
+            lo, hi = token_slice(T, W, me)
+            n_rows = norm.out_rows(T)  # rows of out and residual this rank holds
 
-                # NCCL's reduce-scatter takes one count: sequence_parallel's baseline reduces
-                # T padded to a multiple of W (the op's x is the first T rows of the same
-                # memory; with uneven slices at W > 2 its rows are not token_slice's, its cost
-                # is the same)
-                T_pad = -(-T // W) * W
+            # NCCL's reduce-scatter takes one count: sequence_parallel's baseline reduces
+            # T padded to a multiple of W (the op's x is the first T rows of the same
+            # memory; with uneven slices at W > 2 its rows are not token_slice's, its cost
+            # is the same)
+            T_pad = -(-T // W) * W
 
-                def make():  # one input set; the views are made here once, not in the
-                    # timed calls (a CuPy slice costs the host ~1-2 us, which is not the op's)
-                    def rand(shape):
-                        return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(st)
-                    x, y = rand((T_pad, H)), rand((T_pad, H))  # x padded, y: the unfused sum
-                    return {"x_pad": x, "x": x[:T], "res": rand((n_rows, H)),
-                            "out": rand((n_rows, H)), "y_pad": y, "y": y[:T],
-                            # the sum's rows this rank normalises: cuflux's unfused pair
-                            # (its AllReduce gives every row), NCCL's reduce-scatter (its
-                            # share lands first)
-                            "y_mine": y[lo:hi] if output == "sequence_parallel" else y[:T],
-                            "y_share": y[:n_rows]}
+            def make():  # one input set; the views are made here once, not in the
+                # timed calls (a CuPy slice costs the host ~1-2 us, which is not the op's)
+                def rand(shape):
+                    return cupy.random.standard_normal(shape, dtype=cupy.float32).astype(st)
+                x, y = rand((T_pad, H)), rand((T_pad, H))  # x padded, y: the unfused sum
+                return {"x_pad": x, "x": x[:T], "res": rand((n_rows, H)),
+                        "out": rand((n_rows, H)), "y_pad": y, "y": y[:T],
+                        # the sum's rows this rank normalises: cuflux's unfused pair
+                        # (its AllReduce gives every row), NCCL's reduce-scatter (its
+                        # share lands first)
+                        "y_mine": y[lo:hi] if output == "sequence_parallel" else y[:T],
+                        "y_share": y[:n_rows]}
 
-                # sets sized from T alone: every rank rotates as many sets, so every rank
-                # captures as many calls (n_rows differs between ranks)
-                pick, nsets = _rotating_sets(make, 4 * T * H * st.itemsize)
+            # sets sized from T alone: every rank rotates as many sets, so every rank
+            # captures as many calls (n_rows differs between ranks)
+            pick, nsets = _rotating_sets(make, 4 * T * H * st.itemsize)
 
-                def fused(algo=None):
-                    v = pick()
-                    (one if algo == "one_shot" else norm)(v["x"], v["res"], weight, out=v["out"],
-                                                          algo=algo)
+            def fused(algo=None):
+                v = pick()
+                (one if algo == "one_shot" else norm)(v["x"], v["res"], weight, out=v["out"],
+                                                      algo=algo)
 
-                def unfused():
-                    v = pick()
-                    arop(v["x"], out=v["y"])
-                    rmsnorm_residual(v["y_mine"], v["res"], weight, eps=norm.eps, out=v["out"])
+            def unfused():
+                v = pick()
+                arop(v["x"], out=v["y"])
+                rmsnorm_residual(v["y_mine"], v["res"], weight, eps=norm.eps, out=v["out"])
 
-                def with_nccl():
-                    # sequence_parallel: NCCL's reduce-scatter of the padded rows, then the
-                    # norm of this rank's; the other outputs: its all-reduce, then the norm
-                    v = pick()
-                    lib, comm = nccl
-                    if output == "sequence_parallel":
-                        comm.reduceScatter(v["x_pad"].data.ptr, v["y_pad"].data.ptr,
-                                           (T_pad // W) * H, lib.NCCL_BFLOAT16, lib.NCCL_SUM,
-                                           stream.ptr)
-                        rows = v["y_share"]
-                    else:
-                        comm.allReduce(v["x"].data.ptr, v["y"].data.ptr, T * H,
-                                       lib.NCCL_BFLOAT16, lib.NCCL_SUM, stream.ptr)
-                        rows = v["y"]
-                    rmsnorm_residual(rows, v["res"], weight, eps=norm.eps, out=v["out"])
+            def with_nccl():
+                # sequence_parallel: NCCL's reduce-scatter of the padded rows, then the
+                # norm of this rank's; the other outputs: its all-reduce, then the norm
+                v = pick()
+                lib, comm = nccl
+                if output == "sequence_parallel":
+                    comm.reduceScatter(v["x_pad"].data.ptr, v["y_pad"].data.ptr,
+                                       (T_pad // W) * H, lib.NCCL_BFLOAT16, lib.NCCL_SUM,
+                                       stream.ptr)
+                    rows = v["y_share"]
+                else:
+                    comm.allReduce(v["x"].data.ptr, v["y"].data.ptr, T * H,
+                                   lib.NCCL_BFLOAT16, lib.NCCL_SUM, stream.ptr)
+                    rows = v["y"]
+                rmsnorm_residual(rows, v["res"], weight, eps=norm.eps, out=v["out"])
 
-                timed = {"cuflux_ms": fused, "baseline_ms": unfused}
-                if W > 1:
-                    if one_shot_ok:
-                        timed["one_shot_ms"] = lambda: fused("one_shot")
-                    timed["two_shot_ms"] = lambda: fused("two_shot")
-                if nccl is not None:
-                    timed["nccl_ms"] = with_nccl
-                row = {"case": f"T={T} H={H} bf16 {output}", "kind": "norm", "T": T, "H": H,
-                       "mode": output, "baseline": "AllReduce + rmsnorm_residual",
-                       "auto_algo": choose_algo(T * H * st.itemsize, W, output)}
-                _time_row(world, row, timed,
-                          [("", on_stream(fused, stream), "AllReduceRMSNorm"),
-                           ("baseline_", on_stream(unfused, stream),
-                            "AllReduce + rmsnorm_residual"),
-                           ("nccl_", on_stream(with_nccl, stream) if nccl is not None else None,
-                            "NCCL + rmsnorm_residual")],
-                          ops, stream, iters, nsets, shared_gpu, args, measured)
-                world.barrier()
-                with stream:
-                    ms = time_ms(fused, warmup=3, iters=iters, stream=stream)
-                norm.synchronize(stream)
-                row["eager_ms"] = max(world.allgather(ms))
-                x_bytes = T * H * st.itemsize
-                if link is not None and me == 0:
-                    if row["auto_algo"] == "one_shot":
-                        out_bytes = (W - 1) * x_bytes
-                    else:  # the scatter, then the gathered tensors (out, and the residual
-                        # when replicated) to every peer
-                        gathered = {"replicated": 2, "sharded_residual": 1,
-                                    "sequence_parallel": 0}[output]
-                        out_bytes = (W - 1) / W * x_bytes * (1 + gathered)
-                    row["peer_gbps"] = out_bytes / (row["cuflux_ms"] * 1e-3) / 1e9
-                    row["fraction_of_link"] = row["peer_gbps"] / link
-                if W == 1 and me == 0:
-                    moved = (4 * T * H + H) * st.itemsize
-                    row["gbps"] = moved / (row["cuflux_ms"] * 1e-3) / 1e9
-                    row["fraction_of_hbm"] = row["gbps"] / ceiling
-                rows.append(row)
-                pick = None  # its sets freed before the next T's
-        finally:
-            if one is not None:
-                one.close()
+            timed = {"cuflux_ms": fused, "baseline_ms": unfused}
+            if W > 1:
+                if one_shot_ok:
+                    timed["one_shot_ms"] = lambda: fused("one_shot")
+                timed["two_shot_ms"] = lambda: fused("two_shot")
+            if nccl is not None:
+                timed["nccl_ms"] = with_nccl
+            row = {"case": f"T={T} H={H} bf16 {output}", "kind": "norm", "T": T, "H": H,
+                   "mode": output, "baseline": "AllReduce + rmsnorm_residual",
+                   "auto_algo": choose_algo(T * H * st.itemsize, W, output)}
+            _time_row(world, row, timed,
+                      [("", on_stream(fused, stream), "AllReduceRMSNorm"),
+                       ("baseline_", on_stream(unfused, stream),
+                        "AllReduce + rmsnorm_residual"),
+                       ("nccl_", on_stream(with_nccl, stream) if nccl is not None else None,
+                        "NCCL + rmsnorm_residual")],
+                      ops, stream, iters, nsets, shared_gpu, args, measured)
+            world.barrier()
+            with stream:
+                ms = time_ms(fused, warmup=3, iters=iters, stream=stream)
+            norm.synchronize(stream)
+            row["eager_ms"] = max(world.allgather(ms))
+            x_bytes = T * H * st.itemsize
+            if link is not None and me == 0:
+                if row["auto_algo"] == "one_shot":
+                    out_bytes = (W - 1) * x_bytes
+                else:  # the scatter, then the gathered tensors (out, and the residual
+                    # when replicated) to every peer
+                    gathered = {"replicated": 2, "sharded_residual": 1,
+                                "sequence_parallel": 0}[output]
+                    out_bytes = (W - 1) / W * x_bytes * (1 + gathered)
+                row["peer_gbps"] = out_bytes / (row["cuflux_ms"] * 1e-3) / 1e9
+                row["fraction_of_link"] = row["peer_gbps"] / link
+            if W == 1 and me == 0:
+                moved = (4 * T * H + H) * st.itemsize
+                row["gbps"] = moved / (row["cuflux_ms"] * 1e-3) / 1e9
+                row["fraction_of_hbm"] = row["gbps"] / ceiling
+            rows.append(row)
+            pick = None  # its sets freed before the next T's
     return rows
 
 
@@ -312,7 +313,7 @@ def run(world, args):
     iters = min(args.iters, 5) if W > 1 and shared_gpu else args.iters
     rows = []
     for output in OUTPUTS:
-        for H in (4096, 8192):
+        for H in bars.NORM_HIDDEN:
             rows += _norm_rows(world, args, output, H, Ts, nccl, link, ceiling, stream, iters,
                                measured, shared_gpu)
     rows += _plain_rows(world, args, PLAIN_BYTES_QUICK if args.quick else PLAIN_BYTES_FULL,

@@ -119,13 +119,9 @@ def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5
         user_loop_ms = (time.perf_counter() - t0) * 1e3 / calls
     if barrier is not None:
         barrier()
-    hold_stream(stream, 2 * user_loop_ms * 1e3 * calls + 200)  # clamped there
-    with current:
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host_us = (time.perf_counter() - t0) * 1e6 / calls
-    stream.synchronize()
+    with current:  # a hold of twice the loop's GPU time (clamped to hold_stream's maximum)
+        host_us = held_host_us(fn, stream, calls, warmup=0,
+                               hold_us=2 * user_loop_ms * 1e3 * calls + 200)
     graph_ms = None
     if graph:
         try:
@@ -187,19 +183,20 @@ def hold_stream(stream, us: float, max_us: float = _HOLD_MAX_US) -> None:
     _hold_kernel((1,), (1,), (np.uint64(ns),), stream=stream)
 
 
-def held_host_us(fn, stream, calls: int = 500, warmup: int = 20) -> float:
+def held_host_us(fn, stream, calls: int = 500, warmup: int = 20,
+                 hold_us: float = _HOLD_MAX_US) -> float:
     """Host microseconds per call of `calls` back-to-back fn() issued while `stream` is held
-    busy (hold_stream), so no call waits for the GPU: the host's time alone (stream None: no
-    hold, for what enqueues nothing). `calls` stays well below the launch queue (~1,000
-    entries): a full queue blocks the host until the hold ends, which would read as host time
-    (500 calls of ~10 us also fit behind the 20 ms hold)."""
+    busy (hold_stream, hold_us), so no call waits for the GPU: the host's time alone (stream
+    None: no hold, for what enqueues nothing). `calls` stays well below the launch queue
+    (~1,000 entries): a full queue blocks the host until the hold ends, which would read as
+    host time (500 calls of ~10 us also fit behind the 20 ms hold)."""
     import time
 
     for _ in range(warmup):
         fn()
     if stream is not None:
         stream.synchronize()
-        hold_stream(stream, _HOLD_MAX_US)
+        hold_stream(stream, hold_us)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()

@@ -93,7 +93,7 @@ def op_args(world_size: int, rows) -> dict:
 
 
 def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=False,
-          measured=True, link_gbps=None):
+          measured=True, link_gbps=None, both_folds=False):
     import cupy
 
     import cuflux.ops.gemm as G
@@ -125,8 +125,8 @@ def _case(world, name, M, n, K, layout, nccl, iters, stream, configs, quick=Fals
     if W > 1:
         extra["chunked"] = GemmReduceScatter(world, M, n, k, "bfloat16", b_layout=layout,
                                              route="chunked")
-        # both sides of fold_route's threshold, measured (decided together: the op is collective)
-        if W == 2 and all(world.allgather(knobs.gemm_cublaslt())):
+        # both sides of fold_route's threshold, measured (both_folds: run decided it together)
+        if both_folds:
             extra["chunked_other"] = GemmReduceScatter(
                 world, M, n, k, "bfloat16", b_layout=layout, route="chunked",
                 fold=not extra["chunked"].fold)
@@ -244,6 +244,9 @@ def run(world, args):
     shared_gpu = ranks_share_gpu(world)
     measured = speed_measured(W, shared_gpu)
     nccl = nccl_comm(world, shared_gpu)
+    # route="chunked" with and without the fold (W = 2, the cublasLt route on every rank:
+    # decided together, the op is collective)
+    both_folds = W == 2 and all(world.allgather(knobs.gemm_cublaslt()))
     link = peer_copy_gbps(world) if W > 1 and not shared_gpu else None
     iters = min(args.iters, 5) if W > 1 and shared_gpu else args.iters
     stream = cupy.cuda.Stream(non_blocking=True)
@@ -255,7 +258,8 @@ def run(world, args):
         for name, M, n, K in shapes:
             for layout in layouts:
                 rows.append(_case(world, name, M, n, K, layout, nccl, iters, stream, configs,
-                                  quick=args.quick, measured=measured, link_gbps=link))
+                                  quick=args.quick, measured=measured, link_gbps=link,
+                                  both_folds=both_folds))
                 cupy.get_default_memory_pool().free_all_blocks()  # the case's inputs are gone
     if me != 0:
         return None

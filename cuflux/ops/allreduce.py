@@ -607,24 +607,22 @@ def rmsnorm_residual(x, residual, weight, eps: float = 1e-6, out=None, stream=No
                          dtype=d, device=dev)
     if not eps > 0:
         raise ValueError(f"{op}: eps must be > 0, got {eps}")
-    with cupy.cuda.Device(dev):  # x's GPU: its current stream, not the caller's GPU's
-        s = stream_of(stream, x_in)
-    if out is None:
-        with cupy.cuda.Device(dev):
-            out = _empty((T, H), d.storage, s if is_torch(x_in) else None)
-    else:
-        out = check_array(as_cupy(out, "out", op), name="out", op=op, shape=(T, H), dtype=d,
-                          device=dev)
-    if T == 0:
-        return to_caller(out, x_in, out_in)
+    # On x's GPU throughout: its current stream and memory pool, not the caller's GPU's.
     with cupy.cuda.Device(dev):
-        plan = plan_launch("replicated", d, T * H, H, 1, "one_shot",
-                           _aligned(x, out, residual, weight), 1, sm_count(dev))
-        fn = _kernel(kernels.load(_SRC, dev), plan)
-        kernels.launch(fn, plan.grid, plan.block,
-                       (x, out, residual, weight, np.int32(plan.rows), np.int32(plan.cols),
-                        np.float32(eps)), s, op=op, name=plan.kernel,
-                       shared_mem=plan.shared_mem)
+        s = stream_of(stream, x_in)
+        if out is None:
+            out = _empty((T, H), d.storage, s if is_torch(x_in) else None)
+        else:
+            out = check_array(as_cupy(out, "out", op), name="out", op=op, shape=(T, H),
+                              dtype=d, device=dev)
+        if T:
+            plan = plan_launch("replicated", d, T * H, H, 1, "one_shot",
+                               _aligned(x, out, residual, weight), 1, sm_count(dev))
+            fn = _kernel(kernels.load(_SRC, dev), plan)
+            kernels.launch(fn, plan.grid, plan.block,
+                           (x, out, residual, weight, np.int32(plan.rows), np.int32(plan.cols),
+                            np.float32(eps)), s, op=op, name=plan.kernel,
+                           shared_mem=plan.shared_mem)
     return to_caller(out, x_in, out_in)
 
 

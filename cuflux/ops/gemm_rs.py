@@ -211,7 +211,7 @@ def fold_route(world_size: int, ks, out_itemsize: int, impl: str, cublaslt: bool
     if fold is None:
         return possible and max(ks) * out_itemsize < FOLD_BELOW_K_BYTES
     if fold and not possible:
-        raise ValueError(f"fold=True needs W = 2 (got {world_size}), impl='auto' (got "
+        raise ValueError(f"{_OP}: fold=True needs W = 2 (got {world_size}), impl='auto' (got "
                          f"{impl!r}) and the cublasLt route (CUFLUX_GEMM_CUBLASLT=1) on every "
                          f"rank")
     return bool(fold)
@@ -314,14 +314,20 @@ class ChunkedRs(CopyGather):
         # An fp32 output with a bias has no cublasLt algorithm (the bias would have to be fp32)
         folds = self.fold and (bias is None or self.out_dtype.name != "float32")
 
-        def fold_part(r0, r1, launch, **kw):  # own rows [r0, r1) @ b + peer's part, into out
-            return launch(a[me * R + r0:me * R + r1], b, bias, out[r0:r1], self.in_dtype,
-                          self.out_dtype, r1 - r0, n, k, b_layout, s,
-                          addend=self._slot(self.peers[0], R, r0, r1), **kw)
+        # each own part: its rows of a, of out, the peer's received part (views made once)
+        # and its row count
+        own = [(a[me * R + r0:me * R + r1], out[r0:r1], self._slot(self.peers[0], R, r0, r1),
+                r1 - r0) for r0, r1 in parts] if folds else []
 
-        if folds:  # the own parts' plans made and tuned now, while nothing waits for a peer
-            for r0, r1 in parts:  # (a timing reads the received rows before they land: no use)
-                fold_part(r0, r1, core.prepare_cublaslt)
+        def fold_part(c, launch, **kw):  # own rows of part c @ b + peer's part, into out
+            a_own, out_own, received, rows = own[c]
+            return launch(a_own, b, bias, out_own, self.in_dtype, self.out_dtype, rows, n, k,
+                          b_layout, s, addend=received, **kw)
+
+        # the own parts' plans made and tuned now, while nothing waits for a peer (a timing
+        # reads the received rows before they land: no use)
+        for c in range(len(own)):
+            fold_part(c, core.prepare_cublaslt)
         for j, p in enumerate(self.peers):
             lane = self.lane_of[p]
             for c, (r0, r1) in enumerate(parts):
@@ -341,7 +347,7 @@ class ChunkedRs(CopyGather):
             for c, (r0, r1) in enumerate(parts):
                 self._wait(s, "chunk", e, p, index0=p * self.max_chunks + c)
                 # tuned before the call's first wait (above): never behind a peer
-                if not fold_part(r0, r1, core.launch_cublaslt, tune=False):
+                if not fold_part(c, core.launch_cublaslt, tune=False):
                     gemm(a[me * R + r0:me * R + r1], b, out=self._slot(me, R, r0, r1),
                          b_layout=b_layout, impl=impl, stream=s)
                     self._sum(r0, r1 - r0, R, bias, out[r0:r1], s)
@@ -461,12 +467,9 @@ class GemmReduceScatter(CommOp):
         self.b_layout, self.reduce, self.atomic = b_layout, reduce, reduce == "atomic"
         self.impl = "sm90" if all(h for _, h, *_ in everyone) else "sm80"
         # route="chunked" at W = 2: whether its chunks fold (fold_route), from every rank's k
-        try:
-            self.fold = route == "chunked" and fold_route(
-                W, [kk for _, _, kk, _ in everyone], odt.itemsize, impl,
-                all(lt for *_, lt in everyone), fold)
-        except ValueError as e:  # every rank raises: the same agreed arguments
-            raise ValueError(f"{_OP}: {e}") from None
+        self.fold = route == "chunked" and fold_route(  # (every rank raises alike: the same
+            W, [kk for _, _, kk, _ in everyone], odt.itemsize, impl,  # agreed arguments)
+            all(lt for *_, lt in everyone), fold)
         self._impl_arg = impl  # the unfused route's GEMM: "auto" lets cuflux.gemm take cuBLAS
         self.config = config or SM90_RS_DEFAULT
         self._config_given = config is not None  # W = 1: else the GEMM's tuner picks
