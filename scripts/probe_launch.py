@@ -52,13 +52,18 @@ def main():
 
     p = L._Packer(tuple(map(type, args7)))
     pack(p)  # the argument block of args7 built once, as a per-call cache would hold it
-    lib, sptr = L.driver_lib(), s.ptr
+    lib, sptr, cy = L.driver_lib(), s.ptr, L.launcher()
     f_rms, f_empty = L._function(fn), k7.kernel.ptr
     variants = {
         "empty kernel, bare ctypes, block built once": lambda: lib.cuLaunchKernel(
             f_empty, 1, 1, 1, 128, 1, 1, 0, sptr, p.params, None),
         "rmsnorm kernel, bare ctypes, block built once": lambda: lib.cuLaunchKernel(
             f_rms, plan.grid, 1, 1, plan.block, 1, 1, 0, sptr, p.params, None),
+        # the binding cuflux.launch calls (CuPy's Cython cuLaunchKernel: integers in)
+        "empty kernel, bare CuPy binding, block built once": lambda: cy(
+            f_empty, 1, 1, 1, 128, 1, 1, 0, sptr, p.params_addr, 0),
+        "rmsnorm kernel, bare CuPy binding, block built once": lambda: cy(
+            f_rms, plan.grid, 1, 1, plan.block, 1, 1, 0, sptr, p.params_addr, 0),
         "empty kernel, cuflux.launch": lambda: L.kernel(k7, 1, 128, args7, s, op="p",
                                                         name="k7"),
         "rmsnorm kernel, cuflux.launch": lambda: L.kernel(fn, plan.grid, plan.block, args7, s,
