@@ -119,9 +119,12 @@ def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5
         user_loop_ms = (time.perf_counter() - t0) * 1e3 / calls
     if barrier is not None:
         barrier()
+    # Small calls' host loop runs at least HOST_CALLS calls: 50 calls of ~10 us put the
+    # figure 50 % apart between neighbouring rows of one run (allreduce bench, 2026-12-02).
+    host_calls = max(calls, HOST_CALLS) if user_loop_ms < 0.1 else calls
     with current:  # a hold of twice the loop's GPU time (clamped to hold_stream's maximum)
-        host_us = held_host_us(fn, stream, calls, warmup=0,
-                               hold_us=2 * user_loop_ms * 1e3 * calls + 200)
+        host_us = held_host_us(fn, stream, host_calls, warmup=0,
+                               hold_us=2 * user_loop_ms * 1e3 * host_calls + 200)
     graph_ms = None
     if graph:
         try:
@@ -161,6 +164,7 @@ extern "C" __global__ void cuflux_bench_hold(unsigned long long ns) {
 extern "C" __global__ void cuflux_bench_empty(unsigned long long unused) {}
 """
 _HOLD_MAX_US = 20_000.0
+HOST_CALLS = 200  # the fewest calls of a host_us loop of calls under 0.1 ms (regimes)
 _hold_kernel = None
 # This host's floor for enqueueing GPU work from Python (measure_host_floor), written into
 # every results JSON of the run: the issues' host bars read against it.
