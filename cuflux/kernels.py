@@ -526,3 +526,12 @@ def launch(kernel, grid, block, args, stream, *, op: str, name: str, shared_mem:
     op and the kernel."""
     _launch.kernel(kernel, grid, block, args, stream, op=op, name=name, shared_mem=shared_mem,
                    pdl=pdl)
+
+
+def prepare(kernel, grid, block, args, varying: int, *, op: str, name: str,
+            shared_mem: int = 0, first: int = 0) -> "_launch.Prepared":
+    """A launch of a loaded kernel whose arguments are all fixed but `varying` device pointers
+    from argument `first` on: cuflux.launch.Prepared, called with the stream and those
+    pointers (an op's cached plan: its argument block is packed once, not at every call)."""
+    return _launch.Prepared(kernel, grid, block, args, varying, op=op, name=name,
+                            shared_mem=shared_mem, first=first)

@@ -21,6 +21,19 @@ memory earlier work writes or reads.
 
 Launches are capturable in CUDA graphs (driver launches on a capturing stream become kernel
 nodes with the packed argument values).
+
+`Prepared`: a launch whose arguments are all fixed but a few consecutive device pointers,
+packed once; a call writes those pointers and calls the driver. Measured interleaved on the
+H200 machine (scripts/results/probe_launch-h200-2026-12-02.txt): a bare cuLaunchKernel with
+its block built once 8.5 us, `kernel` with seven arguments 12.8 us, CuPy's launch 9.5 us; the
+packing `kernel` does per call (types, pointers, pack_into) is ~2 us of its 4.
+
+The driver call itself goes through CuPy's Cython binding of cuLaunchKernel
+(cupy_backends.cuda.api.driver.launchKernel: plain integers in, no per-argument conversion),
+not ctypes: ctypes converts each of cuLaunchKernel's eleven arguments through its argtypes on
+every call, and CuPy's whole RawKernel launch (seven arguments converted in Cython) measured
+0.5 us above a bare ctypes cuLaunchKernel. PDL launches (cuLaunchKernelEx, which CuPy does not
+bind) stay on ctypes.
 """
 from __future__ import annotations
 
@@ -30,13 +43,15 @@ import threading
 
 import numpy as np
 
-__all__ = ["kernel", "capturing", "driver_lib"]
+__all__ = ["kernel", "Prepared", "capturing", "driver_lib"]
 
 _FORMATS = {np.uint64: "Q", np.int64: "q", np.uint32: "I", np.int32: "i", np.float32: "f",
             np.uint16: "H", np.int16: "h", np.uint8: "B", bytes: "128s", np.void: "128s"}
 
 _lib = None
 _lib_lock = threading.Lock()
+_launch_kernel = None  # cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
+_DriverError = None    # what it raises on a failed launch (.status: the CUresult)
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: 72 bytes, value at 8
@@ -76,6 +91,35 @@ def driver_lib():
     return _lib
 
 
+def launcher():
+    """cuLaunchKernel taking plain integers (CuPy's Cython binding; ctypes where CuPy's
+    backend module is not there), bound once; it raises _DriverError on a failed launch."""
+    global _launch_kernel, _DriverError
+    if _launch_kernel is None:
+        try:
+            from cupy_backends.cuda.api import driver
+        except ImportError:  # no CuPy backend: ctypes, with the same contract
+            _DriverError = _CtypesLaunchError
+            _launch_kernel = _ctypes_launch
+        else:
+            _DriverError = driver.CUDADriverError
+            _launch_kernel = driver.launchKernel
+    return _launch_kernel
+
+
+class _CtypesLaunchError(RuntimeError):
+    def __init__(self, status: int):
+        super().__init__(error_name(status))
+        self.status = status
+
+
+def _ctypes_launch(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra) -> None:
+    err = (_lib or driver_lib()).cuLaunchKernel(func, gx, gy, gz, bx, by, bz, smem, stream,
+                                                params, extra or None)
+    if err:
+        raise _CtypesLaunchError(err)
+
+
 def error_name(code: int) -> str:
     name = ctypes.c_char_p()
     if driver_lib().cuGetErrorName(code, ctypes.byref(name)) == 0 and name.value:
@@ -87,7 +131,7 @@ class _Packer:
     """The argument block of one signature: a buffer, its parameter pointers, which arguments
     are device arrays (passed as their pointer) and which are numpy voids (as bytes)."""
 
-    __slots__ = ("struct", "buf", "params", "arrays", "voids", "lock")
+    __slots__ = ("struct", "buf", "params", "params_addr", "arrays", "voids", "lock")
 
     def __init__(self, types: tuple):
         fmt, arrays, voids = "=", [], []
@@ -110,6 +154,7 @@ class _Packer:
             offsets.append(base + off)
             off += struct.calcsize("=" + piece)
         self.params = (ctypes.c_void_p * max(len(offsets), 1))(*offsets)
+        self.params_addr = ctypes.addressof(self.params)  # what the driver call takes
         self.arrays, self.voids = tuple(arrays), tuple(voids)
         self.lock = threading.Lock()
 
@@ -157,7 +202,7 @@ def kernel(fn, grid, block, args, stream, *, op: str, name: str, shared_mem: int
     s = stream if isinstance(stream, int) else stream.ptr
     g = grid if isinstance(grid, int) else _one_dim(grid, "grid", name)
     b = block if isinstance(block, int) else _one_dim(block, "block", name)
-    lib = _lib or driver_lib()
+    err = 0
     with p.lock:
         try:
             p.struct.pack_into(p.buf, 0, *vals)
@@ -165,14 +210,76 @@ def kernel(fn, grid, block, args, stream, *, op: str, name: str, shared_mem: int
             raise TypeError(f"{op}: arguments of kernel {name} do not fit their types: {e}") \
                 from None
         if pdl and _pdl_capable(func):
-            err = lib.cuLaunchKernelEx(_pdl_config(g, b, shared_mem, s), func, p.params, None)
+            err = (_lib or driver_lib()).cuLaunchKernelEx(_pdl_config(g, b, shared_mem, s),
+                                                          func, p.params, None)
         else:
-            err = lib.cuLaunchKernel(func, g, 1, 1, b, 1, 1, shared_mem, s, p.params, None)
+            try:
+                (_launch_kernel or launcher())(func, g, 1, 1, b, 1, 1, shared_mem, s,
+                                               p.params_addr, 0)
+            except _DriverError as e:
+                err = e.status
     if err:
-        from cuflux.errors import CudaError
+        _launch_failed(op, name, g, b, shared_mem, err)
 
-        raise CudaError(f"{op}: launching kernel {name} (grid {g}, block {b}, {shared_mem} "
-                        f"bytes of shared memory) failed: {error_name(err)}")
+
+def _launch_failed(op: str, name: str, grid: int, block: int, shared_mem: int, err: int):
+    from cuflux.errors import CudaError
+
+    raise CudaError(f"{op}: launching kernel {name} (grid {grid}, block {block}, {shared_mem} "
+                    f"bytes of shared memory) failed: {error_name(err)}")
+
+
+class Prepared:
+    """One kernel's launch with its argument block packed once: every argument is fixed but
+    `varying` consecutive device pointers from argument `first` on, given at each call
+    (`prepared(stream, *pointers)`, ints). For an op's cached plan, whose grid, block and
+    other arguments do not change between calls. Thread-safe (the block is written under a
+    lock); a CUDA error raises CudaError naming the op and the kernel, as `kernel` does."""
+
+    __slots__ = ("func", "grid", "block", "shared_mem", "op", "name", "head", "offset",
+                 "packer")
+
+    def __init__(self, fn, grid: int, block: int, args, varying: int, *, op: str, name: str,
+                 shared_mem: int = 0, first: int = 0):
+        p = self.packer = _Packer(tuple(map(type, args)))  # its own block, never shared
+        fmt = "".join("Q" if f == "Q" else "x" for f in _pieces(p.struct.format[1:]))
+        if not (0 <= first and first + varying <= len(args)
+                and fmt[first:first + varying] == "Q" * varying):
+            raise TypeError(f"{op}: arguments {first} to {first + varying - 1} of kernel {name} "
+                            f"must be device pointers (arrays or numpy.uint64), got format "
+                            f"{p.struct.format!r}")
+        vals = list(args)
+        for i in p.arrays:
+            vals[i] = vals[i].data.ptr
+        for i in p.voids:
+            vals[i] = vals[i].tobytes()
+        try:
+            p.struct.pack_into(p.buf, 0, *vals)
+        except struct.error as e:
+            raise TypeError(f"{op}: arguments of kernel {name} do not fit their types: {e}") \
+                from None
+        # consecutive in the block ("=" packs no padding): one pack_into a call
+        self.head = struct.Struct("=" + "Q" * varying)
+        self.offset = p.params[first] - p.params[0] if args else 0
+        self.func = fn if isinstance(fn, int) else _function(fn)
+        self.grid, self.block, self.shared_mem = int(grid), int(block), int(shared_mem)
+        self.op, self.name = op, name
+
+    def __call__(self, stream, *pointers) -> None:
+        p = self.packer
+        s = stream if isinstance(stream, int) else stream.ptr
+        with p.lock:
+            try:
+                self.head.pack_into(p.buf, self.offset, *pointers)
+            except struct.error as e:  # a count or a value that is not a pointer
+                raise TypeError(f"{self.op}: kernel {self.name} takes {self.head.size // 8} "
+                                f"pointers a call: {e}") from None
+            try:
+                (_launch_kernel or launcher())(self.func, self.grid, 1, 1, self.block, 1, 1,
+                                               self.shared_mem, s, p.params_addr, 0)
+            except _DriverError as e:
+                _launch_failed(self.op, self.name, self.grid, self.block, self.shared_mem,
+                               e.status)
 
 
 def _one_dim(dims, what: str, name: str) -> int:

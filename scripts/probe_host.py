@@ -186,10 +186,10 @@ def main():
     from cuflux.ops.allreduce import check_norm_call
     ops["check_norm_call only"] = lambda: check_norm_call(arn, xs, res, wt, outn, None)
     plan = arn._plan(xs.size, H, "auto", True)
-    ops["AllReduceRMSNorm _launch only, stream=s"] = lambda: arn._launch(
-        plan, xs, outn, res, wt, arn._eps, s)
+    ptrs = (xs.data.ptr, outn.data.ptr, res.data.ptr, wt.data.ptr)
+    ops["AllReduceRMSNorm _launch only, stream=s"] = lambda: arn._launch(plan, s, *ptrs)
     ops["AllReduceRMSNorm _launch only, default stream"] = lambda: arn._launch(
-        plan, xs, outn, res, wt, arn._eps, cupy.cuda.get_current_stream())
+        plan, cupy.cuda.get_current_stream(), *ptrs)
     ops["gemm 128x8192x8192 nk out= stream=s"] = lambda: cuflux.gemm(
         a, w, b_layout="nk", out=gout, stream=s)
     gout = cupy.empty((128, 8192), dtype=cupy.float16)

@@ -42,7 +42,8 @@ def main():
         res, wt, out = cupy.ones_like(x), cupy.ones((H,), cupy.float16), cupy.empty_like(x)
     args7 = (x, out, res, wt, np.int32(1), np.int32(H), np.float32(1e-6))
     arn = cuflux.AllReduceRMSNorm(world, 64, H, "float16")
-    plan, fn, _ = arn._plan(H, H, "auto", True)
+    plan, prepared = arn._plan(H, H, "auto", True)
+    fn = arn.module[plan.kernel]
     print("op kernel:", plan.kernel, "grid", plan.grid, "block", plan.block, "smem",
           plan.shared_mem, flush=True)
     def pack(packer):  # part of kernel()'s per-call work: the pointers read, pack_into
@@ -51,18 +52,25 @@ def main():
 
     p = L._Packer(tuple(map(type, args7)))
     pack(p)  # the argument block of args7 built once, as a per-call cache would hold it
-    lib, sptr = L.driver_lib(), s.ptr
+    lib, sptr, cy = L.driver_lib(), s.ptr, L.launcher()
     f_rms, f_empty = L._function(fn), k7.kernel.ptr
     variants = {
         "empty kernel, bare ctypes, block built once": lambda: lib.cuLaunchKernel(
             f_empty, 1, 1, 1, 128, 1, 1, 0, sptr, p.params, None),
         "rmsnorm kernel, bare ctypes, block built once": lambda: lib.cuLaunchKernel(
             f_rms, plan.grid, 1, 1, plan.block, 1, 1, 0, sptr, p.params, None),
+        # the binding cuflux.launch calls (CuPy's Cython cuLaunchKernel: integers in)
+        "empty kernel, bare CuPy binding, block built once": lambda: cy(
+            f_empty, 1, 1, 1, 128, 1, 1, 0, sptr, p.params_addr, 0),
+        "rmsnorm kernel, bare CuPy binding, block built once": lambda: cy(
+            f_rms, plan.grid, 1, 1, plan.block, 1, 1, 0, sptr, p.params_addr, 0),
         "empty kernel, cuflux.launch": lambda: L.kernel(k7, 1, 128, args7, s, op="p",
                                                         name="k7"),
         "rmsnorm kernel, cuflux.launch": lambda: L.kernel(fn, plan.grid, plan.block, args7, s,
                                                           op="p", name="rms"),
         "rmsnorm kernel, CuPy": lambda: fn((plan.grid,), (plan.block,), args7, stream=s),
+        "rmsnorm kernel, the op's prepared launch": lambda: prepared(
+            s, x.data.ptr, out.data.ptr, res.data.ptr, wt.data.ptr),
         "op call out=, stream=s": lambda: arn(x, res, wt, out=out, stream=s),
         # (labelled "tuple(map(type, args7)) + pack_into" in probe_launch-h200-2026-12-02.txt,
         # which timed this: no type tuple)

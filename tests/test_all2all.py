@@ -702,10 +702,17 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
 
     import cuflux.ops.all2all as A
     from tests.kernel_args import DeviceArray, check_args
+    from tests.kernel_args import names as names_of
 
-    captured = []
-    monkeypatch.setattr(A.kernels, "launch", lambda fn, grid, block, args, stream, **kw:
-                        captured.append((kw["name"], args)))
+    captured, calls = [], []
+
+    def prepare(fn, grid, block, args, varying, *, name, first=0, **kw):
+        captured.append((name, args))
+        slots = args[first:first + varying]
+        assert all(isinstance(v, np.uint64) and v == 0 for v in slots), (name, slots)
+        return lambda stream, *ptrs: calls.append((name, first, ptrs))
+
+    monkeypatch.setattr(A.kernels, "prepare", prepare)
     W, me = 4, 1
     op = object.__new__(A.All2AllHeads)
     op.spec = A.Spec(W, me, 0, 16, 8, 64, dtype_info("bfloat16"), 2)
@@ -725,19 +732,39 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, gather, mode):
     tokens = (16, 5, 0, 9)
     plan = A._Plan(tokens, np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32))
     plan.prefix_dev = DeviceArray()
-    arr = DeviceArray()
-    arr.data = SimpleNamespace(ptr=1 << 20)
-    op._launch(gather, arr, arr if mode else None, arr, arr if mode else None, plan, 2, mode,
+    def arr(ptr):
+        a = DeviceArray()
+        a.data = SimpleNamespace(ptr=ptr)
+        return a
+
+    x, sc, y, ysc = arr(1 << 20), arr(2 << 20), arr(3 << 20), arr(4 << 20)
+    op._launch(gather, x, sc if mode else None, y, ysc if mode else None, plan, 2, mode,
                12345, 0, False, None)
     names = [n for n, _ in captured]
     assert names == ["a2a_push", "a2a_recv"]
     for (name, args), kernel in zip(captured, ("a2a_push", "a2a_recv")):
         check_args("all2all.cu", kernel, args)
+    # the call's pointers into the prepared slots: input, scales, output, output scales; the
+    # receive kernel's output pair after its fixed flags and slots
+    nsc = (2 << 20) if mode else 0
+    nysc = (4 << 20) if mode else 0
+    assert calls == [("a2a_push", 0, (1 << 20, nsc, 3 << 20, nysc)),
+                     ("a2a_recv", len(op._wait_flags) + 4, (3 << 20, nysc))]
+    first = len(op._wait_flags) + 4
+    assert names_of("all2all.cu", "a2a_recv")[first:first + 2] == ["out", "out_scale"]
+    assert names_of("all2all.cu", "a2a_push")[:4] == ["src", "src_scale", "local_dst",
+                                                     "local_dst_scale"]
+    calls.clear()
+    op._launch(gather, x, sc if mode else None, y, ysc if mode else None, plan, 2, mode,
+               12345, 0, False, None)
+    assert len(captured) == 2 and len(calls) == 2  # kept on the plan: nothing prepared again
     captured.clear()  # a view: a2a_recv only waits (null outputs, copy = 0)
-    op._launch(gather, arr, arr if mode else None, arr, arr if mode else None, plan, 2, mode,
+    calls.clear()
+    op._launch(gather, x, sc if mode else None, y, ysc if mode else None, plan, 2, mode,
                12345, 0, True, None)
     assert [n for n, _ in captured] == ["a2a_push", "a2a_recv"]
     check_args("all2all.cu", "a2a_recv", captured[-1][1])
+    assert calls[-1] == ("a2a_recv", len(op._wait_flags) + 4, (0, 0))
 
 
 def _row_map(gather, prefix, W, sender, target, B):

@@ -1001,10 +1001,17 @@ def _check_args(kernel, args):
 
 @pytest.mark.parametrize("W,T", [(1, 5), (4, 300)])
 def test_launch_arguments_match_kernel_signatures(monkeypatch, W, T):
-    captured = []
+    """A plan's launch is prepared once (kernels.prepare) with every argument of the kernel's
+    signature, the call's four pointers first as placeholders; a call passes x, out,
+    residual and weight (null: none) and nothing else."""
+    prepared, calls = [], []
+
+    def prepare(fn, grid, block, args, varying, **kw):
+        prepared.append((fn, args, varying))
+        return lambda stream, *ptrs: calls.append((fn, stream, ptrs))
+
     monkeypatch.setattr(ar, "_kernel", lambda module, plan: plan.kernel)
-    monkeypatch.setattr(ar.kernels, "launch",
-                        lambda fn, grid, block, args, stream, **kw: captured.append((fn, args)))
+    monkeypatch.setattr(ar.kernels, "prepare", prepare)
     op = object.__new__(AllReduceRMSNorm)
     op.op, op.world = "AllReduceRMSNorm", SimpleNamespace(size=W, rank=W - 1, device=0)
     op.mode, op.dtype, op.module = "replicated", dtype_info("bfloat16"), None
@@ -1013,17 +1020,19 @@ def test_launch_arguments_match_kernel_signatures(monkeypatch, W, T):
     op._slot_bytes = 1 << 19
     op.buf, op.state = SimpleNamespace(ptrs_dev=DeviceArray()), DeviceArray()
     op.err_args = (np.uint64(1 << 40), DeviceArray(), np.uint64(10**9), np.uint32(4))
+    op._eps = np.float32(1e-6)
     op._static_args()
-    arr = DeviceArray()
     for H in (4096, 1001, 8192 * 4):
         plan = plan_launch("replicated", "bfloat16", T * H, H, W, "two_shot", True, 16, 132)
-        op._launch(op._entry(plan), arr, arr, arr, arr, np.float32(1e-6), None)
+        op._launch(op._entry(plan), "stream", 0x1000, 0x2000, 0x3000, 0x4000)
         name = plan.kernel.split("<")[0]
         expected = ("allreduce_rmsnorm" if W > 1 else
                     "rmsnorm_local_reg" if H <= 8192 else "rmsnorm_local")
-        assert captured[-1][0] == plan.kernel and name == expected
-        _check_args(name, captured[-1][1])
+        assert prepared[-1][0] == plan.kernel and name == expected and prepared[-1][2] == 4
+        _check_args(name, prepared[-1][1])
+        assert calls[-1] == (plan.kernel, "stream", (0x1000, 0x2000, 0x3000, 0x4000))
     if W > 1:
         plan = plan_launch("plain", "float32", 1000, None, W, "one_shot", True, 16, 132)
-        op._launch(op._entry(plan), arr, arr, None, None, np.float32(0.0), None)
-        _check_args("allreduce_rmsnorm", captured[-1][1])
+        op._launch(op._entry(plan), "stream", 0x1000, 0x2000)
+        _check_args("allreduce_rmsnorm", prepared[-1][1])
+        assert calls[-1][2] == (0x1000, 0x2000, 0, 0)

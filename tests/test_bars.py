@@ -69,10 +69,14 @@ def test_a_missed_host_bar_shows_the_host_s_floor(tmp_path):
     checks = _checks(tmp_path, "gemm", 1, rows, host_floor_us=floor)
     host = bars.host_bar(1)
     assert _met(checks, host) == {"fast": True, "slow": False}
-    assert _why(checks, host, "slow") == ("this host: a bare kernel launch 8.2 us, a bare copy "
-                                          "7.8 us")
+    assert _why(checks, host, "slow") == ("this host: a bare kernel launch (ctypes) 8.2 us, a "
+                                          "bare copy 7.8 us")  # a file of before the binding
     assert _why(checks, host, "fast") is None
     assert _why(checks, bars.GEMM_USER_LOOP, "slow") is None  # not a host bar
+    checks = _checks(tmp_path, "gemm", 1, rows,
+                     host_floor_us={**floor, "launch_binding": "cupy_backends launchKernel"})
+    assert _why(checks, host, "slow") == ("this host: a bare kernel launch 8.2 us, a bare copy "
+                                          "7.8 us")
     assert "bare kernel launch 8.2 us" in bars.verdict(
         next(c for c in checks if c["case"] == "slow" and c["bar"] == host.text))
     assert all(b.host for b in (bars.host_bar(2), bars.copy_host_bar(2), bars.A2A_HOST))

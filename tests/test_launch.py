@@ -43,6 +43,28 @@ class _FakeLib:
         return 1
 
 
+@pytest.fixture
+def fake_driver(monkeypatch):
+    """The driver faked behind launch's ctypes fallback (the path taken where CuPy's backend
+    module is missing): kernel() and Prepared call _launch_kernel either way."""
+    def install(err=0):
+        lib = _FakeLib(err)
+        monkeypatch.setattr(L, "_lib", lib)
+        monkeypatch.setattr(L, "_launch_kernel", L._ctypes_launch)
+        monkeypatch.setattr(L, "_DriverError", L._CtypesLaunchError)
+        return lib
+    return install
+
+
+def test_plain_launches_go_through_cupy_s_cython_binding():
+    """launcher(): cuLaunchKernel through CuPy's binding (plain integers in: no ctypes
+    conversion of eleven arguments per call), raising CuPy's driver error with its status."""
+    from cupy_backends.cuda.api import driver
+
+    assert L.launcher() is driver.launchKernel
+    assert L._DriverError is driver.CUDADriverError
+
+
 def _values(packer, n):
     """Read back what the packer wrote, argument by argument, through its pointers."""
     base = packer.params[0]
@@ -50,9 +72,8 @@ def _values(packer, n):
     return packer.struct.unpack(raw), [packer.params[i] - base for i in range(n)]
 
 
-def test_arguments_packed_at_their_natural_widths_in_order(monkeypatch):
-    lib = _FakeLib()
-    monkeypatch.setattr(L, "_lib", lib)
+def test_arguments_packed_at_their_natural_widths_in_order(fake_driver):
+    lib = fake_driver()
     tmap = bytes(range(128))
     args = (np.uint64(2**63 + 5), np.int32(-7), tmap, _Array(0xABC0), np.float32(1.5),
             np.uint32(9), np.int64(-2**40), np.void(bytes(128)))
@@ -77,9 +98,9 @@ def test_plain_python_ints_are_refused():
         L._packer((np.uint64(1), 5))
 
 
-def test_pdl_launch_uses_launch_kernel_ex_with_the_serialisation_attribute(monkeypatch):
-    lib = _FakeLib()
-    monkeypatch.setattr(L, "_lib", lib)
+def test_pdl_launch_uses_launch_kernel_ex_with_the_serialisation_attribute(monkeypatch,
+                                                                            fake_driver):
+    lib = fake_driver()
     monkeypatch.setattr(L, "_pdl_capable", lambda func: True)
     L.kernel(55, (3,), (128,), (np.uint64(1),), 9, op="t", name="k", pdl=True)
     kind, func, g, b, smem, stream, attr_id, allowed, _ = lib.calls[0]
@@ -87,18 +108,66 @@ def test_pdl_launch_uses_launch_kernel_ex_with_the_serialisation_attribute(monke
     assert (attr_id, allowed) == (6, 1)
 
 
-def test_pdl_falls_back_to_a_plain_launch_below_hopper(monkeypatch):
-    lib = _FakeLib()
-    monkeypatch.setattr(L, "_lib", lib)
+def test_pdl_falls_back_to_a_plain_launch_below_hopper(monkeypatch, fake_driver):
+    lib = fake_driver()
     monkeypatch.setattr(L, "_pdl_capable", lambda func: False)
     L.kernel(55, (3,), (128,), (np.uint64(1),), 9, op="t", name="k", pdl=True)
     assert lib.calls[0][0] == "plain"
 
 
-def test_driver_error_names_op_kernel_and_launch(monkeypatch):
-    monkeypatch.setattr(L, "_lib", _FakeLib(err=701))
+def test_driver_error_names_op_kernel_and_launch(fake_driver):
+    fake_driver(err=701)
     with pytest.raises(CudaError, match=r"op: launching kernel kern \(grid 2, block 64"):
         L.kernel(1, (2,), (64,), (np.int32(1),), 0, op="op", name="kern")
+
+
+def test_prepared_launch_packs_once_and_writes_only_the_call_s_pointers(fake_driver):
+    """Prepared: the fixed arguments packed at build into a block of its own (kernel()'s
+    blocks untouched), each call writes its pointers at the front and launches with the
+    plan's grid, block and shared memory on the call's stream; a second call overwrites
+    only the pointers."""
+    lib = fake_driver()
+    args = (np.uint64(0), _Array(0), np.int32(-3), _Array(0xBEEF0), np.float32(0.5),
+            np.uint64(2**40))
+    shared = L._packer(args)
+    before = ctypes.string_at(shared.params[0], shared.struct.size)
+    prep = L.Prepared(321, 6, 128, args, 2, op="t", name="k", shared_mem=32)
+    prep(SimpleNamespace(ptr=44), 0x1000, 0x2000)
+    kind, func, g, b, smem, stream, params = lib.calls[-1]
+    assert (kind, func, g, b, smem, stream) == ("plain", 321, 6, 128, 32, 44)
+    assert params == prep.packer.params_addr and prep.packer is not shared
+    vals, offsets = _values(prep.packer, len(args))
+    assert vals == (0x1000, 0x2000, -3, 0xBEEF0, 0.5, 2**40)
+    assert offsets == [0, 8, 16, 20, 28, 32]
+    prep(9, 0x3000, 0)
+    assert _values(prep.packer, len(args))[0] == (0x3000, 0, -3, 0xBEEF0, 0.5, 2**40)
+    assert lib.calls[-1][5] == 9
+    assert ctypes.string_at(shared.params[0], shared.struct.size) == before
+
+
+def test_prepared_launch_writes_pointers_in_the_middle_of_the_block(fake_driver):
+    """first=: the call's pointers are arguments first .. first + varying - 1, after others
+    (All2AllHeads' receive kernel: its output pointers follow the op's fixed flags)."""
+    fake_driver()
+    args = (np.int32(7), _Array(0xF00), np.uint64(0), np.uint64(0), np.float32(2.0))
+    prep = L.Prepared(5, 1, 32, args, 2, op="t", name="k", first=2)
+    prep(3, 0xA0, 0xB0)
+    vals, offsets = _values(prep.packer, len(args))
+    assert vals == (7, 0xF00, 0xA0, 0xB0, 2.0) and offsets == [0, 4, 12, 20, 28]
+    assert prep.offset == 12
+
+
+def test_prepared_launch_refuses_non_pointer_slots_and_names_a_driver_error(fake_driver):
+    with pytest.raises(TypeError, match="arguments 0 to 1 of kernel k must be device"):
+        L.Prepared(1, 1, 32, (np.uint64(0), np.int32(1)), 2, op="t", name="k")
+    with pytest.raises(TypeError, match="arguments 1 to 2 of kernel k must be device"):
+        L.Prepared(1, 1, 32, (np.uint64(0), np.uint64(1)), 2, op="t", name="k", first=1)
+    fake_driver(err=701)
+    prep = L.Prepared(1, 2, 64, (np.uint64(0),), 1, op="op", name="kern")
+    with pytest.raises(CudaError, match=r"op: launching kernel kern \(grid 2, block 64"):
+        prep(0, 0x10)
+    with pytest.raises(TypeError, match="kernel kern takes 1 pointers a call"):
+        prep(0, 0x10, 0x20)
 
 
 def test_launch_structures_match_cuda_h():

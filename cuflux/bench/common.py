@@ -119,9 +119,12 @@ def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5
         user_loop_ms = (time.perf_counter() - t0) * 1e3 / calls
     if barrier is not None:
         barrier()
+    # Small calls' host loop runs at least HOST_CALLS calls: 50 calls of ~10 us put the
+    # figure 50 % apart between neighbouring rows of one run (allreduce bench, 2026-12-02).
+    host_calls = max(calls, HOST_CALLS) if user_loop_ms < 0.1 else calls
     with current:  # a hold of twice the loop's GPU time (clamped to hold_stream's maximum)
-        host_us = held_host_us(fn, stream, calls, warmup=0,
-                               hold_us=2 * user_loop_ms * 1e3 * calls + 200)
+        host_us = held_host_us(fn, stream, host_calls, warmup=0,
+                               hold_us=2 * user_loop_ms * 1e3 * host_calls + 200)
     graph_ms = None
     if graph:
         try:
@@ -161,6 +164,7 @@ extern "C" __global__ void cuflux_bench_hold(unsigned long long ns) {
 extern "C" __global__ void cuflux_bench_empty(unsigned long long unused) {}
 """
 _HOLD_MAX_US = 20_000.0
+HOST_CALLS = 200  # the fewest calls of a host_us loop of calls under 0.1 ms (regimes)
 _hold_kernel = None
 # This host's floor for enqueueing GPU work from Python (measure_host_floor), written into
 # every results JSON of the run: the issues' host bars read against it.
@@ -209,36 +213,37 @@ def held_host_us(fn, stream, calls: int = 500, warmup: int = 20,
 def measure_host_floor(calls: int = 500) -> dict:
     """What enqueueing GPU work from Python costs this host with nothing of cuflux in the way,
     per call, the GPU held (held_host_us): `launch_us`, cuLaunchKernel of an empty
-    one-argument kernel through ctypes with its argument block built once; `copy_us`, an
-    8-byte cudaMemcpyAsync through CuPy. No op that launches a kernel (or a copy) per call can
-    spend less host time than these; the host bars of the issues are read against them (a
-    bare launch took 5.6-8.6 us on the lent H200 machine on 2026-12-02, where 2-4 us is
-    common). Kept in
-    HOST_FLOOR for write_results."""
+    one-argument kernel with its argument block built once, through the binding cuflux.launch
+    calls (CuPy's Cython one; a file without `launch_binding` timed it through ctypes, ~1 us
+        more a launch: scripts/results/probe_launch-h200-2026-12-02e.txt); `copy_us`, an 8-byte
+    cudaMemcpyAsync through CuPy. No op that launches a kernel (or a copy) per call can spend
+    less host time than these; the host bars of the issues are read against them (a bare
+    launch took 5.6-8.8 us through ctypes on the lent H200 machine on 2026-12-02, where 2-4 us
+    is common). Kept in HOST_FLOOR for write_results."""
     import ctypes
 
     import cupy
     from cupy.cuda import runtime
 
-    from cuflux.launch import driver_lib
+    from cuflux import launch as L
 
     s = cupy.cuda.Stream(non_blocking=True)
     func = cupy.RawKernel(_HOLD_SRC, "cuflux_bench_empty").kernel.ptr
     arg = ctypes.c_uint64(0)
     params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
-    lib = driver_lib()
+    params_addr, launch_kernel = ctypes.addressof(params), L.launcher()
     src, dst = cupy.zeros(2, cupy.uint32), cupy.zeros(2, cupy.uint32)
 
     def launch():
-        return lib.cuLaunchKernel(func, 1, 1, 1, 32, 1, 1, 0, s.ptr, params, None)
+        launch_kernel(func, 1, 1, 1, 32, 1, 1, 0, s.ptr, params_addr, 0)
 
-    err = launch()  # a failing launch returns at once: it would read as a low floor
-    if err:
+    try:  # a failing launch returns at once: it would read as a low floor
+        launch()
+    except L._DriverError as e:
         from cuflux.errors import CudaError
-        from cuflux.launch import error_name
 
         raise CudaError(f"measure_host_floor: launching an empty kernel failed: "
-                        f"{error_name(err)}")
+                        f"{L.error_name(e.status)}") from None
 
     def copy():
         runtime.memcpyAsync(dst.data.ptr, src.data.ptr, 8, runtime.memcpyDeviceToDevice, s.ptr)
@@ -246,7 +251,7 @@ def measure_host_floor(calls: int = 500) -> dict:
     floor = {name: held_host_us(fn, s, calls, warmup=50)
              for name, fn in (("launch_us", launch), ("copy_us", copy))}
     HOST_FLOOR.clear()
-    HOST_FLOOR.update(floor, calls=calls)
+    HOST_FLOOR.update(floor, calls=calls, launch_binding="cupy_backends launchKernel")
     return dict(HOST_FLOOR)
 
 

@@ -493,19 +493,15 @@ class All2AllHeads(CommOp):
                                                                               given[0])
 
     def _launch(self, gather, a, scale, out, out_scale, plan, B, mode, h, parity, view, s):
-        import cupy
-
-        spec, W, me = self.spec, self.spec.world_size, self.spec.rank
-        row_bytes = self._row_bytes
-        scale_cols = 0 if mode == 0 else (1 if mode == 1 else spec.heads_per_rank)
-        if W == 1 and self.w1 != "kernel":
+        spec = self.spec
+        if spec.world_size == 1 and self.w1 != "kernel":
             # One rank: input and output have the same layout, the op is one copy:
             # cudaMemcpyAsync, or ("pdl", where 16-byte vectors fit) a copy kernel launched
             # with programmatic dependent launch.
             from cupy.cuda import runtime
 
             rows = B * plan.total
-            nbytes = rows * row_bytes
+            nbytes = rows * self._row_bytes
             if (self.w1 == "pdl" and nbytes % 16 == 0 and a.data.ptr % 16 == 0
                     and out.data.ptr % 16 == 0):
                 n_vec = nbytes // 16
@@ -514,39 +510,58 @@ class All2AllHeads(CommOp):
             else:
                 runtime.memcpyAsync(out.data.ptr, a.data.ptr, nbytes, MEMCPY_DEFAULT, s.ptr)
             if mode:
+                scale_cols = 1 if mode == 1 else spec.heads_per_rank
                 runtime.memcpyAsync(out_scale.data.ptr, scale.data.ptr, rows * 4 * scale_cols,
                                     MEMCPY_DEFAULT, s.ptr)
             return
-        vec = vec_bytes(row_bytes, a.data.ptr, out.data.ptr)
+        vec = vec_bytes(self._row_bytes, a.data.ptr, out.data.ptr)
+        launches = plan.launches.get((vec, gather, B, mode, view, h))
+        if launches is None:
+            launches = self._prepare(gather, plan, B, mode, h, view, vec, s)
+        push, recv = launches
+        scale_ptr = scale.data.ptr if mode else 0
+        out_scale_ptr = out_scale.data.ptr if mode else 0
+        push(s, a.data.ptr, scale_ptr, out.data.ptr, out_scale_ptr)
+        if recv is not None:
+            recv(s, 0 if view else out.data.ptr, 0 if view else out_scale_ptr)
+
+    def _prepare(self, gather, plan, B, mode, h, view, vec, s) -> tuple:
+        """(a2a_push's launch, a2a_recv's or None at W = 1) for calls of `plan` with this
+        batch, scale mode, view, vector width and call hash, kept on the plan: every argument but the
+        call's pointers (input, scales, output, output scales) is fixed for them, so it is
+        packed once (kernels.prepare), not at every call."""
+        import cupy
+
+        spec, W, me = self.spec, self.spec.world_size, self.spec.rank
+        row_bytes = self._row_bytes
+        scale_cols = 0 if mode == 0 else (1 if mode == 1 else spec.heads_per_rank)
         if plan.prefix_dev is None:
             with s:
                 plan.prefix_dev = cupy.asarray(plan.prefix)
-        scale_ptr = np.uint64(scale.data.ptr if mode else 0)
-        out_scale_ptr = np.uint64(out_scale.data.ptr if mode else 0)
-        h = np.uint32(h)
-        kernels.launch(
-            self._push[vec, gather], (self.grid,), (THREADS,),
-            (np.uint64(a.data.ptr), scale_ptr, np.uint64(out.data.ptr), out_scale_ptr,
-             self.buf.ptrs_dev) + self._push_slots
+        u64_0, h = np.uint64(0), np.uint32(h)
+        push = kernels.prepare(
+            self._push[vec, gather], self.grid, THREADS,
+            (u64_0,) * 4 + (self.buf.ptrs_dev,) + self._push_slots
             + (self.state, plan.prefix_dev, np.uint32(me), np.uint32(W), np.uint32(B),
                np.uint64(row_bytes), np.uint32(scale_cols), np.uint32(mode == 2), h,
                np.uint32(self.local_blocks), np.uint32(self.blocks_per_target),
                self.err.claim),  # pushes nothing once a wait of the op gave up (#19 item 1)
-            s, op=_OP, name="a2a_push")
-        if W == 1:
-            return
-        # Waits for each peer block's flag, then copies that block's rows out of our slot (a
-        # view: waits only); completes the call's epoch.
-        (d0, d1), (s0, s1) = self._copy_slots
-        kernels.launch(
-            self._recv[vec, gather], (self.recv_grid,), (THREADS,),
-            self._wait_flags + (d0, d1, s0, s1, np.uint64(0 if view else out.data.ptr),
-                                np.uint64(0) if view else out_scale_ptr, self.state,
-                                plan.prefix_dev, np.uint32(me), np.uint32(W), np.uint32(B),
-                                np.uint64(row_bytes), np.uint32(scale_cols),
-                                np.uint32(not view), np.uint32(self.blocks_per_target), h)
-            + self.err_args,
-            s, op=_OP, name="a2a_recv")
+            4, op=_OP, name="a2a_push")
+        recv = None
+        if W > 1:
+            # Waits for each peer block's flag, then copies that block's rows out of our slot
+            # (a view: waits only); completes the call's epoch.
+            (d0, d1), (s0, s1) = self._copy_slots
+            recv = kernels.prepare(
+                self._recv[vec, gather], self.recv_grid, THREADS,
+                self._wait_flags + (d0, d1, s0, s1, u64_0, u64_0, self.state,
+                                    plan.prefix_dev, np.uint32(me), np.uint32(W),
+                                    np.uint32(B), np.uint64(row_bytes), np.uint32(scale_cols),
+                                    np.uint32(not view), np.uint32(self.blocks_per_target), h)
+                + self.err_args,
+                2, op=_OP, name="a2a_recv", first=len(self._wait_flags) + 4)
+        launches = plan.launches[(vec, gather, B, mode, view, h)] = (push, recv)
+        return launches
 
     def _output(self, arr, name, shape, dtype, s):
         import cupy
@@ -608,8 +623,9 @@ class All2AllHeads(CommOp):
 
 
 class _Plan:
-    __slots__ = ("tokens", "prefix", "total", "prefix_dev")
+    __slots__ = ("tokens", "prefix", "total", "prefix_dev", "launches")
 
     def __init__(self, tokens, prefix):
         self.tokens, self.prefix, self.total = tokens, prefix, int(prefix[-1])
         self.prefix_dev = None
+        self.launches: dict = {}  # (vec, gather, B, mode, view, hash) -> (push, recv): _prepare

@@ -297,7 +297,7 @@ class _P2PReduce(CommOp):
         self._args_tail = (np.int32(self.world.size), np.int32(self.world.rank))
 
     def _plan(self, num_elems, cols, algo, aligned: bool, mode: str | None = None) -> tuple:
-        """(LaunchPlan, the kernel function, the plan's own arguments), cached per call shape;
+        """(LaunchPlan, its prepared launch: _entry), cached per call shape;
         mode: the op's, or one of a plain call's halves (AllReduce.reduce_scatter)."""
         mode = mode or self.mode
         key = (num_elems, algo, aligned, mode)
@@ -319,25 +319,31 @@ class _P2PReduce(CommOp):
         plan = plan_launch(mode, self.dtype, num_elems, cols, self.world.size, chosen,
                            aligned, self.max_blocks, self.num_sms)
         hit = self._entry(plan)
-        if len(self._plans) < 4096:
-            self._plans[key] = hit
+        if len(self._plans) >= 4096:  # shapes that change every call: bounded, and a new one
+            self._plans.clear()  # still gets its prepared launch kept (graphs hold copies)
+        self._plans[key] = hit
         return hit
 
     def _entry(self, plan: LaunchPlan) -> tuple:
-        return (plan, _kernel(self.module, plan),
-                (np.int32(plan.rows), np.int32(plan.cols), np.int64(plan.num_elems)))
-
-    def _launch(self, plan_entry, x, out, residual, weight, eps, stream):
-        plan, fn, shape_args = plan_entry
-        self._last_stream = stream
+        """(plan, its launch): every argument but the four pointers of a call (x, out,
+        residual, weight) is the plan's or the op's, packed once (kernels.prepare: a call's
+        host time is then the driver's and these pointers')."""
+        shape_args = (np.int32(plan.rows), np.int32(plan.cols), np.int64(plan.num_elems))
+        ptrs = (_NULL,) * 4  # written at each call
         if plan.local:
-            args = (x, out, residual, weight) + shape_args[:2] + (eps,)
+            args = ptrs + shape_args[:2] + (self._eps,)
         else:
-            args = ((x, out, _NULL if residual is None else residual,
-                     _NULL if weight is None else weight) + self._args_mid + shape_args
-                    + self._args_tail + (eps,) + self.err_args)
-        kernels.launch(fn, plan.grid, plan.block, args, stream, op=self.op, name=plan.kernel,
-                       shared_mem=plan.shared_mem)
+            args = (ptrs + self._args_mid + shape_args + self._args_tail + (self._eps,)
+                    + self.err_args)
+        return plan, kernels.prepare(_kernel(self.module, plan), plan.grid, plan.block, args, 4,
+                                     op=self.op, name=plan.kernel, shared_mem=plan.shared_mem)
+
+    def _launch(self, plan_entry, stream, x_ptr: int, out_ptr: int, residual_ptr: int = 0,
+                weight_ptr: int = 0):
+        """One call of a cached plan (_plan) on `stream`, the call's device pointers read once
+        by the caller (they also decide the plan's alignment); 0: none (null)."""
+        self._last_stream = stream
+        plan_entry[1](stream, x_ptr, out_ptr, residual_ptr, weight_ptr)
 
 
 _NULL = np.uint64(0)
@@ -416,9 +422,9 @@ class AllReduce(_P2PReduce):
                 runtime.memcpyAsync(out.data.ptr, x.data.ptr, x.nbytes,
                                     runtime.memcpyDeviceToDevice, s.ptr)
         elif x.size:
-            plan = self._plan(x.size, None, algo or self.algo,
-                              not (x.data.ptr | out.data.ptr) & 15)
-            self._launch(plan, x, out, None, None, self._eps, s)
+            xp, op = x.data.ptr, out.data.ptr
+            self._launch(self._plan(x.size, None, algo or self.algo, not (xp | op) & 15), s,
+                         xp, op)
         return to_caller(out, x_in, out_in)
 
     # ---- a two-shot call in halves (AllReduceAcrossNodes works on this rank's share between) ---
@@ -443,8 +449,9 @@ class AllReduce(_P2PReduce):
         if (n, "halves") not in self._agreed:
             self._agree((n, "halves"), "x.size of a call in halves")
         tmp = self.buf.local("tmp_out")
-        plan = self._plan(n, None, "two_shot", not x.data.ptr & 15, "reduce_scatter")
-        self._launch(plan, x, tmp, None, None, self._eps, stream)
+        xp = x.data.ptr
+        plan = self._plan(n, None, "two_shot", not xp & 15, "reduce_scatter")
+        self._launch(plan, stream, xp, tmp.data.ptr)
         self._half = (n, stream.ptr)
         lo, hi = plain_share(n, self.dtype, W, self.world.rank)
         return tmp[lo:hi]
@@ -463,8 +470,8 @@ class AllReduce(_P2PReduce):
         if stream.ptr != first:  # the second half reads the epoch the first half counted
             raise ValueError(f"{self.op}: all_gather must run on reduce_scatter's stream")
         self._half = None
-        plan = self._plan(n, None, "two_shot", not out.data.ptr & 15, "all_gather")
-        self._launch(plan, out, out, None, None, self._eps, stream)
+        op = out.data.ptr
+        self._launch(self._plan(n, None, "two_shot", not op & 15, "all_gather"), stream, op, op)
 
     def _check_no_half(self) -> None:
         if self._half is not None:
@@ -534,9 +541,9 @@ class AllReduceRMSNorm(_P2PReduce):
         if self.world.size > 1 and (x.shape[0], algo) not in self._agreed:
             self._agree((x.shape[0], algo), "token count and algo of the call")
         if x.shape[0]:
-            aligned = not (x.data.ptr | out.data.ptr | residual.data.ptr | weight.data.ptr) & 15
-            plan = self._plan(x.size, self.hidden, algo or self.algo, aligned)
-            self._launch(plan, x, out, residual, weight, self._eps, s)
+            ptrs = (x.data.ptr, out.data.ptr, residual.data.ptr, weight.data.ptr)
+            aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15
+            self._launch(self._plan(x.size, self.hidden, algo or self.algo, aligned), s, *ptrs)
         return to_caller(out, x_in, out_in)
 
 
