@@ -1,4 +1,5 @@
-"""Kernel launches with a short host path: cuLaunchKernel(Ex) through ctypes.
+"""Kernel launches with a short host path: cuLaunchKernel through CuPy's Cython binding,
+cuLaunchKernelEx (PDL) through ctypes, with argument blocks packed by `struct`.
 
 Why not CuPy's RawKernel call: on the H200 machine it costs 6.5 us with one argument and 14 us
 with 24, most of it converting each argument (scripts/probe_host.py); the driver call itself is
@@ -23,17 +24,17 @@ Launches are capturable in CUDA graphs (driver launches on a capturing stream be
 nodes with the packed argument values).
 
 `Prepared`: a launch whose arguments are all fixed but a few consecutive device pointers,
-packed once; a call writes those pointers and calls the driver. Measured interleaved on the
-H200 machine (scripts/results/probe_launch-h200-2026-12-02.txt): a bare cuLaunchKernel with
-its block built once 8.5 us, `kernel` with seven arguments 12.8 us, CuPy's launch 9.5 us; the
-packing `kernel` does per call (types, pointers, pack_into) is ~2 us of its 4.
+packed once; a call writes those pointers and calls the driver.
 
-The driver call itself goes through CuPy's Cython binding of cuLaunchKernel
+The driver call goes through CuPy's Cython binding of cuLaunchKernel
 (cupy_backends.cuda.api.driver.launchKernel: plain integers in, no per-argument conversion),
-not ctypes: ctypes converts each of cuLaunchKernel's eleven arguments through its argtypes on
-every call, and CuPy's whole RawKernel launch (seven arguments converted in Cython) measured
-0.5 us above a bare ctypes cuLaunchKernel. PDL launches (cuLaunchKernelEx, which CuPy does not
-bind) stay on ctypes.
+not ctypes, whose argtypes convert each of cuLaunchKernel's eleven arguments on every call
+(ctypes stays for PDL's cuLaunchKernelEx, which CuPy does not bind, and where CuPy's backend
+module is missing). Measured interleaved on the H200 machine
+(scripts/results/probe_launch-h200-2026-12-02e.txt): a bare launch with its block built once
+3.7-4.1 us through the binding, 5.6 through ctypes; `kernel` with seven arguments 6.1 us,
+CuPy's RawKernel launch 6.2, a `Prepared` launch 4.9; the packing `kernel` does per call
+(pointers, pack_into) is 1.1 us.
 """
 from __future__ import annotations
 
@@ -51,7 +52,18 @@ _FORMATS = {np.uint64: "Q", np.int64: "q", np.uint32: "I", np.int32: "i", np.flo
 _lib = None
 _lib_lock = threading.Lock()
 _launch_kernel = None  # cuLaunchKernel(f, gx, gy, gz, bx, by, bz, smem, stream, params, extra)
-_DriverError = None    # what it raises on a failed launch (.status: the CUresult)
+
+
+class _CtypesLaunchError(RuntimeError):
+    """A failed launch through the ctypes fallback (.status: the CUresult), as CuPy's
+    CUDADriverError carries it."""
+
+    def __init__(self, status: int):
+        super().__init__(f"CUresult {status}")
+        self.status = status
+
+
+_DriverError = _CtypesLaunchError  # what _launch_kernel raises (CuPy's error once bound)
 
 
 class _LaunchAttribute(ctypes.Structure):  # CUlaunchAttribute: 72 bytes, value at 8
@@ -98,19 +110,11 @@ def launcher():
     if _launch_kernel is None:
         try:
             from cupy_backends.cuda.api import driver
-        except ImportError:  # no CuPy backend: ctypes, with the same contract
-            _DriverError = _CtypesLaunchError
-            _launch_kernel = _ctypes_launch
-        else:
-            _DriverError = driver.CUDADriverError
-            _launch_kernel = driver.launchKernel
+            binding = (driver.CUDADriverError, driver.launchKernel)
+        except (ImportError, AttributeError):  # no such backend: ctypes, the same contract
+            binding = (_CtypesLaunchError, _ctypes_launch)
+        _DriverError, _launch_kernel = binding  # the error first: a racing caller reads both
     return _launch_kernel
-
-
-class _CtypesLaunchError(RuntimeError):
-    def __init__(self, status: int):
-        super().__init__(error_name(status))
-        self.status = status
 
 
 def _ctypes_launch(func, gx, gy, gz, bx, by, bz, smem, stream, params, extra) -> None:
@@ -190,25 +194,13 @@ def kernel(fn, grid, block, args, stream, *, op: str, name: str, shared_mem: int
     `stream` (anything with .ptr, or a raw handle); a CUDA error raises CudaError naming the
     op and the kernel."""
     p = _packer(args)
-    if p.arrays or p.voids:
-        vals = list(args)
-        for i in p.arrays:
-            vals[i] = vals[i].data.ptr
-        for i in p.voids:
-            vals[i] = vals[i].tobytes()
-    else:
-        vals = args
     func = fn if isinstance(fn, int) else _function(fn)
     s = stream if isinstance(stream, int) else stream.ptr
     g = grid if isinstance(grid, int) else _one_dim(grid, "grid", name)
     b = block if isinstance(block, int) else _one_dim(block, "block", name)
     err = 0
     with p.lock:
-        try:
-            p.struct.pack_into(p.buf, 0, *vals)
-        except struct.error as e:
-            raise TypeError(f"{op}: arguments of kernel {name} do not fit their types: {e}") \
-                from None
+        _pack(p, args, op, name)
         if pdl and _pdl_capable(func):
             err = (_lib or driver_lib()).cuLaunchKernelEx(_pdl_config(g, b, shared_mem, s),
                                                           func, p.params, None)
@@ -220,6 +212,21 @@ def kernel(fn, grid, block, args, stream, *, op: str, name: str, shared_mem: int
                 err = e.status
     if err:
         _launch_failed(op, name, g, b, shared_mem, err)
+
+
+def _pack(p: _Packer, args, op: str, name: str) -> None:
+    """Write `args` into p's block: arrays as their device pointers, voids as their bytes."""
+    if p.arrays or p.voids:
+        args = list(args)
+        for i in p.arrays:
+            args[i] = args[i].data.ptr
+        for i in p.voids:
+            args[i] = args[i].tobytes()
+    try:
+        p.struct.pack_into(p.buf, 0, *args)
+    except struct.error as e:
+        raise TypeError(f"{op}: arguments of kernel {name} do not fit their types: {e}") \
+            from None
 
 
 def _launch_failed(op: str, name: str, grid: int, block: int, shared_mem: int, err: int):
@@ -248,16 +255,7 @@ class Prepared:
             raise TypeError(f"{op}: arguments {first} to {first + varying - 1} of kernel {name} "
                             f"must be device pointers (arrays or numpy.uint64), got format "
                             f"{p.struct.format!r}")
-        vals = list(args)
-        for i in p.arrays:
-            vals[i] = vals[i].data.ptr
-        for i in p.voids:
-            vals[i] = vals[i].tobytes()
-        try:
-            p.struct.pack_into(p.buf, 0, *vals)
-        except struct.error as e:
-            raise TypeError(f"{op}: arguments of kernel {name} do not fit their types: {e}") \
-                from None
+        _pack(p, args, op, name)
         # consecutive in the block ("=" packs no padding): one pack_into a call
         self.head = struct.Struct("=" + "Q" * varying)
         self.offset = p.params[first] - p.params[0] if args else 0
@@ -268,6 +266,7 @@ class Prepared:
     def __call__(self, stream, *pointers) -> None:
         p = self.packer
         s = stream if isinstance(stream, int) else stream.ptr
+        err = 0
         with p.lock:
             try:
                 self.head.pack_into(p.buf, self.offset, *pointers)
@@ -278,8 +277,9 @@ class Prepared:
                 (_launch_kernel or launcher())(self.func, self.grid, 1, 1, self.block, 1, 1,
                                                self.shared_mem, s, p.params_addr, 0)
             except _DriverError as e:
-                _launch_failed(self.op, self.name, self.grid, self.block, self.shared_mem,
-                               e.status)
+                err = e.status
+        if err:
+            _launch_failed(self.op, self.name, self.grid, self.block, self.shared_mem, err)
 
 
 def _one_dim(dims, what: str, name: str) -> int:

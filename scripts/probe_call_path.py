@@ -33,7 +33,8 @@ def main():
         print(f"{label:64s} {us:8.2f} us", flush=True)
 
     floor = measure_host_floor()
-    row("floor: bare cuLaunchKernel (CuPy's binding, block built once)", floor["launch_us"])
+    row(f"floor: bare cuLaunchKernel ({floor['launch_binding']}, block built once)",
+        floor["launch_us"])
     row("floor: bare cudaMemcpyAsync 8 B (CuPy runtime)", floor["copy_us"])
 
     # ---- AllReduceRMSNorm, T = 1, H = 4096, bf16, out= and stream= given ----------------------

@@ -200,6 +200,21 @@ def test_shared_gpu_measures_no_speed():
     assert parts[1][1] == ["case", "cuflux_ms", "speedup", "user_loop_ms"]
 
 
+def test_host_loops_of_small_calls_are_long_and_a_function_of_the_agreed_calls():
+    """host_us loops: at least HOST_CALLS calls where regime_calls chose 50 or more (a noisy
+    figure otherwise), as few as the user loop for slow calls and ranks sharing a GPU; a
+    function of `calls` alone, which every rank agrees on (the slowest rank's ms)."""
+    from cuflux.bench.common import HOST_CALLS
+
+    assert HOST_CALLS >= 200
+    for ms in (0.001, 0.05, 0.5):
+        assert cli.host_loop_calls(cli.regime_calls(ms)) == HOST_CALLS
+        assert cli.host_loop_calls(cli.regime_calls(ms, quick=True)) == HOST_CALLS
+    assert cli.host_loop_calls(cli.regime_calls(3.0)) == 10
+    assert cli.host_loop_calls(cli.regime_calls(0.01, speed=False)) == \
+        cli.regime_calls(0.01, speed=False)
+
+
 def test_regime_calls_are_modest_and_agree_on_the_slow_cases():
     assert cli.regime_calls(0.01) == 100 and cli.regime_calls(0.01, quick=True) == 50
     assert cli.regime_calls(0.5) == 50 and cli.regime_calls(3.0) == 10
@@ -225,18 +240,18 @@ def test_user_regimes_make_the_stream_current_once_a_loop(monkeypatch):
         def __exit__(self, *exc):
             self.depth -= 1
 
-    monkeypatch.setattr(common, "HOST_CALLS", 5)
     stream, seen = Current(), []
     f = lambda: seen.append(stream.depth)  # noqa: E731
-    r = common.regimes(cli.on_stream(f, stream), stream, calls=3, graph=False, warmup=2)
-    # every call with the stream current: 2 warm-up, 3 user loop, and a host loop of
-    # HOST_CALLS (a call this fast is timed over at least that many)
+    r = common.regimes(cli.on_stream(f, stream), stream, calls=3, graph=False, warmup=2,
+                       host_calls=5)
+    # every call with the stream current: 2 warm-up, 3 user loop, 5 host loop
     assert seen == [1] * (2 + 3 + 5)
     assert stream.entered == 2 + 1 + 1  # once a warm-up call, once a timed loop
     assert r["graph_ms"] is None and r["user_loop_ms"] > 0 and r["host_us"] > 0
     seen.clear()
     common.regimes(f, stream, calls=3, graph=False, warmup=2)
-    assert seen == [0] * 10 and stream.entered == 4  # a plain callable: nothing entered
+    assert seen == [0] * 8 and stream.entered == 4  # a plain callable: nothing entered;
+    # the host loop as long as the user loop by default
 
 
 def test_held_host_us_holds_the_stream_before_its_timed_calls(monkeypatch):
@@ -272,10 +287,12 @@ class _World:
 def test_measure_regimes_takes_the_slowest_rank_and_notes_capture(monkeypatch):
     got = []
 
-    def fake(fn, stream, *, calls, graph, barrier):
+    def fake(fn, stream, *, calls, graph, barrier, host_calls):
         got.append((calls, graph, barrier is not None))
+        hosts.append(host_calls)
         return {"user_loop_ms": 1.0, "host_us": 5.0, "graph_ms": 0.5 if graph else None}
 
+    hosts = []
     monkeypatch.setattr("cuflux.bench.common.regimes", fake)
     world = _World([{"baseline_": (2.0, 4.0, 0.7)}])
     notes = []
@@ -283,6 +300,9 @@ def test_measure_regimes_takes_the_slowest_rank_and_notes_capture(monkeypatch):
                             notes=notes)
     assert r == {"baseline_user_loop_ms": 2.0, "baseline_host_us": 5.0, "baseline_graph_ms": 0.7}
     assert got == [(7, True, True)] and notes == []
+    # the host loop's calls from the agreed calls alone (host_loop_calls), on every rank
+    cli.measure_regimes(lambda: None, _Stream(), calls=50, world=world, prefix="baseline_")
+    assert hosts == [7, cli.host_loop_calls(50)] and hosts[1] > 50
     # one rank without a graph: no graph figure for the row
     r = cli.measure_regimes(lambda: None, _Stream(), calls=7,
                             world=_World([{"": (2.0, 4.0, None)}]))
@@ -294,7 +314,7 @@ def test_measure_regimes_takes_the_slowest_rank_and_notes_capture(monkeypatch):
 
 
 def test_measure_regimes_records_a_failed_capture_and_keeps_the_other_regimes(monkeypatch):
-    def fake(fn, stream, *, calls, graph, barrier):
+    def fake(fn, stream, *, calls, graph, barrier, host_calls):
         if graph:
             raise RuntimeError("cudaErrorStreamCaptureUnsupported")
         return {"user_loop_ms": 1.0, "host_us": 5.0, "graph_ms": None}
@@ -321,7 +341,7 @@ def test_measure_regimes_interleaves_variants_and_takes_medians(monkeypatch):
     order, afters = [], []
     times = {"ours": iter([1.0, 9.0, 1.2, 1.4]), "base": iter([2.0, 2.2, 2.1, 2.3])}
 
-    def fake(fn, stream, *, calls, graph, barrier):
+    def fake(fn, stream, *, calls, graph, barrier, host_calls):
         name = fn()
         order.append((name, graph))
         if name == "ours" and graph:

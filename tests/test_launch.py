@@ -65,6 +65,23 @@ def test_plain_launches_go_through_cupy_s_cython_binding():
     assert L._DriverError is driver.CUDADriverError
 
 
+def test_without_cupy_s_backend_launches_go_through_ctypes(monkeypatch):
+    """launcher() where CuPy's backend module cannot be imported: the ctypes call, raising
+    _CtypesLaunchError with the CUresult, which kernel() turns into CudaError."""
+    import sys
+
+    monkeypatch.setattr(L, "_launch_kernel", None)
+    monkeypatch.setattr(L, "_DriverError", L._CtypesLaunchError)
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api", None)  # import raises
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.api.driver", None)
+    lib = _FakeLib(err=700)
+    monkeypatch.setattr(L, "_lib", lib)
+    assert L.launcher() is L._ctypes_launch and L._DriverError is L._CtypesLaunchError
+    with pytest.raises(CudaError, match="failed: CUresult 700"):
+        L.kernel(9, (1,), (32,), (np.int32(1),), 5, op="op", name="k")
+    assert lib.calls[-1][:6] == ("plain", 9, 1, 32, 0, 5)
+
+
 def _values(packer, n):
     """Read back what the packer wrote, argument by argument, through its pointers."""
     base = packer.params[0]
@@ -81,6 +98,7 @@ def test_arguments_packed_at_their_natural_widths_in_order(fake_driver):
     kind, func, g, b, smem, stream, params = lib.calls[0]
     assert (kind, func, g, b, smem, stream) == ("plain", 123, 4, 256, 64, 77)
     p = L._packer(args)
+    assert params == p.params_addr  # the driver reads this signature's block
     vals, offsets = _values(p, len(args))
     assert offsets == [0, 8, 12, 140, 148, 152, 156, 164]
     assert vals == (2**63 + 5, -7, tmap, 0xABC0, 1.5, 9, -2**40, bytes(128))
@@ -117,7 +135,8 @@ def test_pdl_falls_back_to_a_plain_launch_below_hopper(monkeypatch, fake_driver)
 
 def test_driver_error_names_op_kernel_and_launch(fake_driver):
     fake_driver(err=701)
-    with pytest.raises(CudaError, match=r"op: launching kernel kern \(grid 2, block 64"):
+    with pytest.raises(CudaError, match=r"op: launching kernel kern \(grid 2, block 64.*"
+                                        r"failed: CUresult 701"):
         L.kernel(1, (2,), (64,), (np.int32(1),), 0, op="op", name="kern")
 
 
@@ -164,8 +183,10 @@ def test_prepared_launch_refuses_non_pointer_slots_and_names_a_driver_error(fake
         L.Prepared(1, 1, 32, (np.uint64(0), np.uint64(1)), 2, op="t", name="k", first=1)
     fake_driver(err=701)
     prep = L.Prepared(1, 2, 64, (np.uint64(0),), 1, op="op", name="kern")
-    with pytest.raises(CudaError, match=r"op: launching kernel kern \(grid 2, block 64"):
+    with pytest.raises(CudaError, match=r"op: launching kernel kern \(grid 2, block 64.*"
+                                        r"failed: CUresult 701") as e:
         prep(0, 0x10)
+    assert e.value.__context__ is None  # raised after the driver's error was handled
     with pytest.raises(TypeError, match="kernel kern takes 1 pointers a call"):
         prep(0, 0x10, 0x20)
 

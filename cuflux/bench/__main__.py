@@ -57,6 +57,16 @@ def regime_calls(ms, quick: bool = False, speed: bool = True) -> int:
     return 50 if quick or ms > 0.1 else 100
 
 
+def host_loop_calls(calls: int) -> int:
+    """Calls of a regime's host_us loop: at least common.HOST_CALLS where regime_calls chose 50
+    or more (calls of at most 1 ms, speed measured: 50 calls of ~10 us of host time put the
+    figure 50 % apart between neighbouring rows of one run, allreduce bench 2026-12-02), else
+    `calls`. A function of the agreed `calls`, so every rank runs as many."""
+    from cuflux.bench.common import HOST_CALLS
+
+    return max(calls, HOST_CALLS) if calls >= 50 else calls
+
+
 def slowest(values):
     """The max over ranks of one figure, None where any rank has None."""
     values = list(values)
@@ -101,13 +111,15 @@ def measure_regimes(variants, stream, *, calls: int, world=None, graph: bool = T
     n = len(variants)
     rounds = -(-REGIME_ROUNDS // n) * n if n > 1 else 1
     barrier = world.barrier if world is not None and world.size > 1 else None
+    host_calls = host_loop_calls(calls)
     runs: dict[str, list[dict]] = {p: [] for p, _, _ in variants}
     for r in range(rounds):
         for i in range(len(variants)):
             p, fn, label = variants[(i + r) % len(variants)]
             capture = graph and not (runs[p] and runs[p][0]["graph_ms"] is None)
             try:
-                got = regimes(fn, stream, calls=calls, graph=capture, barrier=barrier)
+                got = regimes(fn, stream, calls=calls, graph=capture, barrier=barrier,
+                              host_calls=host_calls)
                 if capture and got["graph_ms"] is None and notes is not None:
                     notes.append(f"{label}: capture refused (CaptureError), no graph_ms")
             except Exception as e:  # noqa: BLE001 (the reason is recorded)
@@ -116,7 +128,8 @@ def measure_regimes(variants, stream, *, calls: int, world=None, graph: bool = T
                 if notes is not None:
                     notes.append(f"{label}: graph capture failed: {type(e).__name__}: {e}")
                 stream.synchronize()
-                got = regimes(fn, stream, calls=calls, graph=False, barrier=barrier)
+                got = regimes(fn, stream, calls=calls, graph=False, barrier=barrier,
+                              host_calls=host_calls)
             runs[p].append(got)
             if after is not None:
                 after()

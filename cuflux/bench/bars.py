@@ -386,7 +386,7 @@ def host_floor_note(doc: dict) -> str | None:
     floor = doc.get("host_floor_us")
     if not isinstance(floor, dict) or floor.get("launch_us") is None:
         return None
-    via = "" if floor.get("launch_binding") else " (ctypes)"
+    via = " (ctypes)" if floor.get("launch_binding", "ctypes") == "ctypes" else ""
     return (f"this host: a bare kernel launch{via} {floor['launch_us']:.1f} us, a bare copy "
             f"{floor.get('copy_us', float('nan')):.1f} us")
 

@@ -78,7 +78,7 @@ def time_interleaved(fns: dict, *, rounds: int = 5, iters: int = 10, warmup: int
 
 
 def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5,
-            barrier=None) -> dict:
+            barrier=None, host_calls: int | None = None) -> dict:
     """The three ways users run an op, for one callable (no arguments, enqueues one call on
     `stream`):
 
@@ -90,6 +90,8 @@ def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5
       graph_ms      one CUDA graph of `calls` calls, replayed; GPU time per call (None when the
                     op refuses capture: CaptureError).
 
+    `host_calls`: the host_us loop's calls (default `calls`; the same on every rank: a rank
+    issuing more calls than its peers would pair them with the peers' next loop).
     `barrier` (multi-rank): called before each timed loop so ranks start together. The GPU-
     queued regime (calls queued behind a hold, GPU time per call) is each benchmark's own
     cuflux_ms / baseline_ms column."""
@@ -119,9 +121,7 @@ def regimes(fn, stream, *, calls: int = 100, graph: bool = True, warmup: int = 5
         user_loop_ms = (time.perf_counter() - t0) * 1e3 / calls
     if barrier is not None:
         barrier()
-    # Small calls' host loop runs at least HOST_CALLS calls: 50 calls of ~10 us put the
-    # figure 50 % apart between neighbouring rows of one run (allreduce bench, 2026-12-02).
-    host_calls = max(calls, HOST_CALLS) if user_loop_ms < 0.1 else calls
+    host_calls = host_calls or calls
     with current:  # a hold of twice the loop's GPU time (clamped to hold_stream's maximum)
         host_us = held_host_us(fn, stream, host_calls, warmup=0,
                                hold_us=2 * user_loop_ms * 1e3 * host_calls + 200)
@@ -164,7 +164,7 @@ extern "C" __global__ void cuflux_bench_hold(unsigned long long ns) {
 extern "C" __global__ void cuflux_bench_empty(unsigned long long unused) {}
 """
 _HOLD_MAX_US = 20_000.0
-HOST_CALLS = 200  # the fewest calls of a host_us loop of calls under 0.1 ms (regimes)
+HOST_CALLS = 200  # the fewest calls of a host_us loop of small calls (__main__.host_loop_calls)
 _hold_kernel = None
 # This host's floor for enqueueing GPU work from Python (measure_host_floor), written into
 # every results JSON of the run: the issues' host bars read against it.
@@ -214,11 +214,12 @@ def measure_host_floor(calls: int = 500) -> dict:
     """What enqueueing GPU work from Python costs this host with nothing of cuflux in the way,
     per call, the GPU held (held_host_us): `launch_us`, cuLaunchKernel of an empty
     one-argument kernel with its argument block built once, through the binding cuflux.launch
-    calls (CuPy's Cython one; a file without `launch_binding` timed it through ctypes, ~1 us
-        more a launch: scripts/results/probe_launch-h200-2026-12-02e.txt); `copy_us`, an 8-byte
+    calls (`launch_binding`: CuPy's Cython one, or ctypes where it is missing; a file without
+    the key timed ctypes, 1.5-2 us more a launch on the H200 machine:
+    scripts/results/probe_launch-h200-2026-12-02e.txt); `copy_us`, an 8-byte
     cudaMemcpyAsync through CuPy. No op that launches a kernel (or a copy) per call can spend
     less host time than these; the host bars of the issues are read against them (a bare
-    launch took 5.6-8.8 us through ctypes on the lent H200 machine on 2026-12-02, where 2-4 us
+    launch took 5.6-8.6 us through ctypes on the lent H200 machine on 2026-12-02, where 2-4 us
     is common). Kept in HOST_FLOOR for write_results."""
     import ctypes
 
@@ -251,7 +252,8 @@ def measure_host_floor(calls: int = 500) -> dict:
     floor = {name: held_host_us(fn, s, calls, warmup=50)
              for name, fn in (("launch_us", launch), ("copy_us", copy))}
     HOST_FLOOR.clear()
-    HOST_FLOOR.update(floor, calls=calls, launch_binding="cupy_backends launchKernel")
+    HOST_FLOOR.update(floor, calls=calls, launch_binding="ctypes" if launch_kernel is
+                      L._ctypes_launch else "cupy_backends launchKernel")
     return dict(HOST_FLOOR)
 
 
@@ -360,6 +362,7 @@ def write_results(op: str, world_size: int, rows: list[dict], extra: dict | None
            "world_size": world_size, "rows": rows}
     if HOST_FLOOR:
         doc["host_floor_us"] = dict(HOST_FLOOR)
+    doc["host_calls_min"] = HOST_CALLS  # host_us of calls up to 1 ms: at least this many
     if extra:
         doc.update(extra)
     d = pathlib.Path(outdir)

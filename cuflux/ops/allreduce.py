@@ -422,9 +422,9 @@ class AllReduce(_P2PReduce):
                 runtime.memcpyAsync(out.data.ptr, x.data.ptr, x.nbytes,
                                     runtime.memcpyDeviceToDevice, s.ptr)
         elif x.size:
-            xp, op = x.data.ptr, out.data.ptr
-            self._launch(self._plan(x.size, None, algo or self.algo, not (xp | op) & 15), s,
-                         xp, op)
+            xp, outp = x.data.ptr, out.data.ptr
+            self._launch(self._plan(x.size, None, algo or self.algo, not (xp | outp) & 15), s,
+                         xp, outp)
         return to_caller(out, x_in, out_in)
 
     # ---- a two-shot call in halves (AllReduceAcrossNodes works on this rank's share between) ---
@@ -470,8 +470,9 @@ class AllReduce(_P2PReduce):
         if stream.ptr != first:  # the second half reads the epoch the first half counted
             raise ValueError(f"{self.op}: all_gather must run on reduce_scatter's stream")
         self._half = None
-        op = out.data.ptr
-        self._launch(self._plan(n, None, "two_shot", not op & 15, "all_gather"), stream, op, op)
+        outp = out.data.ptr
+        self._launch(self._plan(n, None, "two_shot", not outp & 15, "all_gather"), stream, outp,
+                     outp)
 
     def _check_no_half(self) -> None:
         if self._half is not None:
