@@ -38,7 +38,7 @@ import numpy as np
 from cuflux.bench.bars import A2A_LOOP_TOKENS
 from cuflux.bench.__main__ import (REGIME_COLS, add_note, add_speedups, bench_extra,
                                    measure_regimes, no_baseline_regimes, print_bench_table,
-                                   regime_calls, speed_header, speed_measured)
+                                   on_stream, regime_calls, speed_header, speed_measured)
 from cuflux.bench.common import (copy_bandwidth_gbps, hold_stream, nccl_comm,
                                  peer_copy_gbps, ranks_share_gpu, time_ms, write_results)
 
@@ -222,18 +222,19 @@ def _nccl_row(world, args, nccl, B, T_total, H, D):
         y = cupy.empty((B, W * T, hpr, D), dtype=cupy.uint16)
     chunk = B * T * hpr * D * 2
 
-    def call(_i=0):
-        with s:
-            send[...] = x.reshape(B, T, W, hpr, D).transpose(2, 0, 1, 3, 4)
-            nccl.groupStart()
-            for p in range(W):
-                comm.send(send[p].data.ptr, chunk, nccl.NCCL_UINT8, p, s.ptr)
-                comm.recv(recv[p].data.ptr, chunk, nccl.NCCL_UINT8, p, s.ptr)
-            nccl.groupEnd()
-            y.reshape(B, W, T, hpr, D)[...] = recv.transpose(1, 0, 2, 3, 4)
+    def permuted_all_to_all():  # on the current stream (s: on_stream)
+        send[...] = x.reshape(B, T, W, hpr, D).transpose(2, 0, 1, 3, 4)
+        nccl.groupStart()
+        for p in range(W):
+            comm.send(send[p].data.ptr, chunk, nccl.NCCL_UINT8, p, s.ptr)
+            comm.recv(recv[p].data.ptr, chunk, nccl.NCCL_UINT8, p, s.ptr)
+        nccl.groupEnd()
+        y.reshape(B, W, T, hpr, D)[...] = recv.transpose(1, 0, 2, 3, 4)
+
+    call = on_stream(permuted_all_to_all, s)
 
     world.barrier()
-    ms, _, _ = _back_to_back_ms(call, s, calls=max(10, args.iters // 2))
+    ms, _, _ = _back_to_back_ms(lambda _i: call(), s, calls=max(10, args.iters // 2))
     notes = []
     reg = measure_regimes(call, s, calls=regime_calls(max(world.allgather(ms)), args.quick),
                           world=world, prefix="baseline_", notes=notes,

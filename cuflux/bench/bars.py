@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from cuflux.bench.common import print_table
+from cuflux.ops.allreduce import OUTPUTS
 
 # ---- thresholds (from the issues' texts) ------------------------------------------------------
 # Issue 14: host path and user loop.
@@ -73,7 +74,7 @@ RS_NCCL_SPEEDUP_MIN = 1.0  # gemm_rs: never slower than cuBLAS + NCCL reduce-sca
 AG_OF_IDEAL_MIN = 0.97  # ag_gemm: fused speed-up / the ideal speed-up
 # Issue 16: AllReduce(+RMSNorm) against NCCL.
 NORM_TOKENS = (1, 16, 128, 1024, 8192)  # T the norm sweep must hold
-NORM_MODES = ("replicated", "sharded_residual", "sequence_parallel")  # "all three output modes"
+NORM_MODES = OUTPUTS  # "all three output modes" (AllReduceRMSNorm's)
 NORM_HIDDEN = (4096, 8192)  # H the norm sweep must hold
 NORM_NCCL_SPEEDUP_MIN = 1.2  # NCCL + norm / fused, GPU-queued and graph
 NORM_USER_LOOP_SPEEDUP_MIN = 1.0  # user loop: not slower than NCCL + norm
@@ -248,10 +249,10 @@ def check_allreduce(rows, world_size):
 
 
 def _default_kernel(row: dict) -> bool:
-    """An all2all row of the op as built by default (no SM count or kernel forced)."""
+    """An all2all row of the op as built by default (no SM count or kernel forced: its case
+    names them)."""
     case = _case(row)
-    return (row.get("num_sms") is None and row.get("kernel") is None
-            and "sms=" not in case and " kernel" not in case)
+    return "sms=" not in case and " kernel" not in case
 
 
 def _a2a_kind(row: dict) -> str | None:

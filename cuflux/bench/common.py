@@ -221,8 +221,6 @@ def measure_host_floor(calls: int = 500) -> dict:
     less host time than these; the host bars of the issues are read against them (a bare
     launch took 5.6-8.6 us through ctypes on the lent H200 machine on 2026-12-02, where 2-4 us
     is common). Kept in HOST_FLOOR for write_results."""
-    import ctypes
-
     import cupy
     from cupy.cuda import runtime
 
@@ -230,9 +228,9 @@ def measure_host_floor(calls: int = 500) -> dict:
 
     s = cupy.cuda.Stream(non_blocking=True)
     func = cupy.RawKernel(_HOLD_SRC, "cuflux_bench_empty").kernel.ptr
-    arg = ctypes.c_uint64(0)
-    params = (ctypes.c_void_p * 1)(ctypes.addressof(arg))
-    params_addr, launch_kernel = ctypes.addressof(params), L.launcher()
+    block = L._Packer((np.uint64,))  # the kernel's one argument, packed once
+    block.struct.pack_into(block.buf, 0, 0)
+    params_addr, launch_kernel = block.params_addr, L.launcher()
     src, dst = cupy.zeros(2, cupy.uint32), cupy.zeros(2, cupy.uint32)
 
     def launch():

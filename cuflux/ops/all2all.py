@@ -515,9 +515,10 @@ class All2AllHeads(CommOp):
                                     MEMCPY_DEFAULT, s.ptr)
             return
         vec = vec_bytes(self._row_bytes, a.data.ptr, out.data.ptr)
-        launches = plan.launches.get((vec, gather, B, mode, view, h))
+        key = (vec, gather, B, mode, view, h)
+        launches = plan.launches.get(key)
         if launches is None:
-            launches = self._prepare(gather, plan, B, mode, h, view, vec, s)
+            launches = plan.launches[key] = self._prepare(gather, plan, B, mode, h, view, vec, s)
         push, recv = launches
         scale_ptr = scale.data.ptr if mode else 0
         out_scale_ptr = out_scale.data.ptr if mode else 0
@@ -527,9 +528,9 @@ class All2AllHeads(CommOp):
 
     def _prepare(self, gather, plan, B, mode, h, view, vec, s) -> tuple:
         """(a2a_push's launch, a2a_recv's or None at W = 1) for calls of `plan` with this
-        batch, scale mode, view, vector width and call hash, kept on the plan: every argument but the
-        call's pointers (input, scales, output, output scales) is fixed for them, so it is
-        packed once (kernels.prepare), not at every call."""
+        batch, scale mode, view, vector width and call hash (_launch keeps them on the plan):
+        every argument but the call's pointers (input, scales, output, output scales) is fixed
+        for them, so it is packed once (kernels.prepare), not at every call."""
         import cupy
 
         spec, W, me = self.spec, self.spec.world_size, self.spec.rank
@@ -560,8 +561,7 @@ class All2AllHeads(CommOp):
                                     np.uint32(not view), np.uint32(self.blocks_per_target), h)
                 + self.err_args,
                 2, op=_OP, name="a2a_recv", first=len(self._wait_flags) + 4)
-        launches = plan.launches[(vec, gather, B, mode, view, h)] = (push, recv)
-        return launches
+        return push, recv
 
     def _output(self, arr, name, shape, dtype, s):
         import cupy
