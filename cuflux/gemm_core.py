@@ -293,8 +293,9 @@ def cluster_resident_ctas(cluster: int = 2) -> list[int]:
 
 
 def launch_sm90(cfg: Sm90Config, a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
-                group_m: int = 8, grid_cap: int | None = None) -> None:
-    """The plain GEMM on the Hopper core in configuration cfg (arguments already checked)."""
+                group_m: int = 8, grid_cap: int | None = None, bind: bool = False):
+    """The plain GEMM on the Hopper core in configuration cfg (arguments already checked);
+    bind: returns the launch as a kernels.bind Bound (gemm's memo of a call seen before)."""
     sm_count = device_props()[2]
     transposed = b_layout == "kn"
     name = cfg.kernel(dt.cuda_type, transposed)
@@ -315,26 +316,33 @@ def launch_sm90(cfg: Sm90Config, a, b, bias, out, dt, odt, M, N, K, b_layout, st
     grid = min(tiles, max_ctas(fn, cfg, sm_count))
     if grid_cap is not None:  # benchmarks: a smaller persistent grid (a multiple of the cluster)
         grid = max(cfg.cluster, min(grid, grid_cap // cfg.cluster * cfg.cluster))
-    kernels.launch(fn, grid, 384,
-                   (tma_a, tma_b, tma_c, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
-                    _OUT_KIND_ARG[odt.name], bias if bias is not None else _NULL,
-                    np.int32(group_m)),
-                   stream, op=_OP, name=name, shared_mem=cfg.smem_bytes)
+    args = (tma_a, tma_b, tma_c, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
+            _OUT_KIND_ARG[odt.name], bias if bias is not None else _NULL, np.int32(group_m))
+    return _launch_or_bind(fn, grid, 384, args, stream, name, cfg.smem_bytes, bind)
 
 
-def launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, group_m: int = 8) -> None:
-    """The plain GEMM on the portable core (arguments already checked)."""
+def _launch_or_bind(fn, grid, block, args, stream, name, smem, bind):
+    """kernels.launch; with bind, the launch as a Bound, made and called."""
+    if not bind:
+        kernels.launch(fn, grid, block, args, stream, op=_OP, name=name, shared_mem=smem)
+        return None
+    bound = kernels.bind(fn, grid, block, args, op=_OP, name=name, shared_mem=smem)
+    bound(stream.ptr)
+    return bound
+
+
+def launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, group_m: int = 8,
+                bind: bool = False):
+    """The plain GEMM on the portable core (arguments already checked; bind: launch_sm90's)."""
     sm_count = device_props()[2]
     name = sm80_kernel(dt.cuda_type, b_layout == "kn")
     fn = _gemm_fn(name)
     prepare(fn, SM80.smem_bytes)
     tiles = -(-M // SM80.bm) * -(-N // SM80.bn)
     grid = min(tiles, SM80.ctas_per_sm * sm_count)
-    kernels.launch(fn, grid, SM80.threads,
-                   (a, b, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
-                    _OUT_KIND_ARG[odt.name], bias if bias is not None else _NULL,
-                    np.int32(group_m)),
-                   stream, op=_OP, name=name, shared_mem=SM80.smem_bytes)
+    args = (a, b, np.int32(M), np.int32(N), np.int32(K), out, np.int64(N),
+            _OUT_KIND_ARG[odt.name], bias if bias is not None else _NULL, np.int32(group_m))
+    return _launch_or_bind(fn, grid, SM80.threads, args, stream, name, SM80.smem_bytes, bind)
 
 
 _NULL = np.uint64(0)
@@ -667,7 +675,8 @@ def prepare_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, addend
 
 
 def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
-                    under_capture: bool = False, addend=None, tune: bool = True) -> bool:
+                    under_capture: bool = False, addend=None, tune: bool = True,
+                    bind: bool = False):
     """launch_cublas's call by cublasLtMatmul on the shape's cached plan; False (nothing
     enqueued) where cublasLt has no algorithm for the shape, or under capture on a stream
     without a cuBLAS workspace yet. A new plan's algorithm is tuned first (tune=False: the
@@ -675,7 +684,10 @@ def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
 
     addend: [M, N] in out's dtype (checked by the caller, 16-byte aligned; overlapping out is
     refused) or None: out = a @ b + addend (+ bias), summed in fp32 and rounded once
-    (cublasLt's C, beta = 1; the bias then comes from the epilogue, C being taken)."""
+    (cublasLt's C, beta = 1; the bias then comes from the epilogue, C being taken).
+
+    bind (no bias, no addend): once enqueued, returns the call as a replay (_LtReplay)
+    instead of True."""
     ready = _lt_ready(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, under_capture,
                       addend, tune)
     if ready is None:
@@ -690,7 +702,34 @@ def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
                   bias if addend is not None else None)
     if err:  # (the message is built only then: this runs on every call)
         lt._check(f"cublasLtMatmul for {M}x{N}x{K} ({b_layout})", err)
+    if bind and bias is None and addend is None:
+        return _LtReplay(lt, plan, a.data.ptr, b.data.ptr, out.data.ptr, a.data.device_id,
+                         f"cublasLtMatmul for {M}x{N}x{K} ({b_layout})")
     return True
+
+
+class _LtReplay:
+    """A cublasLtMatmul call (beta 0, no bias) with its pointers and algorithm fixed, called
+    with a stream handle; False (nothing enqueued) where that stream has no cuBLAS workspace
+    yet: the caller takes the full path, which makes one outside a capture."""
+
+    __slots__ = ("head", "matmul", "workspaces", "dev", "what", "lt")
+
+    def __init__(self, lt, plan: "LtPlan", a_ptr, b_ptr, out_ptr, dev, what):
+        self.head = (plan.h, plan.desc, _ONE_PTR, b_ptr, plan.a_lay, a_ptr, plan.b_lay,
+                     _ZERO_PTR, out_ptr, plan.c_lay, out_ptr, plan.c_lay,
+                     lt.ctypes.byref(plan.algo))
+        self.matmul, self.workspaces = lt.lib.cublasLtMatmul, _cublas().workspaces
+        self.dev, self.what, self.lt = dev, what, lt
+
+    def __call__(self, stream: int):
+        ws = self.workspaces.get((self.dev, stream))
+        if ws is None:
+            return False
+        err = self.matmul(*self.head, ws.data.ptr, WORKSPACE_BYTES, stream)
+        if err:
+            self.lt._check(self.what, err)
+        return None
 
 
 def _matmul(lt, plan: LtPlan, algo, a, b, c, out, ws, stream, epilogue_bias) -> int:
@@ -816,17 +855,22 @@ def _time_candidates(run, count: int, stream,
 
 
 def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
-                  under_capture: bool = False) -> bool:
+                  under_capture: bool = False, bind: bool = False):
     """C = a @ b (+ bias) by cublasGemmEx (or cublasLtMatmul: knobs.gemm_cublaslt), fp32
     accumulation, any of our output dtypes; False (nothing enqueued) when under capture on a
     stream that has no cuBLAS workspace yet.
 
     Row-major C [M, N] is column-major C^T [N, M] = op(b) op(a): b "kn" is column-major [N, K]
     (no transpose, ld N), "nk" column-major [K, N] (transposed, ld K); a is column-major
-    [K, M] (ld K). A bias is broadcast into C first and kept with beta = 1."""
-    if knobs.gemm_cublaslt() and launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout,
-                                                 stream, under_capture):
-        return True
+    [K, M] (ld K). A bias is broadcast into C first and kept with beta = 1.
+
+    bind (no bias): once enqueued, returns the call as a replay taking a stream handle
+    (_LtReplay, _GemmExReplay) instead of True."""
+    if knobs.gemm_cublaslt():
+        done = launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
+                               under_capture, bind=bind)
+        if done:
+            return done
     cb = _cublas()
     # One handle per device, shared by every thread (torch runs backward on a thread of its
     # own): setting its stream and calling it is one critical section.
@@ -850,7 +894,37 @@ def launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
 
         raise CudaError(f"{_OP}: cublasGemmEx failed for {M}x{N}x{K} ({b_layout}): "
                         f"cublasStatus {err}")
+    if bind and bias is None:
+        return _GemmExReplay(cb, a.data.device_id, (
+            _OP_N if kn else _OP_T, _OP_N, N, M, K, _ONE_PTR, b.data.ptr, _CUDA_R[dt.name],
+            N if kn else K, a.data.ptr, _CUDA_R[dt.name], K, _ZERO_PTR, out.data.ptr,
+            _CUDA_R[odt.name], N, _COMPUTE_32F, _ALGO_DEFAULT),
+            f"cublasGemmEx failed for {M}x{N}x{K} ({b_layout})")
     return True
+
+
+class _GemmExReplay:
+    """A cublasGemmEx call (beta 0) with its arguments fixed, called with a stream handle;
+    False (nothing enqueued) where that stream has no cuBLAS workspace yet (the caller takes
+    the full path)."""
+
+    __slots__ = ("cb", "dev", "tail", "what")
+
+    def __init__(self, cb, dev, tail, what):
+        self.cb, self.dev, self.tail, self.what = cb, dev, tail, what
+
+    def __call__(self, stream: int):
+        cb = self.cb
+        with _CUBLAS_LOCK:
+            handle = cb.handle(self.dev, stream, True)  # True: never allocates here
+            if not handle:
+                return False
+            err = cb.lib.cublasGemmEx(handle, *self.tail)
+        if err:
+            from cuflux.errors import CudaError
+
+            raise CudaError(f"{_OP}: {self.what}: cublasStatus {err}")
+        return None
 
 
 _ONE_PTR, _ZERO_PTR = _ONE.ctypes.data, _ZERO.ctypes.data

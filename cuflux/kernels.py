@@ -46,7 +46,7 @@ from cuflux.errors import CompileError  # the one class (kernels.CompileError is
 
 __all__ = ["KERNEL_DIR", "KernelFamily", "register", "families", "compile_source", "compile_ptx",
            "compile_all", "compile_family", "cache_dir", "cache_entry", "CacheEntry", "Compiled",
-           "load", "device_arch", "CompileError", "CacheDirError",
+           "load", "launch", "prepare", "bind", "device_arch", "CompileError", "CacheDirError",
            "COMPILE_LOCK_TIMEOUT_S"]
 
 KERNEL_DIR = pathlib.Path(__file__).resolve().parent.parent / "kernels_cu"
@@ -526,6 +526,14 @@ def launch(kernel, grid, block, args, stream, *, op: str, name: str, shared_mem:
     op and the kernel."""
     _launch.kernel(kernel, grid, block, args, stream, op=op, name=name, shared_mem=shared_mem,
                    pdl=pdl)
+
+
+def bind(kernel, grid: int, block: int, args, *, op: str, name: str,
+         shared_mem: int = 0, pdl: bool = False) -> "_launch.Bound":
+    """launch()'s arguments packed once into a cuflux.launch.Bound, called with the stream
+    handle alone (a call an op has seen before: base.CallMemo)."""
+    return _launch.bind(kernel, grid, block, args, op=op, name=name, shared_mem=shared_mem,
+                        pdl=pdl)
 
 
 def prepare(kernel, grid, block, args, varying: int, *, op: str, name: str,

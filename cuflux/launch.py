@@ -24,7 +24,8 @@ Launches are capturable in CUDA graphs (driver launches on a capturing stream be
 nodes with the packed argument values).
 
 `Prepared`: a launch whose arguments are all fixed but a few consecutive device pointers,
-packed once; a call writes those pointers and calls the driver.
+packed once; a call writes those pointers and calls the driver. `Bound` (Prepared.bind): the
+pointers fixed too, a call is the driver call alone (an op's memo of a call it has seen).
 
 The driver call goes through CuPy's Cython binding of cuLaunchKernel
 (cupy_backends.cuda.api.driver.launchKernel: plain integers in, no per-argument conversion),
@@ -44,7 +45,7 @@ import threading
 
 import numpy as np
 
-__all__ = ["kernel", "Prepared", "capturing", "driver_lib"]
+__all__ = ["kernel", "Prepared", "Bound", "bind", "capturing", "driver_lib"]
 
 _FORMATS = {np.uint64: "Q", np.int64: "q", np.uint32: "I", np.int32: "i", np.float32: "f",
             np.uint16: "H", np.int16: "h", np.uint8: "B", bytes: "128s", np.void: "128s"}
@@ -244,11 +245,12 @@ class Prepared:
     lock); a CUDA error raises CudaError naming the op and the kernel, as `kernel` does."""
 
     __slots__ = ("func", "grid", "block", "shared_mem", "op", "name", "head", "offset",
-                 "packer")
+                 "packer", "types")
 
     def __init__(self, fn, grid: int, block: int, args, varying: int, *, op: str, name: str,
                  shared_mem: int = 0, first: int = 0):
-        p = self.packer = _Packer(tuple(map(type, args)))  # its own block, never shared
+        self.types = tuple(map(type, args))
+        p = self.packer = _Packer(self.types)  # its own block, never shared
         fmt = "".join("Q" if f == "Q" else "x" for f in _pieces(p.struct.format[1:]))
         if not (0 <= first and first + varying <= len(args)
                 and fmt[first:first + varying] == "Q" * varying):
@@ -280,6 +282,60 @@ class Prepared:
                 err = e.status
         if err:
             _launch_failed(self.op, self.name, self.grid, self.block, self.shared_mem, err)
+
+
+    def bind(self, *pointers) -> "Bound":
+        """This launch with its pointers fixed too, in a block of its own that nothing writes
+        again: a call is the driver's alone (an op's memo of a call seen before, base.CallMemo)."""
+        p, b = self.packer, _Packer(self.types)
+        ctypes.memmove(b.buf, p.buf, p.struct.size)
+        try:
+            self.head.pack_into(b.buf, self.offset, *pointers)
+        except struct.error as e:
+            raise TypeError(f"{self.op}: kernel {self.name} takes {self.head.size // 8} "
+                            f"pointers a call: {e}") from None
+        return Bound(self.func, self.grid, self.block, self.shared_mem, b, op=self.op,
+                     name=self.name)
+
+
+class Bound:
+    """A launch with every argument fixed (Prepared.bind, or bind() for kernel()'s
+    arguments): `bound(stream_handle)` (an int) calls the driver, nothing else. Its block is
+    never written after it is made, so no lock is taken."""
+
+    __slots__ = ("func", "grid", "block", "shared_mem", "params_addr", "packer", "op", "name",
+                 "pdl")
+
+    def __init__(self, func: int, grid: int, block: int, shared_mem: int, packer: _Packer, *,
+                 op: str, name: str, pdl: bool = False):
+        self.packer = packer  # the block lives as long as this
+        self.func, self.grid, self.block, self.shared_mem = func, grid, block, shared_mem
+        self.params_addr, self.op, self.name = packer.params_addr, op, name
+        self.pdl = pdl and _pdl_capable(func)  # as kernel(): a plain launch below sm_90
+
+    def __call__(self, stream: int) -> None:
+        err = 0
+        if self.pdl:
+            err = (_lib or driver_lib()).cuLaunchKernelEx(
+                _pdl_config(self.grid, self.block, self.shared_mem, stream), self.func,
+                self.packer.params, None)
+        else:
+            try:
+                (_launch_kernel or launcher())(self.func, self.grid, 1, 1, self.block, 1, 1,
+                                               self.shared_mem, stream, self.params_addr, 0)
+            except _DriverError as e:
+                err = e.status
+        if err:
+            _launch_failed(self.op, self.name, self.grid, self.block, self.shared_mem, err)
+
+
+def bind(fn, grid: int, block: int, args, *, op: str, name: str, shared_mem: int = 0,
+         pdl: bool = False) -> Bound:
+    """kernel()'s launch of `args` as a Bound: packed once into a block of its own."""
+    p = _Packer(tuple(map(type, args)))
+    _pack(p, args, op, name)
+    return Bound(fn if isinstance(fn, int) else _function(fn), int(grid), int(block),
+                 int(shared_mem), p, op=op, name=name, pdl=pdl)
 
 
 def _one_dim(dims, what: str, name: str) -> int:

@@ -49,9 +49,13 @@ def main():
     with s:
         row("norm: whole call (out=, current stream)", per_call_us(
             lambda: norm(x, res, w, out=out), hold=s))
-    unwrapped = type(norm).__call__.__wrapped__
-    row("norm: the call without on_op_device", per_call_us(
-        lambda: unwrapped(norm, x, res, w, out=out, stream=s), hold=s))
+    full = type(norm)._call.__wrapped__  # the full path: checks, plan, prepared launch
+    row("norm: the full path (_call without on_op_device, no memo)", per_call_us(
+        lambda: full(norm, x, res, w, out, s, None, None), hold=s))
+    row("norm: memo key (four arrays, attrgetter)", per_call_us(
+        lambda: norm._memo.key((x, res, w, out), None)))
+    bound = norm._memo.get(norm._memo.key((x, res, w, out), None))
+    row("norm: its bound launch alone (memo hit)", per_call_us(lambda: bound(s.ptr), hold=s))
     row("norm: _check_open", per_call_us(norm._check_open))
     row("norm: check_norm_call", per_call_us(
         lambda: R.check_norm_call(norm, x, res, w, out, None)))
@@ -140,6 +144,14 @@ def main():
         row("cupy.matmul of the same (out=, current stream)", per_call_us(
             lambda: cupy.matmul(a, b.T, out=c), hold=s))
     from cuflux.ops import gemm as G
+    memo = G._memo()
+    gkey = memo.key((a, b, c), (None, "nk", "auto", None, 8))
+    row("gemm: memo key (three arrays)", per_call_us(
+        lambda: memo.key((a, b, c), (None, "nk", "auto", None, 8))))
+    replay = memo.get(gkey)
+    print("gemm: its replay:", type(replay).__name__)
+    if replay is not None:
+        row("gemm: its replay alone (memo hit)", per_call_us(lambda: replay(s.ptr), hold=s))
     row("gemm: _check_args", per_call_us(
         lambda: G._check_args(a, b, None, c, None, "nk", "auto")))
     from cuflux import gemm_core

@@ -406,6 +406,89 @@ test_back_to_back_1000_calls = back_to_back.test(expect=1000, timeout_s=600, see
 
 
 @on_ranks
+def memo_replays(world, seed, calls=18):
+    """Calls with out= (and out_scale= with scales) whose arrays repeat, fresh values written
+    in place, replay their bound launches from the second repeat on (base.CallMemo): scatter
+    and gather, bf16 and fp8 with per-head scales, two streams taking turns (the op keeps its
+    calls in one stream order), each call checked bitwise with outputs poisoned first; at
+    W = 1 each w1 path. Then view=True calls (a key per slot parity). A dtype view of the
+    same input is refused before any launch."""
+    import cupy
+
+    W, me = world.size, world.rank
+    H, D, max_tokens = 2 * W, 64, 16
+    tokens = _tokens(W, max_tokens, seed)
+    S, hpr = sum(tokens), H // W
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(2)]
+    checked = 0
+    for dtype, per_head in (("bfloat16", False), ("float8_e4m3fn", True)):
+        with All2AllHeads(world, max_tokens, H, D, dtype, num_sms=4, timeout_s=60) as op:
+            st = op.spec.dtype.storage
+            x, y = cupy.empty((1, tokens[me], H, D), st), cupy.empty((1, S, hpr, D), st)
+            xs_, ys_ = (cupy.empty((1, tokens[me], H), np.float32),
+                        cupy.empty((1, S, hpr), np.float32)) if per_head else (None, None)
+            for i in range(calls):
+                if W == 1:  # each path three times each way: seen, bound, replayed
+                    op.w1 = ("pdl", "memcpy", "kernel")[(i // 6) % 3]
+                gather = i % 2 == 1
+                src = y if gather else x
+                src_sc = ys_ if gather else xs_
+                out = x if gather else y
+                out_sc = xs_ if gather else ys_
+                shape = tuple(src.shape)
+                data = [_data((1, S, hpr, D) if gather else (1, tokens[r], H, D), dtype, seed,
+                              i, r) for r in range(W)]
+                scales = ([_scales((1, S, hpr) if gather else (1, tokens[r], H), seed, i, r)
+                           for r in range(W)] if per_head else None)
+                src[...] = cupy.asarray(data[me]).reshape(shape)
+                if per_head:
+                    src_sc[...] = cupy.asarray(scales[me])
+                cupy.cuda.runtime.memset(out.data.ptr, 0xFF, out.nbytes)
+                if per_head:
+                    cupy.cuda.runtime.memset(out_sc.data.ptr, 0xFF, out_sc.nbytes)
+                cupy.cuda.Device().synchronize()
+                s = streams[(i // 2) % 2]
+                call = op.gather_heads if gather else op.scatter_heads
+                res = call(src, tokens, src_sc, out=out, out_scale=out_sc, stream=s)
+                assert (res is out) if not per_head else (res[0] is out and res[1] is out_sc)
+                op.synchronize(stream=s)
+                ref = (reference_gather_heads if gather else reference_scatter_heads)(
+                    data, tokens, W, scales)
+                want, want_sc = ref if per_head else (ref, None)
+                _same_bits(out, want[me], f"call {i} {dtype} rank {me}")
+                if per_head:
+                    _same_bits(out_sc, want_sc[me], f"call {i} {dtype} scales rank {me}")
+                checked += 1
+            for i in range(calls, calls + 6):  # view=True: a key per slot parity
+                data = [_data((1, tokens[r], H, D), dtype, seed, i, r) for r in range(W)]
+                scales = ([_scales((1, tokens[r], H), seed, i, r) for r in range(W)]
+                          if per_head else None)
+                x[...] = cupy.asarray(data[me])
+                if per_head:
+                    xs_[...] = cupy.asarray(scales[me])
+                cupy.cuda.Device().synchronize()
+                res = op.scatter_heads(x, tokens, xs_, view=True, stream=streams[0])
+                op.synchronize(stream=streams[0])
+                got, got_sc = res if per_head else (res, None)
+                want = reference_scatter_heads(data, tokens, W, scales)
+                _same_bits(got, (want[0] if per_head else want)[me], f"view call {i} {dtype}")
+                if per_head:
+                    _same_bits(got_sc, want[1][me], f"view call {i} {dtype} scales")
+                checked += 1
+            assert any(isinstance(e, a2a._Replay) and e.views is not None
+                       for e in op._memo.entries.values())
+            assert any(isinstance(e, a2a._Replay) for e in op._memo.entries.values())
+            with pytest.raises((TypeError, ValueError), match="All2AllHeads"):
+                op.scatter_heads(x.view(np.uint8) if st != np.uint8 else x.view(np.int8),
+                                 tokens, xs_, out=y, out_scale=ys_)
+    return checked
+
+
+test_repeated_calls_replay_their_launches_and_stay_exact = memo_replays.test(
+    expect=48, seed=fresh_seed, timeout_s=300)
+
+
+@on_ranks
 def epochs_past_32_bits(world, seed):
     """The device epoch (and the host's parity count) seeded past 2^31 and just below 2^32
     (#19 item 6), the flags fresh (0): with 32-bit flags a slot still 0 compares as reached past

@@ -452,6 +452,68 @@ def test_back_to_back_calls(W):
 
 
 @on_ranks
+def memo_replays(world, seed, H=1000, rounds=4):
+    """Calls with out= whose arrays repeat (the same addresses, fresh values written in place)
+    replay their bound launch (base.CallMemo) from the second repeat on: every such call is
+    still exact, outputs poisoned first. Then what a memo must not hide: a view of the same
+    memory with fewer tokens runs its own plan; a dtype view of the same memory (float16 over
+    float32 storage has another shape, the same pointer) and an out overlapping the residual
+    are refused before any launch; a closed op refuses a call it has bound."""
+    import cupy as cp
+
+    W, me = world.size, world.rank
+    dtype, T = "float32", 37
+    with AllReduceRMSNorm(world, 64, H, dtype, output="replicated", timeout_s=60) as norm, \
+            AllReduce(world, 64 * H, dtype, timeout_s=60) as plain:
+        sets = [{"x": cp.empty((T, H), cp.float32), "res": cp.empty((T, H), cp.float32),
+                 "out": cp.empty((T, H), cp.float32), "y": cp.empty((T, H), cp.float32)}
+                for _ in range(2)]
+        weight = cp.asarray(1 + 0.5 * np.random.default_rng(seed).standard_normal(H)
+                            .astype(np.float32))
+        w = cp.asnumpy(weight).astype(np.float64)
+        calls = 0
+        for i in range(rounds * len(sets)):
+            v = sets[i % len(sets)]
+            n = T - (i // len(sets) == rounds - 1) * 5  # the last round: fewer tokens, views
+            base, res, _ = _draw([seed, i], n, H)
+            v["x"][:n] = cp.asarray(_rank_x(base, me))
+            v["res"][:n] = cp.asarray(res)
+            cp.cuda.runtime.memset(v["out"].data.ptr, 0xFF, v["out"].nbytes)
+            cp.cuda.runtime.memset(v["y"].data.ptr, 0xFF, v["y"].nbytes)
+            x, r, o, y = (v[k][:n] if n < T else v[k] for k in ("x", "res", "out", "y"))
+            algo = "one_shot" if W > 1 and i % 2 else None
+            assert norm(x, r, weight, out=o, algo=algo) is o
+            assert plain(x, out=y, algo=algo) is y
+            bound = sum(1 for e in norm._memo.entries.values() if callable(e))
+            xs = [_rank_x(base, q) for q in range(W)]
+            want = reference_allreduce_rmsnorm(xs, res, w, 1e-6, "replicated", W)[me]
+            _close(cp.asnumpy(o), want[0], dtype, f"call {i} out")
+            _close(cp.asnumpy(r), want[1], dtype, f"call {i} residual")
+            _close(cp.asnumpy(y), reference_allreduce(xs), dtype, f"call {i} plain")
+            calls += 1
+        # each set's key seen in rounds 0 and 1: bound from round 1 on (the views' own keys
+        # are two more, seen once)
+        assert bound == len(sets), bound
+        v = sets[0]
+        raises_each([
+            (lambda: norm(v["x"].view(cp.float16), v["res"], weight, out=v["out"]), TypeError,
+             "x must be float32"),
+            (lambda: norm(v["x"], v["res"], weight, out=v["res"]), ValueError, "overlaps"),
+        ], "AllReduceRMSNorm")
+        norm.synchronize()
+        plain.synchronize()
+    with pytest.raises(CufluxError, match="closed"):
+        norm(v["x"], v["res"], weight, out=v["out"])
+    with pytest.raises(CufluxError, match="closed"):
+        plain(v["x"], out=v["y"])
+    return calls
+
+
+test_repeated_calls_replay_their_launch_and_stay_checked = memo_replays.test(
+    expect=8, seed=fresh_seed, timeout_s=300)
+
+
+@on_ranks
 def epochs_past_32_bits(world, H=1000):
     """The device epoch seeded past 2^31 and just below 2^32 (#19 item 6), the flags fresh (0):
     with 32-bit flags a slot still 0 compares as reached once the epoch is past 2^31, so an early

@@ -331,3 +331,64 @@ def test_a_failure_inside_commop_init_frees_what_it_made(monkeypatch):
     with pytest.raises(RuntimeError, match="sm_count"):
         _FailingOp(world, "never")
     assert log == ["err", "attach", ("board.close", True, None), "err.close", "comm.free"], log
+
+
+# ---- CPU: the call memo ------------------------------------------------------------------------
+class _Nd:
+    """Stands for a cupy.ndarray: what CallMemo.key reads (data.ptr, data.device_id, shape,
+    strides, dtype)."""
+
+    def __init__(self, ptr, shape=(4, 8), strides=(32, 4), dtype=np.float32, device=0):
+        from types import SimpleNamespace
+
+        self.data = SimpleNamespace(ptr=ptr, device_id=device)
+        self.shape, self.strides, self.dtype = shape, strides, np.dtype(dtype)
+
+
+def _memo(monkeypatch, current=0):
+    monkeypatch.setattr(base, "current_device", lambda: current)
+    m = base.CallMemo(0)
+    m.ndarray = _Nd
+    return m
+
+
+def test_memo_keys_change_with_anything_a_check_reads(monkeypatch):
+    """Two calls share a key only when every array argument has the same pointer, device,
+    shape, strides and dtype, the arrays are as many, and the other arguments are equal."""
+    m = _memo(monkeypatch)
+    k = m.key((_Nd(0x1000), _Nd(0x2000)), "auto")
+    assert k == m.key((_Nd(0x1000), _Nd(0x2000)), "auto")
+    others = [((_Nd(0x1010), _Nd(0x2000)), "auto"),
+              ((_Nd(0x1000, device=1), _Nd(0x2000)), "auto"),
+              ((_Nd(0x1000, shape=(2, 16)), _Nd(0x2000)), "auto"),
+              ((_Nd(0x1000, strides=(64, 4)), _Nd(0x2000)), "auto"),
+              ((_Nd(0x1000, dtype=np.int32), _Nd(0x2000)), "auto"),
+              ((_Nd(0x1000), _Nd(0x2000), _Nd(0x3000)), "auto"),
+              ((_Nd(0x2000), _Nd(0x1000)), "auto"),
+              ((_Nd(0x1000), _Nd(0x2000)), "one_shot")]
+    keys = {m.key(a, e) for a, e in others}
+    assert len(keys) == len(others) and k not in keys
+
+
+def test_memo_takes_the_full_path_for_foreign_arrays_and_another_device(monkeypatch):
+    m = _memo(monkeypatch)
+    assert m.key((_Nd(0x1000), FakeArray((4, 8), "float32")), None) is None
+    assert m.key((_Nd(0x1000), None), None) is None  # absent arrays are left out by callers
+    assert m.get(None) is None and not m.wants(None)
+    m = _memo(monkeypatch, current=1)  # the caller's current device is not the op's
+    assert m.key((_Nd(0x1000),), None) is None
+
+
+def test_memo_binds_a_key_at_its_second_call_and_stays_bounded(monkeypatch):
+    m = _memo(monkeypatch)
+    k = m.key((_Nd(0x1000),), None)
+    assert m.get(k) is None and not m.wants(k)   # first call: only seen
+    assert m.get(k) is None and m.wants(k)       # second: the full path binds it
+    run = lambda stream: None  # noqa: E731
+    m.put(k, run)
+    assert m.get(k) is run
+    for i in range(base.MEMO_MAX):
+        m.wants(m.key((_Nd(0x10000 + 16 * i),), None))
+    assert len(m.entries) <= base.MEMO_MAX and m.get(k) is None  # full: emptied
+    m.clear()
+    assert not m.entries

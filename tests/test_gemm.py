@@ -415,6 +415,47 @@ def test_other_stream_and_default_output():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl,M", [("auto", 1), ("auto", 130), ("cublas", 64), ("sm90", 257),
+                                    ("sm80", 100)])
+@pytest.mark.parametrize("lt", ["gemmex", "cublaslt"])
+def test_repeated_calls_replay_their_launch_and_stay_exact(monkeypatch, impl, M, lt):
+    """Calls with out= whose arrays repeat (fresh values written in place) replay their bound
+    launch from the second call on (ops.base.CallMemo), on every route: each is exact, out
+    poisoned first. A view of the same memory with fewer rows plans anew; a new stream (no
+    cuBLAS workspace there yet) falls back to the full path, which makes one; a dtype view of
+    the same memory is refused before any launch."""
+    import cupy
+
+    from cuflux.arrays import dtype_info
+
+    if impl == "sm90" and not hopper():
+        pytest.skip("sm90 needs an sm_90a GPU")
+    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1" if lt == "cublaslt" else "0")
+    N, K = 264, 520
+    st = dtype_info("bfloat16").storage
+    a, b, out = cupy.empty((M, K), st), cupy.empty((N, K), st), cupy.empty((M, N), st)
+    seed = fresh_seed()
+    streams = [cupy.cuda.Stream(non_blocking=True), None, cupy.cuda.Stream(non_blocking=True)]
+    for i in range(6):
+        rows = M - 1 if i == 4 and M > 1 else M  # a view: its own key
+        a[...] = _rand((M, K), "bfloat16", seed + 2 * i)
+        b[...] = _rand((N, K), "bfloat16", seed + 2 * i + 1)
+        out[...] = cupy.full((M, N), np.nan, np.float32).astype(st)
+        cupy.cuda.Device().synchronize()
+        s = streams[(i // 2) % 3]  # the stream changes every second call
+        got = G.gemm(a[:rows], b, out=out[:rows], b_layout="nk", impl=impl, stream=s)
+        (s or cupy.cuda.get_current_stream()).synchronize()
+        assert got.shape == (rows, N) and got.data.ptr == out.data.ptr
+        check_close(got, f64(a[:rows]) @ f64(b).T, "bfloat16",
+                    f"call {i} {impl} M={M} {lt} seed={seed}")
+    memo = G._memo()
+    assert any(callable(e) for e in memo.entries.values())
+    with pytest.raises((TypeError, ValueError), match="cuflux.gemm"):
+        G.gemm(a.view(cupy.float16 if st != np.float16 else cupy.int16), b, out=out,
+               b_layout="nk", impl=impl)
+
+
+@pytest.mark.gpu
 def test_bad_input_is_named():
     import cupy
 

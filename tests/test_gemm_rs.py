@@ -31,7 +31,7 @@ from cuflux.ops.gemm_rs import (REDUCE_MODES, W1_MODES, GemmReduceScatter, make_
                                 own_tile_rows, reference_gemm_rs, tile_order)
 from cuflux.topology import PeerLink, Topology
 from cuflux.world import World
-from tests.checks import GEMM_TOL, poisoned, raises_each
+from tests.checks import GEMM_TOL, check_close, f64, poisoned, raises_each
 from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 from tests.kernel_args import names as kernel_names
@@ -633,6 +633,38 @@ def bad_input(world):
 
 test_bad_input_raises_before_launch = bad_input.test(
     expect=True, sizes=sorted({1} | {w for w in WS if w > 1}), timeout_s=150)
+
+
+@on_ranks
+def memo_replays_w1(world, seed, M=256, n=264, k=520):
+    """W = 1 (the plain GEMM): calls with out= whose arrays repeat, fresh values written in
+    place, replay cuflux.gemm's bound launch from the second repeat on (base.CallMemo); each
+    is exact with out poisoned first, on two streams taking turns; a dtype view of a is
+    refused before any launch."""
+    import cupy as cp
+
+    st = dtype_info("bfloat16").storage
+    streams = [cp.cuda.Stream(non_blocking=True), cp.cuda.Stream(non_blocking=True)]
+    with GemmReduceScatter(world, M, n, k, "bfloat16", b_layout="nk", timeout_s=60) as op:
+        a, b, out = cp.empty((M, k), st), cp.empty((n, k), st), cp.empty((M, n), st)
+        for i in range(6):
+            rng = np.random.default_rng([seed, i])
+            a[...] = cp.asarray(rng.standard_normal((M, k), np.float32)).astype(st)
+            b[...] = cp.asarray(rng.standard_normal((n, k), np.float32)).astype(st)
+            cp.cuda.runtime.memset(out.data.ptr, 0xFF, out.nbytes)
+            cp.cuda.Device().synchronize()
+            s = streams[(i // 2) % 2]
+            assert op(a, b, out=out, stream=s) is out
+            s.synchronize()
+            check_close(out, f64(a) @ f64(b).T, "bfloat16", f"call {i} seed {seed}")
+        assert any(callable(e) for e in op._memo.entries.values())
+        raises_each([(lambda: op(a.view(cp.float16), b, out=out), TypeError,
+                      "a must be bfloat16")], "GemmReduceScatter")
+    return 6
+
+
+test_w1_repeated_calls_replay_and_stay_exact = memo_replays_w1.test(
+    expect=6, sizes=[1], seed=fresh_seed, timeout_s=150)
 
 
 # ==== CPU tests (no GPU needed) ===================================================================

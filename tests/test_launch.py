@@ -221,3 +221,27 @@ def test_kernels_are_resolved_when_their_module_loads(monkeypatch):
         entry = L._FUNCTIONS.get(id(fn))
         assert entry is not None and entry[0] is fn, name
         assert entry[1] == fn.kernel.ptr != 0, name
+
+
+def test_bound_launch_fixes_the_pointers_in_a_block_of_its_own(fake_driver):
+    """Prepared.bind: a copy of the prepared block with the pointers written, never written
+    again; calling it launches with the plan's grid on the given stream. The prepared block
+    and an earlier bound one are untouched by later binds and calls."""
+    lib = fake_driver()
+    args = (np.uint64(0), np.uint64(0), np.int32(-3), np.float32(0.5))
+    prep = L.Prepared(77, 4, 64, args, 2, op="t", name="k", shared_mem=16)
+    one = prep.bind(0x1000, 0x2000)
+    two = prep.bind(0x3000, 0x4000)
+    prep(0, 0x5000, 0x6000)
+    one(11)
+    kind, func, g, b, smem, stream, params = lib.calls[-1]
+    assert (kind, func, g, b, smem, stream) == ("plain", 77, 4, 64, 16, 11)
+    assert params == one.params_addr != prep.packer.params_addr
+    assert _values(one.packer, 4)[0] == (0x1000, 0x2000, -3, 0.5)
+    assert _values(two.packer, 4)[0] == (0x3000, 0x4000, -3, 0.5)
+    assert _values(prep.packer, 4)[0] == (0x5000, 0x6000, -3, 0.5)
+    with pytest.raises(TypeError, match="kernel k takes 2 pointers a call"):
+        prep.bind(0x1000)
+    fake_driver(err=700)
+    with pytest.raises(CudaError, match=r"t: launching kernel k \(grid 4, block 64"):
+        one(0)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import math
 import operator
@@ -25,7 +26,7 @@ import numpy as np
 from cuflux import kernels
 from cuflux.arrays import (DType, as_cupy, check_array, dtype_info, stream_of, to_caller,
                            zeros_settled)
-from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, CaptureError,
+from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, STATUS_OK, CaptureError,
                            CommTimeoutError, CufluxError)
 from cuflux.launch import capturing as _capturing
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, on_op_device
@@ -351,16 +352,73 @@ class All2AllHeads(CommOp):
         issued (work enqueued on the same stream before that call reads it safely) and dies
         with close().
         """
-        return self._run(False, x, tokens_per_rank, scale, out, out_scale, view, stream)
+        return self._call(False, x, tokens_per_rank, scale, out, out_scale, view, stream)
 
     def gather_heads(self, y, tokens_per_rank, scale=None, *, out=None, out_scale=None,
                      view: bool = False, stream=None):
         """y [B, S, H/W, D] -> x [B, T_r, H, D]; with `scale` ([B, S] or [B, S, H/W] float32)
         returns (x, x_scale) with x_scale [B, T_r, W] (per source rank's head group) or
         [B, T_r, H]. out / out_scale / view as in scatter_heads."""
-        return self._run(True, y, tokens_per_rank, scale, out, out_scale, view, stream)
+        return self._call(True, y, tokens_per_rank, scale, out, out_scale, view, stream)
 
     __call__ = scatter_heads
+
+    def _call(self, gather, a, tokens_per_rank, scale, out, out_scale, view, stream):
+        """A call seen before (CuPy arrays; out= given, and out_scale= with scales, or view=True
+        with neither; tokens_per_rank a list or tuple) replays what it launched
+        (base.CallMemo); any other call takes the full path (_run)."""
+        key = None
+        given = out is not None and (scale is None) == (out_scale is None)
+        t = type(tokens_per_rank)
+        if (given and not view) or (view and out is None and out_scale is None):
+            tokens = (tokens_per_rank if t is tuple else
+                      tuple(tokens_per_rank) if t is list else None)
+            if tokens is not None:
+                arrays = (a,) if scale is None else (a, scale)
+                if not view:
+                    arrays += (out,) if scale is None else (out, out_scale)
+                # a view is the receive slot of the call's parity: a key per parity
+                key = self._memo.key(arrays, (gather, tokens, self.w1, view,
+                                              view and (self.epoch + 1) & 1))
+                run = self._memo.get(key)
+                if run is not None and self._replay(run, view, stream):
+                    if view:
+                        out, out_scale = run.views
+                    return (out, out_scale) if scale is not None else out
+        return self._run(gather, a, tokens_per_rank, scale, out, out_scale, view, stream, key)
+
+    def _replay(self, run: "_Replay", view: bool, stream) -> bool:
+        """A memo hit: enqueue its launches; False (nothing done) where the call takes the
+        full path instead (a view under capture, refused there; a view whose shape the
+        caller changed in place)."""
+        if self._closed:
+            raise CufluxError(f"{_OP}: the op is closed")
+        self._raise_if_failed()
+        s = stream_of(stream)
+        W = self.spec.world_size
+        captured_now = (W > 1 or self.w1 == "kernel") and _capturing(s)
+        capturing = captured_now and W > 1
+        if view and (capturing or self._captured or run.views[0].shape != run.shape):
+            return False
+        self._sequence(s, captured_now, capturing)
+        if run.moves:
+            self.epoch += 1
+        for launch in run.launches:
+            launch(s.ptr)
+        return True
+
+    def _sequence(self, s, captured_now: bool, capturing: bool) -> None:
+        """Every call of the op in one stream order (double buffering relies on it): a call on
+        another stream than the last one's waits for it (not while capturing at W > 1)."""
+        self._captured = self._captured or captured_now
+        if (self._last_stream is not None and self._last_stream.ptr != s.ptr
+                and not capturing):
+            import cupy
+
+            ev = cupy.cuda.Event(disable_timing=True)
+            ev.record(self._last_stream)
+            s.wait_event(ev)
+        self._last_stream = s
 
     # ---- one call ------------------------------------------------------------------------------
     def _plan(self, tokens_per_rank, stream=None):
@@ -390,6 +448,7 @@ class All2AllHeads(CommOp):
         import cupy
 
         cupy.cuda.Device(self.spec.device).synchronize()
+        self._memo.clear()  # its bound launches hold the plans' prefix arrays' pointers
         self._plans.clear()
         self._hashes.clear()
 
@@ -431,7 +490,7 @@ class All2AllHeads(CommOp):
                 f"{differ} passed something else")
 
     @on_op_device
-    def _run(self, gather, a, tokens_per_rank, scale, out, out_scale, view, stream):
+    def _run(self, gather, a, tokens_per_rank, scale, out, out_scale, view, stream, key=None):
         if self._closed:
             raise CufluxError(f"{_OP}: the op is closed")
         self._raise_if_failed()
@@ -462,16 +521,7 @@ class All2AllHeads(CommOp):
                 f"{_OP}: view=True hands out the receive slot of the call's parity, which a "
                 f"replayed CUDA graph alternates without the host knowing; use out= with an op "
                 f"that is captured" + (" (this op was captured before)" if self._captured else ""))
-        self._captured = self._captured or captured_now
-        if (self._last_stream is not None and self._last_stream.ptr != s.ptr
-                and not capturing):
-            # Keep every call of the op in one stream order (double buffering relies on it).
-            import cupy
-
-            ev = cupy.cuda.Event(disable_timing=True)
-            ev.record(self._last_stream)
-            s.wait_event(ev)
-        self._last_stream = s
+        self._sequence(s, captured_now, capturing)
         parity = (self.epoch + 1) & 1
         if view:
             out = self._slot_view(f"data{parity}", out_shape, spec.dtype.storage)
@@ -486,14 +536,23 @@ class All2AllHeads(CommOp):
             if given[1] and mode:
                 check_no_alias(_OP, out_scale, input=a, scale=scale)
         S = plan.total
+        bind = self._memo.wants(key) and not self._captured
+        launches = ()
         if B * S:  # else nothing moves anywhere (every rank knows: the list is the same)
             self.epoch += 1
-            self._launch(gather, a, scale, out, out_scale, plan, B, mode, h, parity, view, s)
+            launches = self._launch(gather, a, scale, out, out_scale, plan, B, mode, h, parity,
+                                    view, s, bind)
+        if bind:  # a view: the slot's arrays are handed out again at a hit
+            self._memo.put(key, _Replay(bool(B * S), tuple(launches),
+                                        (out, out_scale) if view else None, out_shape))
         return to_caller((out, out_scale), a_in, given) if mode else to_caller(out, a_in,
                                                                               given[0])
 
-    def _launch(self, gather, a, scale, out, out_scale, plan, B, mode, h, parity, view, s):
-        spec = self.spec
+    def _launch(self, gather, a, scale, out, out_scale, plan, B, mode, h, parity, view, s,
+                bind: bool = False) -> list:
+        """Enqueue the call; with bind, returns its launches bound to the call's pointers
+        (each taking the stream handle: the memo's replay), else []."""
+        spec, bound = self.spec, []
         if spec.world_size == 1 and self.w1 != "kernel":
             # One rank: input and output have the same layout, the op is one copy:
             # cudaMemcpyAsync, or ("pdl", where 16-byte vectors fit) a copy kernel launched
@@ -502,18 +561,29 @@ class All2AllHeads(CommOp):
 
             rows = B * plan.total
             nbytes = rows * self._row_bytes
+            copies = []
             if (self.w1 == "pdl" and nbytes % 16 == 0 and a.data.ptr % 16 == 0
                     and out.data.ptr % 16 == 0):
                 n_vec = nbytes // 16
-                kernels.launch(self._copy_w1, -(-n_vec // 256), 256, (a, out, np.uint64(n_vec)),
-                               s, op=_OP, name="a2a_copy_w1", pdl=True)
+                args = (a, out, np.uint64(n_vec))
+                if bind:
+                    bound.append(kernels.bind(self._copy_w1, -(-n_vec // 256), 256, args,
+                                              op=_OP, name="a2a_copy_w1", pdl=True))
+                    bound[-1](s.ptr)
+                else:
+                    kernels.launch(self._copy_w1, -(-n_vec // 256), 256, args, s, op=_OP,
+                                   name="a2a_copy_w1", pdl=True)
             else:
-                runtime.memcpyAsync(out.data.ptr, a.data.ptr, nbytes, MEMCPY_DEFAULT, s.ptr)
+                copies.append((out.data.ptr, a.data.ptr, nbytes))
             if mode:
                 scale_cols = 1 if mode == 1 else spec.heads_per_rank
-                runtime.memcpyAsync(out_scale.data.ptr, scale.data.ptr, rows * 4 * scale_cols,
-                                    MEMCPY_DEFAULT, s.ptr)
-            return
+                copies.append((out_scale.data.ptr, scale.data.ptr, rows * 4 * scale_cols))
+            for dst, src, n in copies:
+                runtime.memcpyAsync(dst, src, n, MEMCPY_DEFAULT, s.ptr)
+                if bind:
+                    bound.append(functools.partial(runtime.memcpyAsync, dst, src, n,
+                                                   MEMCPY_DEFAULT))
+            return bound
         vec = vec_bytes(self._row_bytes, a.data.ptr, out.data.ptr)
         key = (vec, gather, B, mode, view, h)
         launches = plan.launches.get(key)
@@ -522,9 +592,16 @@ class All2AllHeads(CommOp):
         push, recv = launches
         scale_ptr = scale.data.ptr if mode else 0
         out_scale_ptr = out_scale.data.ptr if mode else 0
-        push(s, a.data.ptr, scale_ptr, out.data.ptr, out_scale_ptr)
+        ptrs = (a.data.ptr, scale_ptr, out.data.ptr, out_scale_ptr)
+        push(s, *ptrs)
+        if bind:
+            bound.append(push.bind(*ptrs))
         if recv is not None:
-            recv(s, 0 if view else out.data.ptr, 0 if view else out_scale_ptr)
+            back = (0, 0) if view else (out.data.ptr, out_scale_ptr)
+            recv(s, *back)
+            if bind:
+                bound.append(recv.bind(*back))
+        return bound
 
     def _prepare(self, gather, plan, B, mode, h, view, vec, s) -> tuple:
         """(a2a_push's launch, a2a_recv's or None at W = 1) for calls of `plan` with this
@@ -595,7 +672,11 @@ class All2AllHeads(CommOp):
 
     # ---- errors and lifetime -----------------------------------------------------------------
     def _raise_if_failed(self) -> None:
-        w = self.err.words
+        err = self.err
+        if err._status.value == STATUS_OK:  # the status word through ctypes: 0.1 us, not 0.5
+            err.check()  # a peer's failure told through the board, a watchdog's fault
+            return
+        w = err.words
         if int(w[STATUS]) == STATUS_MISMATCH:
             raise ValueError(
                 f"{_OP}: rank {int(w[RANK])}: rank {int(w[PEER])} ran the same call with other "
@@ -620,6 +701,17 @@ class All2AllHeads(CommOp):
         self._plans.clear()
         self._hashes.clear()
         self._views.clear()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Replay:
+    """A call's memo entry: whether it moves anything (a call of no tokens does not count an
+    epoch), its launches bound to the call's pointers, each taking the stream handle, and
+    for a view call the views it returns ((out, out_scale) of the slot) and out's shape."""
+    moves: bool
+    launches: tuple
+    views: tuple | None
+    shape: tuple
 
 
 class _Plan:

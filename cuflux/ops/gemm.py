@@ -33,10 +33,11 @@ from cuflux.gemm_core import (CUDA_TYPE, FAMILY, IN_DTYPES, OUT_KIND, SM80, SM80
 from cuflux.gemm_tuner import (CUBLAS, CUBLAS_BELOW_M, TUNER_CANDIDATES, choice, core_heuristic,
                                heuristic, load_tuner, plan, shape_class, tune_key, tuned_config,
                                tuner_path)
-from cuflux.launch import capturing
+from cuflux.launch import capturing, current_device
+from cuflux.ops.base import CallMemo
 
 # The call, plus the core's and the tuner's public names that callers have imported from here.
-__all__ = ["gemm", "plan", "IMPLS", "tensor_map", "Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT",
+__all__ = ["gemm", "gemm_replay", "plan", "IMPLS", "tensor_map", "Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT",
            "Sm80Config", "SM80", "SM80_CONFIG", "CUDA_TYPE", "FAMILY", "WORKSPACE_BYTES",
            "check_aligned", "check_bias", "grouped_tile", "CUBLAS", "CUBLAS_BELOW_M",
            "TUNER_CANDIDATES", "core_heuristic", "heuristic", "load_tuner", "shape_class",
@@ -111,7 +112,40 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
       group_m: tile rows per L2 group of the tile order (1: row-major order).
     K and N must be multiples of 8 (16-byte rows). Capturable in a CUDA graph once the shape
     class has been tuned (under capture an untuned shape takes the heuristic: no timing).
+    With out= and no bias (CuPy arrays), a call seen before replays its launch
+    (ops.base.CallMemo): no check, no plan, no tuner lookup.
     """
+    memo = key = None
+    if out is not None and bias is None:
+        memo = _memo()
+        key = memo.key((a, b, out), (out_dtype, b_layout, impl, config, group_m))
+        run = memo.get(key)
+        if run is not None and run(stream_of(stream).ptr) is not False:
+            return out
+    return _gemm(a, b, bias, out, out_dtype, b_layout, impl, stream, config, group_m, memo, key)
+
+
+_MEMOS: dict = {}  # device -> CallMemo of gemm's calls there
+
+
+def gemm_replay(a, b, out, b_layout: str = "kn", impl: str = "auto", config=None,
+                group_m: int = 8, out_dtype=None):
+    """The replay gemm's memo bound for this call (no bias), or None: for an op whose call is
+    this GEMM alone (GemmReduceScatter at W = 1) to keep in its own memo."""
+    memo = _memo()
+    return memo.get(memo.key((a, b, out), (out_dtype, b_layout, impl, config, group_m)))
+
+
+def _memo() -> CallMemo:
+    dev = current_device()
+    memo = _MEMOS.get(dev)
+    if memo is None:
+        memo = _MEMOS.setdefault(dev, CallMemo(dev))
+    return memo
+
+
+def _gemm(a, b, bias, out, out_dtype, b_layout, impl, stream, config, group_m, memo, key):
+    """gemm's full path: checks, route, tuner; binds the launch where the memo wants it."""
     a_in, out_in = a, out  # the caller's: torch in, torch out
     a, b, bias, out, dt, odt, M, N, K = _check_args(a, b, bias, out, out_dtype, b_layout, impl,
                                                     lambda: stream_of(stream, a_in))
@@ -127,29 +161,49 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     check_group_m(group_m, _OP)
     if config is not None and config not in SM90_CONFIGS:
         raise ValueError(f"{_OP}: config must be one of {sorted(SM90_CONFIGS)}, got {config!r}")
+    # Bound at a key's second call, never under capture (the heuristic's pick there is not
+    # the tuner's, and would be replayed after the capture).
+    bind = memo is not None and memo.wants(key) and not under_capture
     if impl == CUBLAS or (impl == "auto" and not hopper and config is None
                           and M < CUBLAS_BELOW_M):
-        if launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s, under_capture):
+        done = launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s, under_capture,
+                             bind=bind)
+        if done:
+            _bound(memo, key, done, bind)
             return to_caller(out, a_in, out_in)
         if impl == CUBLAS:
             raise CaptureError(f"{_OP}: impl='cublas' under capture needs one call on this "
                                f"stream outside the capture first (it sets up cuBLAS's "
                                f"workspace for the stream)")
     if impl == "sm80" or (impl == "auto" and not hopper):
-        launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, s, group_m)
+        _bound(memo, key, launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, s, group_m,
+                                      bind=bind), bind)
         return to_caller(out, a_in, out_in)
+
+    last = [None]  # the latest launch's replay: the call's own comes last (after any timing)
 
     def run(name):
         if name == CUBLAS:
-            if not launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s, under_capture):
+            done = launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s, under_capture,
+                                 bind=bind)
+            if not done:
                 run(core_heuristic(M, N, K))  # first cuBLAS use of this stream is a capture
+            else:
+                last[0] = done
         else:
-            launch_sm90(SM90_CONFIGS[name], a, b, bias, out, dt, odt, M, N, K, b_layout, s,
-                        group_m)
+            last[0] = launch_sm90(SM90_CONFIGS[name], a, b, bias, out, dt, odt, M, N, K,
+                                  b_layout, s, group_m, bind=bind)
 
     if config is None:
         config = choice(dt, b_layout, M, N, K, run, s, under_capture)
         if config == CUBLAS and impl == "sm90":  # the caller asked for our core
             config = core_heuristic(M, N, K)
     run(config)
+    _bound(memo, key, last[0], bind)
     return to_caller(out, a_in, out_in)
+
+
+def _bound(memo, key, replay, bind: bool) -> None:
+    """Keep the call's replay where it was bound (a launch that returned True: none)."""
+    if bind and callable(replay):
+        memo.put(key, replay)
