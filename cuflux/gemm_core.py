@@ -19,10 +19,12 @@ import collections
 import dataclasses
 import math
 import threading
+import weakref
 
 import numpy as np
 
 from cuflux import kernels, knobs
+from cuflux.launch import capturing as _capturing
 from cuflux.launch import current_device
 from cuflux.arrays import as_cupy, check_array
 
@@ -711,9 +713,17 @@ def launch_cublaslt(a, b, bias, out, dt, odt, M, N, K, b_layout, stream,
 class _LtReplay:
     """A cublasLtMatmul call (beta 0, no bias) with its pointers and algorithm fixed, called
     with a stream handle; False (nothing enqueued) where that stream has no cuBLAS workspace
-    yet: the caller takes the full path, which makes one outside a capture."""
+    yet: the caller takes the full path, which makes one outside a capture.
 
-    __slots__ = ("head", "matmul", "workspaces", "dev", "what", "lt")
+    With graphs (knobs.gemm_graph_replay, read at bind), the call on a stream is captured once
+    into a one-call CUDA graph with that stream's workspace (on a private stream: the caller's
+    may be the legacy one, which cannot be captured) and then replayed with cudaGraphLaunch:
+    cublasLtMatmul costs the host 10-15 us a call on the H200 machine (its own checks, every
+    call), a graph launch a few. The stream's own workspace keeps graphs of calls on other
+    streams from sharing one; launches of one graph run in order. A stream being captured by
+    the caller gets the plain call (captured into the caller's graph)."""
+
+    __slots__ = ("head", "matmul", "workspaces", "dev", "what", "lt", "graphs", "__weakref__")
 
     def __init__(self, lt, plan: "LtPlan", a_ptr, b_ptr, out_ptr, dev, what):
         self.head = (plan.h, plan.desc, _ONE_PTR, b_ptr, plan.a_lay, a_ptr, plan.b_lay,
@@ -721,8 +731,20 @@ class _LtReplay:
                      lt.ctypes.byref(plan.algo))
         self.matmul, self.workspaces = lt.lib.cublasLtMatmul, _cublas().workspaces
         self.dev, self.what, self.lt = dev, what, lt
+        self.graphs = {} if knobs.gemm_graph_replay() else None  # stream -> graph exec
 
     def __call__(self, stream: int):
+        graphs = self.graphs
+        if graphs is not None and not _capturing(stream):
+            g = graphs.get(stream)
+            if g is None:
+                ws = self.workspaces.get((self.dev, stream))
+                if ws is None:
+                    return False
+                g = self._capture(stream, ws)
+            with _GRAPH_LOCK:  # graph objects are not thread-safe (torch's backward thread)
+                _graph_launch()(g, stream)
+            return None
         ws = self.workspaces.get((self.dev, stream))
         if ws is None:
             return False
@@ -730,6 +752,65 @@ class _LtReplay:
         if err:
             self.lt._check(self.what, err)
         return None
+
+    def _capture(self, stream: int, ws) -> int:
+        """The graph exec of this call with `stream`'s workspace (made once per stream)."""
+        from cupy.cuda import runtime
+
+        with _CAPTURE_LOCK:  # one capture at a time on the device's private stream
+            g = self.graphs.get(stream)
+            if g is not None:
+                return g
+            cap = _capture_stream(self.dev)
+            runtime.streamBeginCapture(cap, runtime.streamCaptureModeThreadLocal)
+            try:
+                err = self.matmul(*self.head, ws.data.ptr, WORKSPACE_BYTES, cap)
+            finally:
+                graph = runtime.streamEndCapture(cap)
+            try:
+                if err:
+                    self.lt._check(self.what + " (captured)", err)
+                g = runtime.graphInstantiate(graph)
+            finally:
+                runtime.graphDestroy(graph)
+            self.graphs[stream] = g
+            # freed with this replay (a launch still in flight completes first: the driver
+            # frees an executing graph exec on its completion)
+            weakref.finalize(self, _destroy_exec, g)
+            return g
+
+
+def _destroy_exec(g: int) -> None:
+    from cupy.cuda import runtime
+
+    try:
+        runtime.graphExecDestroy(g)
+    except Exception:  # noqa: BLE001 (interpreter exit: the driver may be gone)
+        pass
+
+
+_CAPTURE_LOCK = threading.Lock()
+_GRAPH_LOCK = threading.Lock()
+_CAPTURE_STREAMS: dict = {}  # device -> a private non-blocking stream (kept)
+_GRAPH_LAUNCH: list = []
+
+
+def _capture_stream(dev: int) -> int:
+    s = _CAPTURE_STREAMS.get(dev)
+    if s is None:
+        import cupy
+
+        with cupy.cuda.Device(dev):
+            s = _CAPTURE_STREAMS[dev] = cupy.cuda.Stream(non_blocking=True)
+    return s.ptr
+
+
+def _graph_launch():
+    if not _GRAPH_LAUNCH:
+        from cupy.cuda import runtime
+
+        _GRAPH_LAUNCH.append(runtime.graphLaunch)
+    return _GRAPH_LAUNCH[0]
 
 
 def _matmul(lt, plan: LtPlan, algo, a, b, c, out, ws, stream, epilogue_bias) -> int:

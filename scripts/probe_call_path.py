@@ -52,8 +52,15 @@ def main():
     full = type(norm)._call.__wrapped__  # the full path: checks, plan, prepared launch
     row("norm: the full path (_call without on_op_device, no memo)", per_call_us(
         lambda: full(norm, x, res, w, out, s, None, None), hold=s))
-    row("norm: memo key (four arrays, attrgetter)", per_call_us(
+    row("norm: memo key (four arrays)", per_call_us(
         lambda: norm._memo.key((x, res, w, out), None)))
+    def loop_key(arrays, extra=None):  # the same key by a Python loop (the first version)
+        k = [extra]
+        for arr in arrays:
+            d = arr.data
+            k += (d.ptr, d.device_id, arr.shape, arr.strides, arr.dtype)
+        return tuple(k)
+    row("norm: the key with strides, not the contiguity flag", per_call_us(lambda: loop_key((x, res, w, out))))
     bound = norm._memo.get(norm._memo.key((x, res, w, out), None))
     row("norm: its bound launch alone (memo hit)", per_call_us(lambda: bound(s.ptr), hold=s))
     row("norm: _check_open", per_call_us(norm._check_open))

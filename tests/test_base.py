@@ -336,13 +336,16 @@ def test_a_failure_inside_commop_init_frees_what_it_made(monkeypatch):
 # ---- CPU: the call memo ------------------------------------------------------------------------
 class _Nd:
     """Stands for a cupy.ndarray: what CallMemo.key reads (data.ptr, data.device_id, shape,
-    strides, dtype)."""
+    dtype, _c_contiguous, strides)."""
 
     def __init__(self, ptr, shape=(4, 8), strides=(32, 4), dtype=np.float32, device=0):
         from types import SimpleNamespace
 
         self.data = SimpleNamespace(ptr=ptr, device_id=device)
         self.shape, self.strides, self.dtype = shape, strides, np.dtype(dtype)
+        c_strides = tuple(int(np.prod(shape[i + 1:])) * self.dtype.itemsize
+                          for i in range(len(shape)))
+        self._c_contiguous = strides == c_strides  # CuPy's flag (CallMemo.key reads it)
 
 
 def _memo(monkeypatch, current=0):
@@ -362,6 +365,8 @@ def test_memo_keys_change_with_anything_a_check_reads(monkeypatch):
               ((_Nd(0x1000, device=1), _Nd(0x2000)), "auto"),
               ((_Nd(0x1000, shape=(2, 16)), _Nd(0x2000)), "auto"),
               ((_Nd(0x1000, strides=(64, 4)), _Nd(0x2000)), "auto"),
+              ((_Nd(0x1000, strides=(128, 4)), _Nd(0x2000)), "auto"),
+              ((_Nd(0x1000, strides=(4, 16)), _Nd(0x2000)), "auto"),
               ((_Nd(0x1000, dtype=np.int32), _Nd(0x2000)), "auto"),
               ((_Nd(0x1000), _Nd(0x2000), _Nd(0x3000)), "auto"),
               ((_Nd(0x2000), _Nd(0x1000)), "auto"),
@@ -386,7 +391,7 @@ def test_memo_binds_a_key_at_its_second_call_and_stays_bounded(monkeypatch):
     assert m.get(k) is None and m.wants(k)       # second: the full path binds it
     run = lambda stream: None  # noqa: E731
     m.put(k, run)
-    assert m.get(k) is run
+    assert m.get(k) is run and not m.wants(k)  # bound: a call its replay declined keeps it
     for i in range(base.MEMO_MAX):
         m.wants(m.key((_Nd(0x10000 + 16 * i),), None))
     assert len(m.entries) <= base.MEMO_MAX and m.get(k) is None  # full: emptied

@@ -172,7 +172,8 @@ def test_cublas_path_matches_float64(monkeypatch, layout, shape, out_dtype, lt):
     (CUFLUX_GEMM_CUBLASLT=1, its plan made at the first call and reused at the second)."""
     if not gpu_available():
         pytest.skip("needs a GPU")
-    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1" if lt == "cublaslt" else "0")
+    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "0" if lt == "gemmex" else "1")
+    monkeypatch.setenv("CUFLUX_GEMM_GRAPH_REPLAY", "1" if lt == "cublaslt-graph" else "0")
     _run("cublas", *shape, layout=layout, out_dtype=out_dtype, bias=True)
     _run("cublas", *shape, layout=layout, out_dtype=out_dtype, bias=False)
     if lt == "cublaslt":
@@ -417,22 +418,26 @@ def test_other_stream_and_default_output():
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,M", [("auto", 1), ("auto", 130), ("cublas", 64), ("sm90", 257),
                                     ("sm80", 100)])
-@pytest.mark.parametrize("lt", ["gemmex", "cublaslt"])
+@pytest.mark.parametrize("lt", ["gemmex", "cublaslt", "cublaslt-graph"])
 def test_repeated_calls_replay_their_launch_and_stay_exact(monkeypatch, impl, M, lt):
     """Calls with out= whose arrays repeat (fresh values written in place) replay their bound
-    launch from the second call on (ops.base.CallMemo), on every route: each is exact, out
-    poisoned first. A view of the same memory with fewer rows plans anew; a new stream (no
-    cuBLAS workspace there yet) falls back to the full path, which makes one; a dtype view of
-    the same memory is refused before any launch."""
+    launch from the second call on (ops.base.CallMemo), on every route (the cublasLt one as a
+    CUDA graph per stream, or as the bound call): each is exact, out poisoned first. A view of
+    the same memory with fewer rows plans anew; a new stream (no cuBLAS workspace there yet)
+    falls back to the full path, which makes one; a repeat captured into the caller's graph
+    and replayed with new inputs is exact; a dtype view of the same memory is refused before
+    any launch."""
     import cupy
 
     from cuflux.arrays import dtype_info
 
     if impl == "sm90" and not hopper():
         pytest.skip("sm90 needs an sm_90a GPU")
-    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1" if lt == "cublaslt" else "0")
+    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "0" if lt == "gemmex" else "1")
+    monkeypatch.setenv("CUFLUX_GEMM_GRAPH_REPLAY", "1" if lt == "cublaslt-graph" else "0")
     N, K = 264, 520
     st = dtype_info("bfloat16").storage
+    G._memo().clear()  # the pool may hand out an earlier case's addresses: its bound calls
     a, b, out = cupy.empty((M, K), st), cupy.empty((N, K), st), cupy.empty((M, N), st)
     seed = fresh_seed()
     streams = [cupy.cuda.Stream(non_blocking=True), None, cupy.cuda.Stream(non_blocking=True)]
@@ -450,6 +455,22 @@ def test_repeated_calls_replay_their_launch_and_stay_exact(monkeypatch, impl, M,
                     f"call {i} {impl} M={M} {lt} seed={seed}")
     memo = G._memo()
     assert any(callable(e) for e in memo.entries.values())
+    if lt == "cublaslt-graph" and impl == "cublas":
+        assert any(getattr(e, "graphs", None) for e in memo.entries.values())
+    cs = cupy.cuda.Stream(non_blocking=True)
+    G.gemm(a, b, out=out, b_layout="nk", impl=impl, stream=cs)  # cs's workspace, uncaptured
+    cs.synchronize()
+    cs.begin_capture()
+    try:
+        G.gemm(a, b, out=out, b_layout="nk", impl=impl, stream=cs)
+    finally:
+        graph = cs.end_capture()
+    a[...] = _rand((M, K), "bfloat16", seed + 99)
+    out[...] = cupy.full((M, N), np.nan, np.float32).astype(st)
+    cupy.cuda.Device().synchronize()
+    graph.launch(stream=cs)
+    cs.synchronize()
+    check_close(out, f64(a) @ f64(b).T, "bfloat16", f"captured repeat {impl} M={M} {lt}")
     with pytest.raises((TypeError, ValueError), match="cuflux.gemm"):
         G.gemm(a.view(cupy.float16 if st != np.float16 else cupy.int16), b, out=out,
                b_layout="nk", impl=impl)

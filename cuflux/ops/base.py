@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import operator
 import time
 import warnings
 
@@ -177,7 +176,6 @@ def check_no_alias(op: str, out, **inputs) -> None:
 
 MEMO_MAX = 256  # calls an op remembers (CallMemo); a full memo is emptied
 _SEEN = object()  # a memo key seen once: bound (and kept) at its second call
-_ARRAY_KEY = operator.attrgetter("data.ptr", "data.device_id", "shape", "strides", "dtype")
 
 
 class CallMemo:
@@ -189,8 +187,8 @@ class CallMemo:
 
     key(): per array argument (CuPy arrays, none of them None: the caller leaves out the
     absent ones, and their absence shows in the key's length or in `extra`) its device
-    pointer, device, shape, strides and dtype (what contiguity, shape, dtype, device,
-    alignment and overlap checks read), then `extra` (the call's other arguments); None, the
+    pointer, device, shape, dtype and C-contiguity (or, where not contiguous, its strides):
+    what contiguity, shape, dtype, device, alignment and overlap checks read; then `extra` (the call's other arguments); None, the
     full path, where an argument is not a CuPy array (a torch tensor converts at every call)
     or the caller's current device is not the op's. Memory freed and reallocated at the same
     address under the same key passes the same checks, so a hit stays right. put() binds a
@@ -212,10 +210,15 @@ class CallMemo:
             from cuflux.arrays import _ndarray
 
             nd = self.ndarray = _ndarray()
-        for t in map(type, arrays):
-            if t is not nd:
+        k = [extra]
+        for a in arrays:
+            if type(a) is not nd:
                 return None
-        return extra, tuple(map(_ARRAY_KEY, arrays))  # attrgetter: in C, no Python loop
+            d = a.data
+            # CuPy's C-contiguity flag (an attribute read) stands for the strides, whose tuple
+            # costs as much as the shape's; a non-contiguous array keeps its strides in the key
+            k += (d.ptr, d.device_id, a.shape, a.dtype, a._c_contiguous or a.strides)
+        return tuple(k)
 
     def get(self, key):
         """The bound call of `key` (None: not bound yet, or key None)."""
@@ -223,11 +226,13 @@ class CallMemo:
         return None if hit is _SEEN else hit
 
     def wants(self, key) -> bool:
-        """Whether the full path should bind this call (its key's second sighting)."""
+        """Whether the full path should bind this call: its key's second sighting (not a
+        key already bound, whose replay declined the call: it stays)."""
         if key is None:
             return False
-        if key in self.entries:
-            return True
+        hit = self.entries.get(key)
+        if hit is not None:
+            return hit is _SEEN
         if len(self.entries) >= MEMO_MAX:
             self.entries.clear()
         self.entries[key] = _SEEN
