@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import math
 import threading
-import weakref
 
 import numpy as np
 
 from cuflux import kernels, knobs
-from cuflux.launch import capturing as _capturing
-from cuflux.launch import current_device
+from cuflux.launch import GraphReplay, current_device, graph_replay
 from cuflux.arrays import as_cupy, check_array
 
 __all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "SM80_CONFIG",
@@ -324,13 +323,14 @@ def launch_sm90(cfg: Sm90Config, a, b, bias, out, dt, odt, M, N, K, b_layout, st
 
 
 def _launch_or_bind(fn, grid, block, args, stream, name, smem, bind):
-    """kernels.launch; with bind, the launch as a Bound, made and called."""
+    """kernels.launch; with bind, the launch bound (kernels.bind) and called, returned as
+    its replay (launch.graph_replay: a CUDA graph from the first repeat on)."""
     if not bind:
         kernels.launch(fn, grid, block, args, stream, op=_OP, name=name, shared_mem=smem)
         return None
     bound = kernels.bind(fn, grid, block, args, op=_OP, name=name, shared_mem=smem)
     bound(stream.ptr)
-    return bound
+    return graph_replay((bound,), op=_OP, what=f"kernel {name}")
 
 
 def launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, stream, group_m: int = 8,
@@ -715,15 +715,12 @@ class _LtReplay:
     with a stream handle; False (nothing enqueued) where that stream has no cuBLAS workspace
     yet: the caller takes the full path, which makes one outside a capture.
 
-    With graphs (knobs.gemm_graph_replay, read at bind), the call on a stream is captured once
-    into a one-call CUDA graph with that stream's workspace (on a private stream: the caller's
-    may be the legacy one, which cannot be captured) and then replayed with cudaGraphLaunch:
-    cublasLtMatmul costs the host 10-15 us a call on the H200 machine (its own checks, every
-    call), a graph launch a few. The stream's own workspace keeps graphs of calls on other
-    streams from sharing one; launches of one graph run in order. A stream being captured by
-    the caller gets the plain call (captured into the caller's graph)."""
+    With graphs (knobs.graph_replay, read at bind), the call on each stream is a
+    launch.GraphReplay of its own with that stream's workspace: cublasLtMatmul costs the host
+    10-15 us a call on the H200 machine (its own checks, every call), a graph launch ~3. The
+    stream's own workspace keeps graphs of calls on other streams from sharing one."""
 
-    __slots__ = ("head", "matmul", "workspaces", "dev", "what", "lt", "graphs", "__weakref__")
+    __slots__ = ("head", "matmul", "workspaces", "dev", "what", "lt", "graphs")
 
     def __init__(self, lt, plan: "LtPlan", a_ptr, b_ptr, out_ptr, dev, what):
         self.head = (plan.h, plan.desc, _ONE_PTR, b_ptr, plan.a_lay, a_ptr, plan.b_lay,
@@ -731,86 +728,27 @@ class _LtReplay:
                      lt.ctypes.byref(plan.algo))
         self.matmul, self.workspaces = lt.lib.cublasLtMatmul, _cublas().workspaces
         self.dev, self.what, self.lt = dev, what, lt
-        self.graphs = {} if knobs.gemm_graph_replay() else None  # stream -> graph exec
+        self.graphs = {} if knobs.graph_replay() else None  # stream -> its GraphReplay
 
     def __call__(self, stream: int):
         graphs = self.graphs
-        if graphs is not None and not _capturing(stream):
-            g = graphs.get(stream)
-            if g is None:
-                ws = self.workspaces.get((self.dev, stream))
-                if ws is None:
-                    return False
-                g = self._capture(stream, ws)
-            with _GRAPH_LOCK:  # graph objects are not thread-safe (torch's backward thread)
-                _graph_launch()(g, stream)
-            return None
-        ws = self.workspaces.get((self.dev, stream))
-        if ws is None:
-            return False
-        err = self.matmul(*self.head, ws.data.ptr, WORKSPACE_BYTES, stream)
-        if err:
-            self.lt._check(self.what, err)
+        replay = graphs.get(stream) if graphs is not None else None
+        if replay is None:
+            ws = self.workspaces.get((self.dev, stream))
+            if ws is None:
+                return False
+            if graphs is None:
+                self._call(ws.data.ptr, stream)
+                return None
+            replay = graphs[stream] = GraphReplay(
+                (functools.partial(self._call, ws.data.ptr),), op=_OP, what=self.what)
+        replay(stream)
         return None
 
-    def _capture(self, stream: int, ws) -> int:
-        """The graph exec of this call with `stream`'s workspace (made once per stream)."""
-        from cupy.cuda import runtime
-
-        with _CAPTURE_LOCK:  # one capture at a time on the device's private stream
-            g = self.graphs.get(stream)
-            if g is not None:
-                return g
-            cap = _capture_stream(self.dev)
-            runtime.streamBeginCapture(cap, runtime.streamCaptureModeThreadLocal)
-            try:
-                err = self.matmul(*self.head, ws.data.ptr, WORKSPACE_BYTES, cap)
-            finally:
-                graph = runtime.streamEndCapture(cap)
-            try:
-                if err:
-                    self.lt._check(self.what + " (captured)", err)
-                g = runtime.graphInstantiate(graph)
-            finally:
-                runtime.graphDestroy(graph)
-            self.graphs[stream] = g
-            # freed with this replay (a launch still in flight completes first: the driver
-            # frees an executing graph exec on its completion)
-            weakref.finalize(self, _destroy_exec, g)
-            return g
-
-
-def _destroy_exec(g: int) -> None:
-    from cupy.cuda import runtime
-
-    try:
-        runtime.graphExecDestroy(g)
-    except Exception:  # noqa: BLE001 (interpreter exit: the driver may be gone)
-        pass
-
-
-_CAPTURE_LOCK = threading.Lock()
-_GRAPH_LOCK = threading.Lock()
-_CAPTURE_STREAMS: dict = {}  # device -> a private non-blocking stream (kept)
-_GRAPH_LAUNCH: list = []
-
-
-def _capture_stream(dev: int) -> int:
-    s = _CAPTURE_STREAMS.get(dev)
-    if s is None:
-        import cupy
-
-        with cupy.cuda.Device(dev):
-            s = _CAPTURE_STREAMS[dev] = cupy.cuda.Stream(non_blocking=True)
-    return s.ptr
-
-
-def _graph_launch():
-    if not _GRAPH_LAUNCH:
-        from cupy.cuda import runtime
-
-        _GRAPH_LAUNCH.append(runtime.graphLaunch)
-    return _GRAPH_LAUNCH[0]
+    def _call(self, ws_ptr: int, stream: int) -> None:
+        err = self.matmul(*self.head, ws_ptr, WORKSPACE_BYTES, stream)
+        if err:
+            self.lt._check(self.what, err)
 
 
 def _matmul(lt, plan: LtPlan, algo, a, b, c, out, ws, stream, epilogue_bias) -> int:

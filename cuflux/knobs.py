@@ -21,10 +21,10 @@ import os
 from typing import Any, Callable, Mapping
 
 __all__ = ["Knob", "KNOBS", "CACHE_DIR", "HOST_TIMEOUT_S", "NUMA_SIZE", "NODE_SIZE", "GEMM_TUNE",
-           "GEMM_TUNE_BUDGET_S", "GEMM_CUBLASLT", "GEMM_ALGO_TUNE", "GEMM_GRAPH_REPLAY",
+           "GEMM_TUNE_BUDGET_S", "GEMM_CUBLASLT", "GEMM_ALGO_TUNE", "GRAPH_REPLAY",
            "GEMM_BENCH_CONFIGS", "cache_dir", "host_timeout_s", "numa_size", "node_size",
            "gemm_tune", "gemm_tune_budget_s", "gemm_cublaslt", "gemm_algo_tune",
-           "gemm_graph_replay", "gemm_bench_configs", "describe"]
+           "graph_replay", "gemm_bench_configs", "describe"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,12 +156,12 @@ GEMM_ALGO_TUNE = Knob(
     "call (GEMMs of 2^36 flop and more) and keeps the fastest, per exact shape, in "
     "<cache dir>/cublaslt_algos.json; 0: the heuristic's first.",
     "gemm_core.launch_cublaslt", _switch)
-GEMM_GRAPH_REPLAY = Knob(
-    "CUFLUX_GEMM_GRAPH_REPLAY", "one of 1/0, true/false, yes/no, on/off", True, "1",
-    "A cuflux.gemm call on the cublasLt route that repeats (same arrays, out= given) replays as "
-    "a one-call CUDA graph per stream, captured at its first repeat: cudaGraphLaunch costs the "
-    "host a few us where cublasLtMatmul costs 10-15; 0: the repeat calls cublasLtMatmul.",
-    "gemm_core.launch_cublaslt (read when a call is bound)", _switch)
+GRAPH_REPLAY = Knob(
+    "CUFLUX_GRAPH_REPLAY", "one of 1/0, true/false, yes/no, on/off", True, "1",
+    "A call an op has seen before (ops.base.CallMemo) replays what it launched as a CUDA graph, "
+    "captured at its first repeat: one cudaGraphLaunch (~3 us of host time) where the launches "
+    "cost ~4-5 us each, and cublasLtMatmul 10-15; 0: the repeat makes the launches themselves.",
+    "launch.graph_replay, gemm_core.launch_cublaslt (read when a call is bound)", _switch)
 GEMM_BENCH_CONFIGS = Knob(
     "CUFLUX_GEMM_BENCH_CONFIGS", "comma-separated GEMM configuration names", None,
     "unset: every configuration",
@@ -171,7 +171,7 @@ GEMM_BENCH_CONFIGS = Knob(
 
 KNOBS: dict[str, Knob] = {k.name: k for k in (CACHE_DIR, HOST_TIMEOUT_S, NUMA_SIZE, NODE_SIZE,
                                               GEMM_TUNE, GEMM_TUNE_BUDGET_S, GEMM_CUBLASLT,
-                                              GEMM_ALGO_TUNE, GEMM_GRAPH_REPLAY,
+                                              GEMM_ALGO_TUNE, GRAPH_REPLAY,
                                               GEMM_BENCH_CONFIGS)}
 
 
@@ -216,9 +216,9 @@ def gemm_algo_tune(environ: Mapping[str, str] | None = None) -> bool:
     return GEMM_ALGO_TUNE.get(environ)
 
 
-def gemm_graph_replay(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether a repeated cublasLt GEMM call replays as a CUDA graph per stream."""
-    return GEMM_GRAPH_REPLAY.get(environ)
+def graph_replay(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether a repeated call replays what it launched as a CUDA graph."""
+    return GRAPH_REPLAY.get(environ)
 
 
 def gemm_bench_configs(environ: Mapping[str, str] | None = None) -> tuple[str, ...] | None:

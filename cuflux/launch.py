@@ -26,6 +26,7 @@ nodes with the packed argument values).
 `Prepared`: a launch whose arguments are all fixed but a few consecutive device pointers,
 packed once; a call writes those pointers and calls the driver. `Bound` (Prepared.bind): the
 pointers fixed too, a call is the driver call alone (an op's memo of a call it has seen).
+`graph_replay`: such launches captured once into a CUDA graph, a call one cudaGraphLaunch.
 
 The driver call goes through CuPy's Cython binding of cuLaunchKernel
 (cupy_backends.cuda.api.driver.launchKernel: plain integers in, no per-argument conversion),
@@ -45,7 +46,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["kernel", "Prepared", "Bound", "bind", "capturing", "driver_lib"]
+__all__ = ["kernel", "Prepared", "Bound", "bind", "GraphReplay", "graph_replay", "capture_graph",
+           "capturing", "driver_lib"]
 
 _FORMATS = {np.uint64: "Q", np.int64: "q", np.uint32: "I", np.int32: "i", np.float32: "f",
             np.uint16: "H", np.int16: "h", np.uint8: "B", bytes: "128s", np.void: "128s"}
@@ -336,6 +338,136 @@ def bind(fn, grid: int, block: int, args, *, op: str, name: str, shared_mem: int
     _pack(p, args, op, name)
     return Bound(fn if isinstance(fn, int) else _function(fn), int(grid), int(block),
                  int(shared_mem), p, op=op, name=name, pdl=pdl)
+
+
+# ---- CUDA graphs of bound launches (a call an op has seen before) ----------------------------
+class GraphReplay:
+    """Launches that each take a stream handle and enqueue capturable work (Bound, a
+    cudaMemcpyAsync with its arguments fixed, ...), replayed as one CUDA graph: captured at
+    the first call (on a private stream of the current device), then one cudaGraphLaunch a
+    call on the call's stream (~3 us of host time on the H200 machine, where each kernel
+    launch costs 4-5: scripts/results/probe_call_path-h200-2026-12-02e.txt). On a stream the
+    caller is capturing, the launches themselves (captured into the caller's graph). Launches
+    of one graph exec run in order, whichever streams they are on (cudaGraphLaunch)."""
+
+    __slots__ = ("launches", "exec", "op", "what", "__weakref__")
+
+    def __init__(self, launches, *, op: str, what: str):
+        self.launches, self.exec, self.op, self.what = tuple(launches), None, op, what
+
+    def __call__(self, stream: int) -> None:
+        if _capturing_handle(stream):
+            for launch in self.launches:
+                launch(stream)
+            return
+        g = self.exec
+        if g is None:
+            g = self.exec = capture_graph(self.launches, self, self.op, self.what)
+        try:
+            with _GRAPH_LOCK:  # graph objects are not thread-safe (torch's backward thread)
+                _graph_launch()(g, stream)
+        except Exception as e:  # CuPy's CUDARuntimeError: named as every launch failure is
+            from cuflux.errors import CudaError
+
+            raise CudaError(f"{self.op}: launching the CUDA graph of {self.what} failed: "
+                            f"{e}") from None
+
+
+def graph_replay(launches, *, op: str, what: str):
+    """The replay of `launches` (in order, each taking a stream handle) a memo keeps: a
+    GraphReplay where knobs.graph_replay (default) and no launch is a PDL one (its overlap
+    with the work ahead would be lost in a graph), else the launches themselves."""
+    from cuflux import knobs
+
+    launches = tuple(launches)
+    if knobs.graph_replay() and launches and not any(getattr(f, "pdl", False)
+                                                     for f in launches):
+        return GraphReplay(launches, op=op, what=what)
+    if len(launches) == 1:
+        return launches[0]
+    return _Sequence(launches)
+
+
+class _Sequence:
+    __slots__ = ("launches",)
+
+    def __init__(self, launches):
+        self.launches = launches
+
+    def __call__(self, stream: int) -> None:
+        for launch in self.launches:
+            launch(stream)
+
+
+def capture_graph(launches, owner, op: str, what: str) -> int:
+    """A graph exec of `launches` called on a private stream of the current device under
+    thread-local capture, freed when `owner` is (a launch still in flight completes first:
+    the driver frees an executing graph exec at its completion)."""
+    import weakref
+
+    from cupy.cuda import runtime
+
+    with _CAPTURE_LOCK:  # one capture at a time on a device's private stream
+        cap = _capture_stream(current_device())
+        runtime.streamBeginCapture(cap, runtime.streamCaptureModeThreadLocal)
+        try:
+            for launch in launches:
+                launch(cap)
+        finally:
+            graph = runtime.streamEndCapture(cap)
+        try:
+            g = runtime.graphInstantiate(graph)
+        except Exception as e:  # noqa: BLE001 (named below)
+            from cuflux.errors import CudaError
+
+            raise CudaError(f"{op}: instantiating the CUDA graph of {what} failed: {e}") \
+                from None
+        finally:
+            runtime.graphDestroy(graph)
+    weakref.finalize(owner, _destroy_exec, g)
+    return g
+
+
+def _destroy_exec(g: int) -> None:
+    from cupy.cuda import runtime
+
+    try:
+        runtime.graphExecDestroy(g)
+    except Exception:  # noqa: BLE001 (interpreter exit: the driver may be gone)
+        pass
+
+
+_CAPTURE_LOCK = threading.Lock()
+_GRAPH_LOCK = threading.Lock()
+_CAPTURE_STREAMS: dict = {}  # device -> a private non-blocking stream (kept)
+_GRAPH_LAUNCH: list = []
+
+
+def _capture_stream(dev: int) -> int:
+    s = _CAPTURE_STREAMS.get(dev)
+    if s is None:
+        import cupy
+
+        with cupy.cuda.Device(dev):
+            s = _CAPTURE_STREAMS[dev] = cupy.cuda.Stream(non_blocking=True)
+    return s.ptr
+
+
+def _graph_launch():
+    """cudaGraphLaunch(exec, stream) through CuPy's runtime binding, looked up once."""
+    if not _GRAPH_LAUNCH:
+        from cupy.cuda import runtime
+
+        _GRAPH_LAUNCH.append(runtime.graphLaunch)
+    return _GRAPH_LAUNCH[0]
+
+
+def _capturing_handle(stream: int) -> bool:
+    if not _IS_CAPTURING:
+        from cupy.cuda import runtime
+
+        _IS_CAPTURING.append(runtime.streamIsCapturing)
+    return _IS_CAPTURING[0](stream) != 0
 
 
 def _one_dim(dims, what: str, name: str) -> int:

@@ -61,8 +61,16 @@ def main():
             k += (d.ptr, d.device_id, arr.shape, arr.strides, arr.dtype)
         return tuple(k)
     row("norm: the key with strides, not the contiguity flag", per_call_us(lambda: loop_key((x, res, w, out))))
-    bound = norm._memo.get(norm._memo.key((x, res, w, out), None))
-    row("norm: its bound launch alone (memo hit)", per_call_us(lambda: bound(s.ptr), hold=s))
+    replay = norm._memo.get(norm._memo.key((x, res, w, out), None))
+    row(f"norm: its replay alone (memo hit: {type(replay).__name__})", per_call_us(
+        lambda: replay(s.ptr), hold=s))
+    from cuflux.launch import GraphReplay
+    plan = norm._plan(x.size, H, "auto", True)
+    bound = plan[1].bind(x.data.ptr, out.data.ptr, res.data.ptr, w.data.ptr)
+    as_graph = GraphReplay((bound,), op="p", what="probe")
+    row("norm: its launch bound (launch.Bound) alone", per_call_us(lambda: bound(s.ptr), hold=s))
+    row("norm: the same as a graph (launch.GraphReplay) alone", per_call_us(
+        lambda: as_graph(s.ptr), hold=s))
     row("norm: _check_open", per_call_us(norm._check_open))
     row("norm: check_norm_call", per_call_us(
         lambda: R.check_norm_call(norm, x, res, w, out, None)))

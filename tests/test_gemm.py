@@ -172,8 +172,7 @@ def test_cublas_path_matches_float64(monkeypatch, layout, shape, out_dtype, lt):
     (CUFLUX_GEMM_CUBLASLT=1, its plan made at the first call and reused at the second)."""
     if not gpu_available():
         pytest.skip("needs a GPU")
-    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "0" if lt == "gemmex" else "1")
-    monkeypatch.setenv("CUFLUX_GEMM_GRAPH_REPLAY", "1" if lt == "cublaslt-graph" else "0")
+    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "1" if lt == "cublaslt" else "0")
     _run("cublas", *shape, layout=layout, out_dtype=out_dtype, bias=True)
     _run("cublas", *shape, layout=layout, out_dtype=out_dtype, bias=False)
     if lt == "cublaslt":
@@ -434,7 +433,7 @@ def test_repeated_calls_replay_their_launch_and_stay_exact(monkeypatch, impl, M,
     if impl == "sm90" and not hopper():
         pytest.skip("sm90 needs an sm_90a GPU")
     monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "0" if lt == "gemmex" else "1")
-    monkeypatch.setenv("CUFLUX_GEMM_GRAPH_REPLAY", "1" if lt == "cublaslt-graph" else "0")
+    monkeypatch.setenv("CUFLUX_GRAPH_REPLAY", "1" if lt == "cublaslt-graph" else "0")
     N, K = 264, 520
     st = dtype_info("bfloat16").storage
     G._memo().clear()  # the pool may hand out an earlier case's addresses: its bound calls

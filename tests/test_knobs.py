@@ -109,7 +109,7 @@ def test_describe_lists_every_knob_json_able():
     assert d == {"CUFLUX_CACHE_DIR": "/h/.cache/cuflux", "CUFLUX_HOST_TIMEOUT_S": 120.0,
                  "CUFLUX_NUMA_SIZE": 0, "CUFLUX_NODE_SIZE": None, "CUFLUX_GEMM_TUNE": False,
                  "CUFLUX_GEMM_TUNE_BUDGET_S": 2.0, "CUFLUX_GEMM_CUBLASLT": True,
-                 "CUFLUX_GEMM_ALGO_TUNE": True, "CUFLUX_GEMM_GRAPH_REPLAY": True,
+                 "CUFLUX_GEMM_ALGO_TUNE": True, "CUFLUX_GRAPH_REPLAY": True,
                  "CUFLUX_GEMM_BENCH_CONFIGS": ["x", "y"]}
     assert json.loads(json.dumps(d)) == d
 

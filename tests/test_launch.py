@@ -245,3 +245,22 @@ def test_bound_launch_fixes_the_pointers_in_a_block_of_its_own(fake_driver):
     fake_driver(err=700)
     with pytest.raises(CudaError, match=r"t: launching kernel k \(grid 4, block 64"):
         one(0)
+
+
+def test_graph_replay_is_a_graph_unless_off_or_programmatic(monkeypatch):
+    """graph_replay: a GraphReplay of the launches by default; with CUFLUX_GRAPH_REPLAY=0 the
+    launch itself (one) or all of them in order; never a graph where a launch uses PDL (its
+    overlap with the work ahead would be lost)."""
+    calls = []
+    one = lambda s: calls.append(("one", s))  # noqa: E731
+    two = lambda s: calls.append(("two", s))  # noqa: E731
+    pdl = SimpleNamespace(pdl=True, __call__=None)
+    monkeypatch.delenv("CUFLUX_GRAPH_REPLAY", raising=False)
+    g = L.graph_replay((one, two), op="t", what="w")
+    assert isinstance(g, L.GraphReplay) and g.launches == (one, two) and g.exec is None
+    assert not isinstance(L.graph_replay((pdl,), op="t", what="w"), L.GraphReplay)
+    monkeypatch.setenv("CUFLUX_GRAPH_REPLAY", "0")
+    assert L.graph_replay((one,), op="t", what="w") is one
+    seq = L.graph_replay((one, two), op="t", what="w")
+    seq(7)
+    assert calls == [("one", 7), ("two", 7)]

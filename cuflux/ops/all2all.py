@@ -29,6 +29,7 @@ from cuflux.arrays import (DType, as_cupy, check_array, dtype_info, stream_of, t
 from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, STATUS_OK, CaptureError,
                            CommTimeoutError, CufluxError)
 from cuflux.launch import capturing as _capturing
+from cuflux.launch import graph_replay
 from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, on_op_device
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
@@ -543,7 +544,9 @@ class All2AllHeads(CommOp):
             launches = self._launch(gather, a, scale, out, out_scale, plan, B, mode, h, parity,
                                     view, s, bind)
         if bind:  # a view: the slot's arrays are handed out again at a hit
-            self._memo.put(key, _Replay(bool(B * S), tuple(launches),
+            replay = (graph_replay(launches, op=_OP, what="the call's launches"),) \
+                if launches else ()
+            self._memo.put(key, _Replay(bool(B * S), replay,
                                         (out, out_scale) if view else None, out_shape))
         return to_caller((out, out_scale), a_in, given) if mode else to_caller(out, a_in,
                                                                               given[0])

@@ -25,6 +25,7 @@ from cuflux import kernels
 from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torch, stream_of,
                            to_caller, zeros_settled)
 from cuflux.errors import CufluxError
+from cuflux.launch import graph_replay
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
                              on_op_device, sm_count)
 from cuflux.sizes import count, optional_count
@@ -339,6 +340,13 @@ class _P2PReduce(CommOp):
         return plan, kernels.prepare(_kernel(self.module, plan), plan.grid, plan.block, args, 4,
                                      op=self.op, name=plan.kernel, shared_mem=plan.shared_mem)
 
+    def _replay(self, plan_entry, *ptrs):
+        """The memo's replay of a call of this plan with these four pointers (fewer: the
+        rest null): its launch bound, a CUDA graph from the first repeat on."""
+        ptrs += (0,) * (4 - len(ptrs))
+        return graph_replay((plan_entry[1].bind(*ptrs),), op=self.op,
+                            what=f"kernel {plan_entry[0].kernel}")
+
     def _launch(self, plan_entry, stream, x_ptr: int, out_ptr: int, residual_ptr: int = 0,
                 weight_ptr: int = 0):
         """One call of a cached plan (_plan) on `stream`, the call's device pointers read once
@@ -446,13 +454,14 @@ class AllReduce(_P2PReduce):
             self._last_stream = s
             xp, outp = x.data.ptr, out.data.ptr
             if outp != xp:  # a memcpy node under capture
-                run = functools.partial(_memcpy_async(), outp, xp, x.nbytes, _D2D)
-                run(s.ptr)
+                copy = functools.partial(_memcpy_async(), outp, xp, x.nbytes, _D2D)
+                copy(s.ptr)
+                run = graph_replay((copy,), op=self.op, what="its copy") if bind else None
         elif x.size:
             xp, outp = x.data.ptr, out.data.ptr
             plan = self._plan(x.size, None, algo or self.algo, not (xp | outp) & 15)
             self._launch(plan, s, xp, outp)
-            run = plan[1].bind(xp, outp, 0, 0) if bind else None
+            run = self._replay(plan, xp, outp) if bind else None
         if bind:
             self._memo.put(key, run)
         return to_caller(out, x_in, out_in)
@@ -590,7 +599,7 @@ class AllReduceRMSNorm(_P2PReduce):
             aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15
             plan = self._plan(x.size, self.hidden, algo or self.algo, aligned)
             self._launch(plan, s, *ptrs)
-            run = plan[1].bind(*ptrs) if bind else None
+            run = self._replay(plan, *ptrs) if bind else None
         if bind:
             self._memo.put(key, run)
         return to_caller(out, x_in, out_in)
