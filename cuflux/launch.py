@@ -201,20 +201,27 @@ def kernel(fn, grid, block, args, stream, *, op: str, name: str, shared_mem: int
     s = stream if isinstance(stream, int) else stream.ptr
     g = grid if isinstance(grid, int) else _one_dim(grid, "grid", name)
     b = block if isinstance(block, int) else _one_dim(block, "block", name)
-    err = 0
     with p.lock:
         _pack(p, args, op, name)
-        if pdl and _pdl_capable(func):
-            err = (_lib or driver_lib()).cuLaunchKernelEx(_pdl_config(g, b, shared_mem, s),
-                                                          func, p.params, None)
-        else:
-            try:
-                (_launch_kernel or launcher())(func, g, 1, 1, b, 1, 1, shared_mem, s,
-                                               p.params_addr, 0)
-            except _DriverError as e:
-                err = e.status
+        err = _driver_launch(func, g, b, shared_mem, s, p, pdl and _pdl_capable(func))
     if err:
         _launch_failed(op, name, g, b, shared_mem, err)
+
+
+def _driver_launch(func: int, grid: int, block: int, shared_mem: int, stream: int,
+                   p: _Packer, pdl: bool = False) -> int:
+    """The driver call of every launch here, with p's block: cuLaunchKernel through the
+    bound binding, or cuLaunchKernelEx (ctypes) with programmatic stream serialisation;
+    its CUresult (0: launched)."""
+    if pdl:
+        return (_lib or driver_lib()).cuLaunchKernelEx(
+            _pdl_config(grid, block, shared_mem, stream), func, p.params, None)
+    try:
+        (_launch_kernel or launcher())(func, grid, 1, 1, block, 1, 1, shared_mem, stream,
+                                       p.params_addr, 0)
+    except _DriverError as e:
+        return e.status
+    return 0
 
 
 def _pack(p: _Packer, args, op: str, name: str) -> None:
@@ -270,32 +277,26 @@ class Prepared:
     def __call__(self, stream, *pointers) -> None:
         p = self.packer
         s = stream if isinstance(stream, int) else stream.ptr
-        err = 0
         with p.lock:
-            try:
-                self.head.pack_into(p.buf, self.offset, *pointers)
-            except struct.error as e:  # a count or a value that is not a pointer
-                raise TypeError(f"{self.op}: kernel {self.name} takes {self.head.size // 8} "
-                                f"pointers a call: {e}") from None
-            try:
-                (_launch_kernel or launcher())(self.func, self.grid, 1, 1, self.block, 1, 1,
-                                               self.shared_mem, s, p.params_addr, 0)
-            except _DriverError as e:
-                err = e.status
+            self._write(p.buf, pointers)
+            err = _driver_launch(self.func, self.grid, self.block, self.shared_mem, s, p)
         if err:
             _launch_failed(self.op, self.name, self.grid, self.block, self.shared_mem, err)
 
+    def _write(self, buf, pointers) -> None:
+        """The call's pointers into `buf` (this launch's block, or a bound copy of it)."""
+        try:
+            self.head.pack_into(buf, self.offset, *pointers)
+        except struct.error as e:  # a count or a value that is not a pointer
+            raise TypeError(f"{self.op}: kernel {self.name} takes {self.head.size // 8} "
+                            f"pointers a call: {e}") from None
 
     def bind(self, *pointers) -> "Bound":
         """This launch with its pointers fixed too, in a block of its own that nothing writes
         again: a call is the driver's alone (an op's memo of a call seen before, base.CallMemo)."""
         p, b = self.packer, _Packer(self.types)
         ctypes.memmove(b.buf, p.buf, p.struct.size)
-        try:
-            self.head.pack_into(b.buf, self.offset, *pointers)
-        except struct.error as e:
-            raise TypeError(f"{self.op}: kernel {self.name} takes {self.head.size // 8} "
-                            f"pointers a call: {e}") from None
+        self._write(b.buf, pointers)
         return Bound(self.func, self.grid, self.block, self.shared_mem, b, op=self.op,
                      name=self.name)
 
@@ -316,17 +317,8 @@ class Bound:
         self.pdl = pdl and _pdl_capable(func)  # as kernel(): a plain launch below sm_90
 
     def __call__(self, stream: int) -> None:
-        err = 0
-        if self.pdl:
-            err = (_lib or driver_lib()).cuLaunchKernelEx(
-                _pdl_config(self.grid, self.block, self.shared_mem, stream), self.func,
-                self.packer.params, None)
-        else:
-            try:
-                (_launch_kernel or launcher())(self.func, self.grid, 1, 1, self.block, 1, 1,
-                                               self.shared_mem, stream, self.params_addr, 0)
-            except _DriverError as e:
-                err = e.status
+        err = _driver_launch(self.func, self.grid, self.block, self.shared_mem, stream,
+                             self.packer, self.pdl)
         if err:
             _launch_failed(self.op, self.name, self.grid, self.block, self.shared_mem, err)
 
@@ -356,7 +348,7 @@ class GraphReplay:
         self.launches, self.exec, self.op, self.what = tuple(launches), None, op, what
 
     def __call__(self, stream: int) -> None:
-        if _capturing_handle(stream):
+        if capturing(stream):
             for launch in self.launches:
                 launch(stream)
             return
@@ -460,14 +452,6 @@ def _graph_launch():
 
         _GRAPH_LAUNCH.append(runtime.graphLaunch)
     return _GRAPH_LAUNCH[0]
-
-
-def _capturing_handle(stream: int) -> bool:
-    if not _IS_CAPTURING:
-        from cupy.cuda import runtime
-
-        _IS_CAPTURING.append(runtime.streamIsCapturing)
-    return _IS_CAPTURING[0](stream) != 0
 
 
 def _one_dim(dims, what: str, name: str) -> int:

@@ -340,7 +340,7 @@ class _P2PReduce(CommOp):
         return plan, kernels.prepare(_kernel(self.module, plan), plan.grid, plan.block, args, 4,
                                      op=self.op, name=plan.kernel, shared_mem=plan.shared_mem)
 
-    def _replay(self, plan_entry, *ptrs):
+    def _replay_of(self, plan_entry, *ptrs):
         """The memo's replay of a call of this plan with these four pointers (fewer: the
         rest null): its launch bound, a CUDA graph from the first repeat on."""
         ptrs += (0,) * (4 - len(ptrs))
@@ -419,9 +419,7 @@ class AllReduce(_P2PReduce):
             return self._call(x, out, stream, algo, key)
         self._check_open()
         self._check_no_half()
-        s = stream_of(stream)
-        self._last_stream = s
-        run(s.ptr)
+        self._replayed(run, stream)
         return out
 
     @on_op_device
@@ -461,7 +459,7 @@ class AllReduce(_P2PReduce):
             xp, outp = x.data.ptr, out.data.ptr
             plan = self._plan(x.size, None, algo or self.algo, not (xp | outp) & 15)
             self._launch(plan, s, xp, outp)
-            run = self._replay(plan, xp, outp) if bind else None
+            run = self._replay_of(plan, xp, outp) if bind else None
         if bind:
             self._memo.put(key, run)
         return to_caller(out, x_in, out_in)
@@ -574,9 +572,7 @@ class AllReduceRMSNorm(_P2PReduce):
         if run is None:
             return self._call(x, residual, weight, out, stream, algo, key)
         self._check_open()
-        s = stream_of(stream)
-        self._last_stream = s
-        run(s.ptr)
+        self._replayed(run, stream)
         return out
 
     @on_op_device
@@ -599,7 +595,7 @@ class AllReduceRMSNorm(_P2PReduce):
             aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3]) & 15
             plan = self._plan(x.size, self.hidden, algo or self.algo, aligned)
             self._launch(plan, s, *ptrs)
-            run = self._replay(plan, *ptrs) if bind else None
+            run = self._replay_of(plan, *ptrs) if bind else None
         if bind:
             self._memo.put(key, run)
         return to_caller(out, x_in, out_in)

@@ -33,6 +33,7 @@ import warnings
 
 import numpy as np
 
+from cuflux.arrays import stream_of
 from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError, ErrorRecord,
                            FailureBoard, NoDeviceError)
 from cuflux.launch import current_device
@@ -373,6 +374,14 @@ class CommOp(Closeable):
         self.comm.free()
 
     # ---- the call path -----------------------------------------------------------------------
+    def _replayed(self, run, stream) -> bool:
+        """A memo hit (CallMemo): `run`, the call's bound replay, on its stream, once the
+        caller checked the op's state; False where the replay declined (nothing enqueued:
+        the caller takes the full path)."""
+        s = stream_of(stream)
+        self._last_stream = s
+        return run(s.ptr) is not False
+
     def _check_open(self) -> None:
         if self._closed:
             raise CufluxError(f"{self.op}: the op is closed")
@@ -462,8 +471,6 @@ class CommOp(Closeable):
     def synchronize(self, stream=None) -> None:
         """Wait for this rank's work on `stream` (default: the current stream); raise
         CommTimeoutError if a wait of this op failed."""
-        from cuflux.arrays import stream_of
-
         with self.world.device_context():  # the op's device: its calls ran there
             stream_of(stream).synchronize()
         self.err.check()

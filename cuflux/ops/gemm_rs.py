@@ -655,9 +655,7 @@ class GemmReduceScatter(CommOp):
             run = self._memo.get(key)
             if run is not None:
                 self._check_open()
-                s = stream_of(stream)
-                if run(s.ptr) is not False:  # False: no cuBLAS workspace on s yet
-                    self._last_stream = s
+                if self._replayed(run, stream):  # False: no cuBLAS workspace there yet
                     return out
         return self._call(a, b, bias, out, stream, key)
 
