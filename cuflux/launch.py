@@ -354,7 +354,11 @@ class GraphReplay:
             return
         g = self.exec
         if g is None:
-            g = self.exec = capture_graph(self.launches, self, self.op, self.what)
+            g = self.exec = self._capture()
+        if g is _DIRECT:
+            for launch in self.launches:
+                launch(stream)
+            return
         try:
             with _GRAPH_LOCK:  # graph objects are not thread-safe (torch's backward thread)
                 _graph_launch()(g, stream)
@@ -363,6 +367,25 @@ class GraphReplay:
 
             raise CudaError(f"{self.op}: launching the CUDA graph of {self.what} failed: "
                             f"{e}") from None
+
+
+    def _capture(self):
+        """The graph exec, or _DIRECT where capturing failed (a launch the driver refuses
+        to capture, out of memory, ...): said once as a RuntimeWarning, after which the
+        launches run themselves, as they would without graphs (CUFLUX_GRAPH_REPLAY=0), and
+        raise whatever is wrong with them there."""
+        try:
+            return capture_graph(self.launches, self, self.op, self.what)
+        except Exception as e:  # noqa: BLE001 (said, and the direct launches speak for it)
+            import warnings
+
+            warnings.warn(f"{self.op}: could not replay {self.what} as a CUDA graph ({e}); "
+                          f"this call's repeats launch directly", RuntimeWarning,
+                          stacklevel=4)
+            return _DIRECT
+
+
+_DIRECT = object()  # GraphReplay.exec of launches that could not be captured
 
 
 def graph_replay(launches, *, op: str, what: str):
@@ -402,11 +425,22 @@ def capture_graph(launches, owner, op: str, what: str) -> int:
     with _CAPTURE_LOCK:  # one capture at a time on a device's private stream
         cap = _capture_stream(current_device())
         runtime.streamBeginCapture(cap, runtime.streamCaptureModeThreadLocal)
+        failed = None
         try:
             for launch in launches:
                 launch(cap)
-        finally:
+        except BaseException as e:  # the capture still ends (below), and its graph is freed
+            failed = e
+        try:
             graph = runtime.streamEndCapture(cap)
+        except Exception:  # an invalidated capture: the launch's own error says more
+            if failed is None:
+                raise
+            graph = None
+        if failed is not None:
+            if graph:
+                runtime.graphDestroy(graph)
+            raise failed
         try:
             g = runtime.graphInstantiate(graph)
         except Exception as e:  # noqa: BLE001 (named below)

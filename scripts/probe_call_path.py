@@ -49,6 +49,8 @@ def main():
     with s:
         row("norm: whole call (out=, current stream)", per_call_us(
             lambda: norm(x, res, w, out=out), hold=s))
+    row("norm: whole call, owned output (stream=)", per_call_us(
+        lambda: norm(x, res, w, stream=s), hold=s))
     full = type(norm)._call.__wrapped__  # the full path: checks, plan, prepared launch
     row("norm: the full path (_call without on_op_device, no memo)", per_call_us(
         lambda: full(norm, x, res, w, out, s, None, None), hold=s))
@@ -105,6 +107,8 @@ def main():
         xa, oa = cupy.ones(2048, cupy.float16), cupy.empty(2048, cupy.float16)
     row("allreduce 4 KiB: whole call (out=, stream=)", per_call_us(
         lambda: ar(xa, out=oa, stream=s), hold=s))
+    row("allreduce 4 KiB: whole call, owned output (stream=)", per_call_us(
+        lambda: ar(xa, stream=s), hold=s))
     from cupy.cuda import runtime
     row("allreduce 4 KiB: its memcpyAsync alone", per_call_us(
         lambda: runtime.memcpyAsync(oa.data.ptr, xa.data.ptr, xa.nbytes,
@@ -158,6 +162,11 @@ def main():
     with s:
         row("cupy.matmul of the same (out=, current stream)", per_call_us(
             lambda: cupy.matmul(a, b.T, out=c), hold=s))
+    row("gemm 128x8192x8192 nk: whole call, owned output (stream=)", per_call_us(
+        lambda: cuflux.gemm(a, b, b_layout="nk", stream=s), hold=s))
+    with s:
+        row("cupy.matmul of the same (owned output, current stream)", per_call_us(
+            lambda: cupy.matmul(a, b.T), hold=s))
     from cuflux.ops import gemm as G
     memo = G._memo()
     gkey = memo.key((a, b, c), (None, "nk", "auto", None, 8))

@@ -31,6 +31,18 @@ def poisoned(shape, dtype, xp=None):
     return a
 
 
+def poison_pool(shape, dtype, count: int = 4, stream=None) -> None:
+    """Leave `count` poisoned blocks of this size in CuPy's pool (of `stream`'s arena, or the
+    current stream's), freed: an output the op allocates next comes back poisoned, or is a
+    block that held an earlier call's result (each call's fresh data tells that apart)."""
+    import cupy
+
+    with stream if stream is not None else cupy.cuda.get_current_stream():
+        blocks = [poisoned(shape, dtype) for _ in range(count)]
+        (stream or cupy.cuda.get_current_stream()).synchronize()
+    del blocks
+
+
 def f64(x) -> np.ndarray:
     """A device array on the host, in float64."""
     import cupy

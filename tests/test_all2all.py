@@ -22,7 +22,7 @@ from cuflux.ops import all2all as a2a
 from cuflux.ops.all2all import (All2AllHeads, Spec, build_layout, call_hash, check_call,
                                 check_op_args, check_tokens, io_shapes, reference_gather_heads,
                                 reference_scatter_heads, scale_shapes, vec_bytes)
-from tests.checks import poisoned, seeded_epoch_calls
+from tests.checks import poison_pool, poisoned, seeded_epoch_calls
 from tests.fakes import FakeArray
 from tests.mpi import fresh_seed, on_ranks, world_sizes
 
@@ -485,6 +485,69 @@ def memo_replays(world, seed, calls=18):
 
 
 test_repeated_calls_replay_their_launches_and_stay_exact = memo_replays.test(
+    expect=48, seed=fresh_seed, timeout_s=300)
+
+
+@on_ranks
+def owned_outputs(world, seed, calls=24):
+    """Calls that leave out (and out_scale) to the op, outputs dropped as a loop drops them:
+    allocated before the memo key, so CuPy's pool hands the same blocks back and the calls
+    are bound and replayed; each is exact bit for bit (the pool's free blocks poisoned
+    first), tokens_per_rank passed as NumPy integers keys as the ints it equals, and an
+    output still held is never handed out again. W = 1 runs each of its copy paths."""
+    import cupy
+
+    W, me = world.size, world.rank
+    H, D, max_tokens = 2 * W, 64, 24
+    tokens = _tokens(W, max_tokens, seed)
+    S, hpr = sum(tokens), H // W
+    checked = 0
+    for dtype, per_head in (("bfloat16", False), ("float8_e4m3fn", True)):
+        with All2AllHeads(world, max_tokens, H, D, dtype, num_sms=4, timeout_s=60) as op:
+            st = op.spec.dtype.storage
+            srcs = {g: (cupy.empty((1, S, hpr, D) if g else (1, tokens[me], H, D), st),
+                        cupy.empty((1, S, hpr) if g else (1, tokens[me], H), np.float32)
+                        if per_head else None) for g in (False, True)}
+            held = None
+            for i in range(calls):
+                if W == 1:
+                    op.w1 = ("pdl", "memcpy", "kernel")[(i // 8) % 3]
+                gather = i % 2 == 1
+                in_shape = (1, S, hpr, D) if gather else (1, tokens[me], H, D)
+                sc_in = (1, S, hpr) if gather else (1, tokens[me], H)
+                data = [_data((1, S, hpr, D) if gather else (1, tokens[r], H, D), dtype, seed,
+                              i, r) for r in range(W)]
+                scales = ([_scales((1, S, hpr) if gather else (1, tokens[r], H), seed, i, r)
+                           for r in range(W)] if per_head else None)
+                src, src_sc = srcs[gather]  # inputs in place: only the outputs move
+                src[...] = cupy.asarray(data[me]).reshape(in_shape)
+                if per_head:
+                    src_sc[...] = cupy.asarray(scales[me]).reshape(sc_in)
+                ref = (reference_gather_heads if gather else reference_scatter_heads)(
+                    data, tokens, W, scales)
+                want, want_sc = ref if per_head else (ref, None)
+                poison_pool(want[me].shape, st)
+                if per_head:
+                    poison_pool(want_sc[me].shape, np.float32)
+                call = op.gather_heads if gather else op.scatter_heads
+                listed = [np.int64(t) for t in tokens] if i % 4 == 2 else tokens
+                res = call(src, listed, src_sc)
+                got, got_sc = res if per_head else (res, None)
+                if held is not None:
+                    assert got.data.ptr != held.data.ptr
+                held = got if i == calls - 3 else None
+                op.synchronize()
+                _same_bits(got, want[me], f"owned call {i} {dtype} rank {me}")
+                if per_head:
+                    _same_bits(got_sc, want_sc[me], f"owned call {i} {dtype} scales")
+                checked += 1
+                del res, got, got_sc
+            assert any(isinstance(e, a2a._Replay) and e.views is None
+                       for e in op._memo.entries.values())
+    return checked
+
+
+test_calls_that_leave_out_to_the_op_replay_too = owned_outputs.test(
     expect=48, seed=fresh_seed, timeout_s=300)
 
 
@@ -970,3 +1033,13 @@ def test_a_full_plan_cache_is_not_emptied_under_capture(monkeypatch):
     full()
     op._plan((7, 8), "no")
     assert forgot == [1] and list(op._plans) == [(7, 8)]
+
+
+def test_memo_keys_tokens_as_the_ints_the_full_path_takes():
+    """The call memo keys tokens_per_rank as ints (operator.index, as check_tokens): NumPy
+    integers key as the ints they equal; floats, strings and arrays get no key (the full
+    path then raises, or takes them as it always did)."""
+    assert a2a._tokens_key([1, 2]) == (1, 2) and a2a._tokens_key((np.int64(3), 0)) == (3, 0)
+    assert all(type(t) is int for t in a2a._tokens_key([np.int32(5), np.uint8(1)]))
+    for bad in ([1.0, 2], (2, 0.5), "ab", np.array([1, 2]), None):
+        assert a2a._tokens_key(bad) is None, bad

@@ -28,7 +28,7 @@ from cuflux.errors import CommTimeoutError, CufluxError
 from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, choose_algo, plan_launch,
                                   reference_allreduce, reference_allreduce_rmsnorm,
                                   rmsnorm_residual, token_slice)
-from tests.checks import poisoned, raises_each, seeded_epoch_calls
+from tests.checks import poison_pool, poisoned, raises_each, seeded_epoch_calls
 from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 from tests.mpi import fresh_seed, on_ranks, world_sizes
@@ -511,6 +511,59 @@ def memo_replays(world, seed, H=1000, rounds=4):
 
 test_repeated_calls_replay_their_launch_and_stay_checked = memo_replays.test(
     expect=8, seed=fresh_seed, timeout_s=300)
+
+
+@on_ranks
+def owned_outputs(world, seed, H=1000, calls=8):
+    """Calls that leave out to the op (CuPy arrays), their outputs dropped as a loop drops
+    them: the op allocates each output before its memo key, so CuPy's pool hands the same
+    blocks back and the calls are bound and replayed; each is exact (the pool's free blocks
+    poisoned first), and an output still held is never handed out again. Both outputs of
+    AllReduceRMSNorm that change the rows a rank holds (replicated, sequence_parallel)."""
+    import cupy as cp
+
+    W, me = world.size, world.rank
+    dtype, T = "float32", 37
+    done = 0
+    for output in ("replicated", "sequence_parallel"):
+        with AllReduceRMSNorm(world, 64, H, dtype, output=output, timeout_s=60) as norm, \
+                AllReduce(world, 64 * H, dtype, timeout_s=60) as plain:
+            x, res_full = cp.empty((T, H), cp.float32), cp.empty((T, H), cp.float32)
+            weight = cp.asarray(1 + 0.5 * np.random.default_rng(seed).standard_normal(H)
+                                .astype(np.float32))
+            w = cp.asnumpy(weight).astype(np.float64)
+            start, stop = ar.token_slice(T, W, me) if output == "sequence_parallel" else (0, T)
+            res = res_full[start:stop]
+            held = None
+            for i in range(calls):
+                base, r, _ = _draw([seed, i, int(output == "replicated")], T, H)
+                x[...] = cp.asarray(_rank_x(base, me))
+                res[...] = cp.asarray(r[start:stop])
+                poison_pool((stop - start, H), cp.float32)
+                poison_pool((T, H), cp.float32)
+                out = norm(x, res, weight)
+                y = plain(x)
+                if i == calls - 1:  # a held output: the next call's is another block
+                    held = y
+                    y2 = plain(x)
+                    assert y2.data.ptr != held.data.ptr
+                xs = [_rank_x(base, q) for q in range(W)]
+                want = reference_allreduce_rmsnorm(xs, r, w, 1e-6, output, W)[me]
+                assert out.shape == (stop - start, H)
+                _close(cp.asnumpy(out), want[0], dtype, f"{output} call {i} out")
+                _close(cp.asnumpy(res), want[1], dtype, f"{output} call {i} residual")
+                _close(cp.asnumpy(y), reference_allreduce(xs), dtype, f"call {i} plain")
+                if i == calls - 1:
+                    _close(cp.asnumpy(y2), reference_allreduce(xs), dtype, "held call")
+                done += 1
+                del out, y
+            for op in (norm, plain):
+                assert any(callable(e) for e in op._memo.entries.values()), op.op
+    return done
+
+
+test_calls_that_leave_out_to_the_op_replay_too = owned_outputs.test(
+    expect=16, seed=fresh_seed, timeout_s=300)
 
 
 @on_ranks

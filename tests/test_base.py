@@ -392,8 +392,19 @@ def test_memo_binds_a_key_at_its_second_call_and_stays_bounded(monkeypatch):
     run = lambda stream: None  # noqa: E731
     m.put(k, run)
     assert m.get(k) is run and not m.wants(k)  # bound: a call its replay declined keeps it
-    for i in range(base.MEMO_MAX):
+    for i in range(3 * base.MEMO_MAX):  # a caller whose pointers never repeat ...
         m.wants(m.key((_Nd(0x10000 + 16 * i),), None))
+    assert m.get(k) is run  # ... never evicts a bound call
+    assert len(m.seen) <= base.MEMO_MAX  # the keys seen once stay bounded
+    for i in range(base.MEMO_MAX):
+        m.put(m.key((_Nd(0x100000 + 16 * i),), None), run)
     assert len(m.entries) <= base.MEMO_MAX and m.get(k) is None  # full: emptied
     m.clear()
-    assert not m.entries
+    assert not m.entries and not m.seen
+
+
+def test_memo_owns_only_cupy_arrays_on_the_op_device(monkeypatch):
+    m = _memo(monkeypatch)
+    assert m.owns(_Nd(0x1000), None, _Nd(0x2000))  # None: an absent argument
+    assert not m.owns(_Nd(0x1000), FakeArray((4, 8), "float32"))
+    assert not _memo(monkeypatch, current=1).owns(_Nd(0x1000))

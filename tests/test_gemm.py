@@ -21,7 +21,7 @@ import pytest
 
 from cuflux import gemm_core, gemm_tuner, kernels
 from cuflux.ops import gemm as G
-from tests.checks import check_close, f64
+from tests.checks import check_close, f64, poison_pool
 from tests.kernels_cu import GEMM_HOOKS, GEMM_HOOKS_FAMILY
 from tests.mpi import fresh_seed, gpu_available, hopper, on_ranks, world_sizes
 
@@ -412,6 +412,37 @@ def test_other_stream_and_default_output():
     s.synchronize()
     assert c.shape == (300, 256) and c.dtype == np.float32
     check_close(c, f64(a) @ f64(b).T, "float32", f"stream seed={seed}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,M", [("auto", 1), ("auto", 300), ("sm80", 100)])
+def test_calls_that_leave_out_to_gemm_replay_too(impl, M):
+    """gemm(a, b) without out=, its result dropped as a loop drops it: the output is
+    allocated before the memo key, so CuPy's pool hands the same block back and the call is
+    bound and replayed; each result is exact (the pool's free blocks poisoned first) and in
+    a's dtype, and a result still held is never handed out again."""
+    import cupy
+
+    from cuflux.arrays import dtype_info
+
+    N, K = 264, 520
+    st = dtype_info("bfloat16").storage
+    G._memo().clear()
+    a, b = cupy.empty((M, K), st), cupy.empty((N, K), st)
+    seed = fresh_seed()
+    held = None
+    for i in range(6):
+        a[...] = _rand((M, K), "bfloat16", seed + 2 * i)
+        b[...] = _rand((N, K), "bfloat16", seed + 2 * i + 1)
+        poison_pool((M, N), st)
+        got = G.gemm(a, b, b_layout="nk", impl=impl)
+        if held is not None:
+            assert got.data.ptr != held.data.ptr
+        held = got if i == 3 else None
+        assert got.shape == (M, N) and got.dtype == st
+        check_close(got, f64(a) @ f64(b).T, "bfloat16", f"owned call {i} {impl} seed={seed}")
+        del got
+    assert any(callable(e) for e in G._memo().entries.values())
 
 
 @pytest.mark.gpu
@@ -1482,3 +1513,32 @@ def test_real_libcublaslt_takes_the_plans_descriptors():
     assert lt.lib.cublasLtMatmulPreferenceDestroy(pref) == 0
     assert lt.lib.cublasLtMatrixLayoutDestroy(lay) == 0
     assert lt.lib.cublasLtMatmulDescDestroy(desc) == 0
+
+
+def test_memo_is_never_asked_for_a_bias_or_a_group_m_that_is_not_an_int(monkeypatch):
+    """gemm keys a call only without bias, with an int group_m and with CuPy arrays: True
+    equals 1 as a key, but the full path refuses it (check_group_m), so it must never hit a
+    bound call; host arrays never reach the memo (nor ask for the current device)."""
+    class Nd:  # stands for cupy.ndarray
+        pass
+
+    class Memo:
+        def owns(self, *arrays):
+            return False
+
+        def key(self, arrays, extra):
+            asked.append(extra)
+
+        def get(self, key):
+            return None
+
+    asked, full = [], []
+    monkeypatch.setattr(G, "_ndarray", lambda: Nd)
+    monkeypatch.setattr(G, "_memo", Memo)
+    monkeypatch.setattr(G, "_gemm", lambda *args: full.append(args[-1]))
+    for kw in ({"group_m": True}, {"group_m": 8.0}, {"bias": object()}):
+        G.gemm(Nd(), Nd(), out=Nd(), **kw)
+    G.gemm(np.zeros((8, 8)), Nd(), out=Nd())
+    assert not asked and full == [None] * 4
+    G.gemm(Nd(), Nd(), out=Nd(), group_m=4)  # the control: this one is keyed
+    assert asked == [(None, "kn", "auto", None, 4)]

@@ -31,7 +31,7 @@ from cuflux.ops.gemm_rs import (REDUCE_MODES, W1_MODES, GemmReduceScatter, make_
                                 own_tile_rows, reference_gemm_rs, tile_order)
 from cuflux.topology import PeerLink, Topology
 from cuflux.world import World
-from tests.checks import GEMM_TOL, check_close, f64, poisoned, raises_each
+from tests.checks import GEMM_TOL, check_close, f64, poison_pool, poisoned, raises_each
 from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 from tests.kernel_args import names as kernel_names
@@ -660,11 +660,21 @@ def memo_replays_w1(world, seed, M=256, n=264, k=520):
         assert any(callable(e) for e in op._memo.entries.values())
         raises_each([(lambda: op(a.view(cp.float16), b, out=out), TypeError,
                       "a must be bfloat16")], "GemmReduceScatter")
-    return 6
+        op._memo.clear()
+        for i in range(6):  # out left to the op, dropped each call: allocated before the key
+            rng = np.random.default_rng([seed, 10 + i])
+            a[...] = cp.asarray(rng.standard_normal((M, k), np.float32)).astype(st)
+            poison_pool((M, n), st)
+            got = op(a, b)
+            assert got.shape == (M, n) and got.dtype == st
+            check_close(got, f64(a) @ f64(b).T, "bfloat16", f"owned call {i} seed {seed}")
+            del got
+        assert any(callable(e) for e in op._memo.entries.values())
+    return 12
 
 
 test_w1_repeated_calls_replay_and_stay_exact = memo_replays_w1.test(
-    expect=6, sizes=[1], seed=fresh_seed, timeout_s=150)
+    expect=12, sizes=[1], seed=fresh_seed, timeout_s=150)
 
 
 # ==== CPU tests (no GPU needed) ===================================================================

@@ -264,3 +264,57 @@ def test_graph_replay_is_a_graph_unless_off_or_programmatic(monkeypatch):
     seq = L.graph_replay((one, two), op="t", what="w")
     seq(7)
     assert calls == [("one", 7), ("two", 7)]
+
+
+def test_graph_replay_that_cannot_be_captured_warns_once_and_launches_directly(monkeypatch):
+    """A GraphReplay whose capture fails says so once (RuntimeWarning) and from then on runs
+    its launches on the call's stream, as without graphs: nothing is lost or run twice."""
+    calls = []
+    one = lambda s: calls.append(("one", s))  # noqa: E731
+    monkeypatch.setattr(L, "capturing", lambda stream: False)
+    tries = []
+
+    def refuse(launches, owner, op, what):
+        tries.append(what)
+        raise RuntimeError("cudaErrorStreamCaptureUnsupported")
+
+    monkeypatch.setattr(L, "capture_graph", refuse)
+    g = L.GraphReplay((one,), op="t", what="w")
+    with pytest.warns(RuntimeWarning, match=r"t: could not replay w as a CUDA graph"):
+        g(5)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        g(6)
+    assert calls == [("one", 5), ("one", 6)] and tries == ["w"]
+
+
+def test_capture_graph_ends_the_capture_and_frees_its_graph_when_a_launch_fails(monkeypatch):
+    """A launch raising under capture: the capture still ends, the partial graph is
+    destroyed, and the launch's own error goes up (not the invalidated capture's)."""
+    from cupy.cuda import runtime
+
+    log = []
+    monkeypatch.setattr(L, "_capture_stream", lambda dev: 77)
+    monkeypatch.setattr(L, "current_device", lambda: 0)
+    monkeypatch.setattr(runtime, "streamBeginCapture", lambda s, mode: log.append(("begin", s)))
+    monkeypatch.setattr(runtime, "streamEndCapture", lambda s: log.append(("end", s)) or 1234)
+    monkeypatch.setattr(runtime, "graphDestroy", lambda g: log.append(("destroy", g)))
+    monkeypatch.setattr(runtime, "graphInstantiate", lambda g: log.append(("inst", g)) or 99)
+
+    def bad(stream):
+        raise ValueError("launch refused")
+
+    with pytest.raises(ValueError, match="launch refused"):
+        L.capture_graph((bad,), object, "t", "w")
+    assert log == [("begin", 77), ("end", 77), ("destroy", 1234)]
+
+    def invalidated(s):
+        raise RuntimeError("cudaErrorStreamCaptureInvalidated")
+
+    log.clear()
+    monkeypatch.setattr(runtime, "streamEndCapture", invalidated)
+    with pytest.raises(ValueError, match="launch refused"):
+        L.capture_graph((bad,), object, "t", "w")
+    assert log == [("begin", 77)]

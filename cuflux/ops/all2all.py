@@ -365,28 +365,54 @@ class All2AllHeads(CommOp):
     __call__ = scatter_heads
 
     def _call(self, gather, a, tokens_per_rank, scale, out, out_scale, view, stream):
-        """A call seen before (CuPy arrays; out= given, and out_scale= with scales, or view=True
-        with neither; tokens_per_rank a list or tuple) replays what it launched
-        (base.CallMemo); any other call takes the full path (_run)."""
+        """A call seen before (CuPy arrays; tokens_per_rank a list or tuple of integers; out=
+        given, and out_scale= with scales, or both left to the op, or view=True with
+        neither) replays what it launched (base.CallMemo); any other call takes the full
+        path (_run). Outputs left to the op are allocated first (_owned_outputs), so a loop
+        that drops them hits too."""
         key = None
-        given = out is not None and (scale is None) == (out_scale is None)
-        t = type(tokens_per_rank)
-        if (given and not view) or (view and out is None and out_scale is None):
-            tokens = (tokens_per_rank if t is tuple else
-                      tuple(tokens_per_rank) if t is list else None)
-            if tokens is not None:
-                arrays = (a,) if scale is None else (a, scale)
-                if not view:
-                    arrays += (out,) if scale is None else (out, out_scale)
-                # a view is the receive slot of the call's parity: a key per parity
-                key = self._memo.key(arrays, (gather, tokens, self.w1, view,
-                                              view and (self.epoch + 1) & 1))
-                run = self._memo.get(key)
-                if run is not None and self._replay(run, view, stream):
-                    if view:
-                        out, out_scale = run.views
-                    return (out, out_scale) if scale is not None else out
+        tokens = _tokens_key(tokens_per_rank)
+        if tokens is not None:
+            memo = self._memo
+            if view:
+                if out is None and out_scale is None:
+                    # a view is the receive slot of the call's parity: a key per parity
+                    key = memo.key((a,) if scale is None else (a, scale),
+                                   (gather, tokens, self.w1, True, (self.epoch + 1) & 1))
+            else:
+                if out is None and out_scale is None and memo.owns(a, scale):
+                    out, out_scale = self._owned_outputs(gather, a, tokens, scale, stream)
+                if out is not None and (scale is None) == (out_scale is None):
+                    key = memo.key((a, out) if scale is None else (a, scale, out, out_scale),
+                                   (gather, tokens, self.w1, False, 0))
+            run = memo.get(key)
+            if run is not None and self._replay(run, view, stream):
+                if view:
+                    out, out_scale = run.views
+                return (out, out_scale) if scale is not None else out
         return self._run(gather, a, tokens_per_rank, scale, out, out_scale, view, stream, key)
+
+    def _owned_outputs(self, gather, a, tokens, scale, stream) -> tuple:
+        """(out, out_scale or None) for a call that leaves them to the op (CuPy arrays), from
+        the pool arena of the call's stream, or (None, None) where the call's shapes are not
+        the op's (the full path then names what is wrong)."""
+        spec = self.spec
+        if self._closed or a.ndim != 4 or not 1 <= a.shape[0] <= spec.batch:
+            return None, None
+        if scale is not None and scale.ndim not in (2, 3):
+            return None, None
+        s = stream_of(stream)
+        tokens = self._plan(tokens, s).tokens  # checked: bad tokens get the full path's error
+        B = a.shape[0]
+        _, out_shape = io_shapes(spec, gather, B, tokens)
+        import cupy
+
+        with s:
+            out = cupy.empty(out_shape, dtype=spec.dtype.storage)
+            if scale is None:
+                return out, None
+            sc = scale_shapes(spec, gather, B, tokens, scale.ndim == 3)[1]
+            return out, cupy.empty(sc, dtype=np.float32)
 
     def _replay(self, run: "_Replay", view: bool, stream) -> bool:
         """A memo hit: enqueue its launches; False (nothing done) where the call takes the
@@ -399,7 +425,8 @@ class All2AllHeads(CommOp):
         W = self.spec.world_size
         captured_now = (W > 1 or self.w1 == "kernel") and _capturing(s)
         capturing = captured_now and W > 1
-        if view and (capturing or self._captured or run.views[0].shape != run.shape):
+        if view and (capturing or self._captured or run.views[0].shape != run.shape[0]
+                     or (run.views[1] is not None and run.views[1].shape != run.shape[1])):
             return False
         self._sequence(s, captured_now, capturing)
         if run.moves:
@@ -547,7 +574,8 @@ class All2AllHeads(CommOp):
             replay = (graph_replay(launches, op=_OP, what="the call's launches"),) \
                 if launches else ()
             self._memo.put(key, _Replay(bool(B * S), replay,
-                                        (out, out_scale) if view else None, out_shape))
+                                        (out, out_scale) if view else None,
+                                        (out_shape, sc_shape)))
         return to_caller((out, out_scale), a_in, given) if mode else to_caller(out, a_in,
                                                                               given[0])
 
@@ -706,11 +734,24 @@ class All2AllHeads(CommOp):
         self._views.clear()
 
 
+def _tokens_key(tokens_per_rank):
+    """tokens_per_rank as the memo keys it: a tuple of ints (operator.index: a float that
+    equals an int is not one, as check_tokens says), or None (the full path)."""
+    t = type(tokens_per_rank)
+    if t is not tuple and t is not list:
+        return None
+    try:
+        return tuple(map(operator.index, tokens_per_rank))
+    except TypeError:
+        return None
+
+
 @dataclasses.dataclass(frozen=True)
 class _Replay:
     """A call's memo entry: whether it moves anything (a call of no tokens does not count an
     epoch), its launches bound to the call's pointers, each taking the stream handle, and
-    for a view call the views it returns ((out, out_scale) of the slot) and out's shape."""
+    for a view call the views it returns ((out, out_scale) of the slot) and their shapes
+    (out_scale's None without scales): a caller may have set a view's .shape in place."""
     moves: bool
     launches: tuple
     views: tuple | None

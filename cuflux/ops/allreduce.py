@@ -412,9 +412,13 @@ class AllReduce(_P2PReduce):
         out (same shape) = sum over ranks. `algo` overrides the op's choice for this call,
         within what the op's stage holds: "two_shot" unless it was built "one_shot",
         "one_shot" up to `one_shot_elems` (every size when it was built "one_shot").
-        With out= (CuPy arrays), a call seen before replays its launch (base.CallMemo)."""
-        key = self._memo.key((x, out), algo) if out is not None else None
-        run = self._memo.get(key)
+        A call seen before (CuPy arrays; out= given or left to the op) replays its launch
+        (base.CallMemo)."""
+        memo = self._memo
+        if out is None and memo.owns(x) and x.size <= self.max_elems:
+            out = _empty(x.shape, self.dtype.storage, stream)  # before the key: see CallMemo
+        key = memo.key((x, out), algo) if out is not None else None
+        run = memo.get(key)
         if run is None:
             return self._call(x, out, stream, algo, key)
         self._check_open()
@@ -436,14 +440,16 @@ class AllReduce(_P2PReduce):
             raise ValueError(f"{self.op}: algo must be one of {ALGOS}, got {algo!r}")
         s = stream_of(stream, x_in)
         if out is None:
-            out = _empty(x.shape, self.dtype.storage, s if is_torch(x_in) else None)
+            out = _empty(x.shape, self.dtype.storage, s)
         else:
             out = as_cupy(out, "out", self.op)
             check_array(out, name="out", op=self.op, shape=x.shape, dtype=self.dtype,
                         device=self.world.device)
-        if self.world.size > 1 and (x.size, algo) not in self._agreed:
+        agreed = self.world.size == 1 or (x.size, algo) in self._agreed
+        if not agreed:
             self._agree((x.size, algo), "x.size and algo of the call")
-        bind = self._memo.wants(key)
+            agreed = (x.size, algo) in self._agreed  # (unless the set is full: _agree)
+        bind = agreed and self._memo.wants(key)  # a hit skips the agreement: bound once made
         run = _nothing
         if x.size and self.world.size == 1:
             # The sum over one rank is x: one device-to-device copy (none in place). The
@@ -566,9 +572,14 @@ class AllReduceRMSNorm(_P2PReduce):
         return num_tokens
 
     def __call__(self, x, residual, weight, out=None, stream=None, algo: str | None = None):
-        """With out= (CuPy arrays), a call seen before replays its launch (base.CallMemo)."""
-        key = self._memo.key((x, residual, weight, out), algo) if out is not None else None
-        run = self._memo.get(key)
+        """A call seen before (CuPy arrays; out= given or left to the op) replays its launch
+        (base.CallMemo)."""
+        memo = self._memo
+        if (out is None and memo.owns(x, residual, weight) and x.ndim == 2
+                and x.shape[0] <= self.max_tokens):  # out before the key: see CallMemo
+            out = _empty((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage, stream)
+        key = memo.key((x, residual, weight, out), algo) if out is not None else None
+        run = memo.get(key)
         if run is None:
             return self._call(x, residual, weight, out, stream, algo, key)
         self._check_open()
@@ -582,13 +593,14 @@ class AllReduceRMSNorm(_P2PReduce):
         x, residual, weight, out = check_norm_call(self, x, residual, weight, out, algo)
         s = stream_of(stream, x_in)
         if out is None:
-            out = _empty((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage,
-                         s if is_torch(x_in) else None)
+            out = _empty((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage, s)
         else:
             check_no_alias(self.op, out, x=x, residual=residual, weight=weight)
-        if self.world.size > 1 and (x.shape[0], algo) not in self._agreed:
+        agreed = self.world.size == 1 or (x.shape[0], algo) in self._agreed
+        if not agreed:
             self._agree((x.shape[0], algo), "token count and algo of the call")
-        bind = self._memo.wants(key)
+            agreed = (x.shape[0], algo) in self._agreed
+        bind = agreed and self._memo.wants(key)
         run = _nothing
         if x.shape[0]:
             ptrs = (x.data.ptr, out.data.ptr, residual.data.ptr, weight.data.ptr)
@@ -630,13 +642,14 @@ def _kernel(module, plan: LaunchPlan):
 
 
 def _empty(shape, dtype, stream=None):
-    """cupy.empty on the current device and stream's pool (2.8 us on the H200 machine), or on
-    `stream`'s pool (the call's stream when it is torch's: the block is reused in its order)."""
+    """An output the op owns: cupy.empty on the current device, from the pool arena of the
+    stream that writes it (`stream`: any stream_of takes; None: the current one, 2.8 us on
+    the H200 machine), so its block is reused only in that stream's order."""
     import cupy
 
     if stream is None:
         return cupy.empty(shape, dtype=dtype)
-    with stream:
+    with stream_of(stream):
         return cupy.empty(shape, dtype=dtype)
 
 

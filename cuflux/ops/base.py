@@ -176,7 +176,6 @@ def check_no_alias(op: str, out, **inputs) -> None:
 
 
 MEMO_MAX = 256  # calls an op remembers (CallMemo); a full memo is emptied
-_SEEN = object()  # a memo key seen once: bound (and kept) at its second call
 
 
 class CallMemo:
@@ -189,28 +188,48 @@ class CallMemo:
     key(): per array argument (CuPy arrays, none of them None: the caller leaves out the
     absent ones, and their absence shows in the key's length or in `extra`) its device
     pointer, device, shape, dtype and C-contiguity (or, where not contiguous, its strides):
-    what contiguity, shape, dtype, device, alignment and overlap checks read; then `extra` (the call's other arguments); None, the
-    full path, where an argument is not a CuPy array (a torch tensor converts at every call)
-    or the caller's current device is not the op's. Memory freed and reallocated at the same
-    address under the same key passes the same checks, so a hit stays right. put() binds a
-    key at its second call only: a caller whose pointers never repeat pays one dict insert a
-    call, not a bind. Bounded (MEMO_MAX)."""
+    what contiguity, shape, dtype, device, alignment and overlap checks read; then `extra`
+    (the call's other arguments, each of a type whose equality is the full path's: an int
+    stands for an int, never for a float or a bool that equals it); None, the full path,
+    where an argument is not a CuPy array (a torch tensor converts at every call) or the
+    caller's current device is not the op's. Memory freed and reallocated at the same
+    address under the same key passes the same checks, so a hit stays right.
 
-    __slots__ = ("device", "entries", "ndarray")
+    An output the op allocates (out=None) is allocated before the key (owns() says where it
+    may be): CuPy's pool hands a loop that drops its outputs the same few blocks again, so
+    those calls hit too. put() binds a key at its second call only: a caller whose pointers
+    never repeat pays one dict insert a call, not a bind. Keys seen once are kept apart from
+    bound ones (`seen`), so such a caller never evicts the bound calls. Each bounded
+    (MEMO_MAX; a full one is emptied)."""
+
+    __slots__ = ("device", "entries", "seen", "ndarray")
 
     def __init__(self, device):
         self.device = device
-        self.entries: dict = {}
+        self.entries: dict = {}  # key -> its bound replay
+        self.seen: dict = {}  # keys seen once (bound at their second call)
         self.ndarray = None
 
-    def key(self, arrays: tuple, extra=None):
-        if current_device() != self.device:
-            return None
+    def _nd(self):
         nd = self.ndarray
         if nd is None:
             from cuflux.arrays import _ndarray
 
             nd = self.ndarray = _ndarray()
+        return nd
+
+    def owns(self, *arrays) -> bool:
+        """Whether a call on these arrays (None: absent) may be keyed: every one a CuPy array
+        and the op's device current (the types first: a torch tensor never costs the device
+        query). An op allocates its output before the key only where this holds."""
+        nd = self._nd()
+        for a in arrays:
+            if a is not None and type(a) is not nd:
+                return False
+        return current_device() == self.device
+
+    def key(self, arrays: tuple, extra=None):
+        nd = self._nd()
         k = [extra]
         for a in arrays:
             if type(a) is not nd:
@@ -219,24 +238,25 @@ class CallMemo:
             # CuPy's C-contiguity flag (an attribute read) stands for the strides, whose tuple
             # costs as much as the shape's; a non-contiguous array keeps its strides in the key
             k += (d.ptr, d.device_id, a.shape, a.dtype, a._c_contiguous or a.strides)
+        if current_device() != self.device:
+            return None
         return tuple(k)
 
     def get(self, key):
         """The bound call of `key` (None: not bound yet, or key None)."""
-        hit = self.entries.get(key) if key is not None else None
-        return None if hit is _SEEN else hit
+        return self.entries.get(key) if key is not None else None
 
     def wants(self, key) -> bool:
         """Whether the full path should bind this call: its key's second sighting (not a
         key already bound, whose replay declined the call: it stays)."""
-        if key is None:
+        if key is None or key in self.entries:
             return False
-        hit = self.entries.get(key)
-        if hit is not None:
-            return hit is _SEEN
-        if len(self.entries) >= MEMO_MAX:
-            self.entries.clear()
-        self.entries[key] = _SEEN
+        seen = self.seen
+        if seen.pop(key, None) is not None:
+            return True
+        if len(seen) >= MEMO_MAX:
+            seen.clear()
+        seen[key] = True
         return False
 
     def put(self, key, bound) -> None:
@@ -246,6 +266,7 @@ class CallMemo:
 
     def clear(self) -> None:
         self.entries.clear()
+        self.seen.clear()
 
 
 def failure_board(world, comm):

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 
-from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
+from cuflux.arrays import _ndarray, as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import CaptureError
 from cuflux.gemm_core import (CUDA_TYPE, FAMILY, IN_DTYPES, OUT_KIND, SM80, SM80_CONFIG,
                               SM90_CONFIGS, SM90_DEFAULT, WORKSPACE_BYTES, Sm80Config,
@@ -112,17 +112,38 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
       group_m: tile rows per L2 group of the tile order (1: row-major order).
     K and N must be multiples of 8 (16-byte rows). Capturable in a CUDA graph once the shape
     class has been tuned (under capture an untuned shape takes the heuristic: no timing).
-    With out= and no bias (CuPy arrays), a call seen before replays its launch
-    (ops.base.CallMemo): no check, no plan, no tuner lookup.
+    Without bias (CuPy arrays; out= given or left to the op), a call seen before replays
+    its launch (ops.base.CallMemo): no check, no plan, no tuner lookup. The replay is the
+    route and configuration the call took when it was bound (the tuner's winner then; a
+    later change of the tuner's table or of CUFLUX_GEMM_* knobs reaches calls not yet bound).
     """
     memo = key = None
-    if out is not None and bias is None:
+    nd = _ndarray()
+    # keyed: no bias, an int group_m (a bool equals an int: the full path's error), CuPy
+    # arrays (asked before the device: the memo is the current device's)
+    if (bias is None and type(group_m) is int and type(a) is nd and type(b) is nd
+            and (out is None or type(out) is nd)):
         memo = _memo()
-        key = memo.key((a, b, out), (out_dtype, b_layout, impl, config, group_m))
-        run = memo.get(key)
-        if run is not None and run(stream_of(stream).ptr) is not False:
-            return out
+        if out is None and out_dtype is None and memo.owns(a, b):
+            out = _owned_out(a, b, b_layout, stream)  # before the key: see CallMemo
+        if out is not None:
+            key = memo.key((a, b, out), (out_dtype, b_layout, impl, config, group_m))
+            run = memo.get(key)
+            if run is not None and run(stream_of(stream).ptr) is not False:
+                return out
     return _gemm(a, b, bias, out, out_dtype, b_layout, impl, stream, config, group_m, memo, key)
+
+
+def _owned_out(a, b, b_layout, stream):
+    """gemm's output [M, N] in a's dtype, from the pool arena of the call's stream, for a
+    call that leaves it to the op; None where a or b is not a matrix or the layout is not
+    one (the full path names what is wrong)."""
+    if a.ndim != 2 or b.ndim != 2 or b_layout not in ("kn", "nk"):
+        return None
+    cupy = cupy_module()
+    with stream_of(stream):
+        return cupy.empty((a.shape[0], b.shape[1] if b_layout == "kn" else b.shape[0]),
+                          dtype=a.dtype)
 
 
 _MEMOS: dict = {}  # device -> CallMemo of gemm's calls there

@@ -646,13 +646,19 @@ class GemmReduceScatter(CommOp):
 
         out: optional output array (else allocated). stream: CuPy stream, raw handle or torch
         stream (default: CuPy's current stream). Returns out (a CuPy array). At W = 1 (the
-        plain GEMM) a call with out= and no bias seen before replays cuflux.gemm's launch
-        (base.CallMemo).
+        plain GEMM) a call with no bias seen before (CuPy arrays; out= given or left to the
+        op) replays cuflux.gemm's launch (base.CallMemo).
         """
         key = None
-        if out is not None and bias is None and self.world.size == 1:
-            key = self._memo.key((a, b, out), self.w1)
-            run = self._memo.get(key)
+        if bias is None and self.world.size == 1:
+            memo = self._memo
+            if (out is None and memo.owns(a, b) and a.ndim == 2
+                    and a.shape[0] <= self.max_m):  # out before the key: see CallMemo
+                with stream_of(stream):
+                    out = core.cupy_module().empty((a.shape[0], self.n),
+                                                   dtype=self.out_dtype.storage)
+            key = memo.key((a, b, out), self.w1) if out is not None else None
+            run = memo.get(key)
             if run is not None:
                 self._check_open()
                 if self._replayed(run, stream):  # False: no cuBLAS workspace there yet
