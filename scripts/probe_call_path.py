@@ -51,6 +51,15 @@ def main():
             lambda: norm(x, res, w, out=out), hold=s))
     row("norm: whole call, owned output (stream=)", per_call_us(
         lambda: norm(x, res, w, stream=s), hold=s))
+    mine = norm(x, res, w, stream=s)
+    print("norm: owned call bound:", type(norm._memo.get(norm._memo.key(
+        (x, res, w, mine), None))).__name__, "| outputs kept:",
+        sum(len(v) for v in norm._memo.outputs.values()))
+    del mine
+    row("norm: memo.output (a dropped output back)", per_call_us(
+        lambda: norm._memo.output((1, H), x.dtype, s)))
+    row("norm: cupy.empty of the output (stream's arena)", per_call_us(
+        lambda: R._empty((1, H), x.dtype, s)))
     full = type(norm)._call.__wrapped__  # the full path: checks, plan, prepared launch
     row("norm: the full path (_call without on_op_device, no memo)", per_call_us(
         lambda: full(norm, x, res, w, out, s, None, None), hold=s))

@@ -31,16 +31,19 @@ def poisoned(shape, dtype, xp=None):
     return a
 
 
-def poison_pool(shape, dtype, count: int = 4, stream=None) -> None:
-    """Leave `count` poisoned blocks of this size in CuPy's pool (of `stream`'s arena, or the
-    current stream's), freed: an output the op allocates next comes back poisoned, or is a
-    block that held an earlier call's result (each call's fresh data tells that apart)."""
+def poison_owned(memo, shape, dtype) -> None:
+    """Poison every output an op may hand out next for a call that leaves out to it: those
+    its memo keeps for reuse (base.CallMemo.output) and a block of this size left free in
+    the current stream's pool arena (a new output comes from there). Each call's fresh data
+    also tells a block still holding an earlier call's result."""
     import cupy
 
-    with stream if stream is not None else cupy.cuda.get_current_stream():
-        blocks = [poisoned(shape, dtype) for _ in range(count)]
-        (stream or cupy.cuda.get_current_stream()).synchronize()
-    del blocks
+    for kept in memo.outputs.values():
+        for arr, _ in kept:
+            poison(arr)
+    block = poisoned(shape, dtype)
+    cupy.cuda.get_current_stream().synchronize()
+    del block
 
 
 def f64(x) -> np.ndarray:

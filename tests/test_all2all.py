@@ -22,7 +22,7 @@ from cuflux.ops import all2all as a2a
 from cuflux.ops.all2all import (All2AllHeads, Spec, build_layout, call_hash, check_call,
                                 check_op_args, check_tokens, io_shapes, reference_gather_heads,
                                 reference_scatter_heads, scale_shapes, vec_bytes)
-from tests.checks import poison_pool, poisoned, seeded_epoch_calls
+from tests.checks import poison_owned, poisoned, seeded_epoch_calls
 from tests.fakes import FakeArray
 from tests.mpi import fresh_seed, on_ranks, world_sizes
 
@@ -526,9 +526,9 @@ def owned_outputs(world, seed, calls=24):
                 ref = (reference_gather_heads if gather else reference_scatter_heads)(
                     data, tokens, W, scales)
                 want, want_sc = ref if per_head else (ref, None)
-                poison_pool(want[me].shape, st)
+                poison_owned(op._memo, want[me].shape, st)
                 if per_head:
-                    poison_pool(want_sc[me].shape, np.float32)
+                    poison_owned(op._memo, want_sc[me].shape, np.float32)
                 call = op.gather_heads if gather else op.scatter_heads
                 listed = [np.int64(t) for t in tokens] if i % 4 == 2 else tokens
                 res = call(src, listed, src_sc)

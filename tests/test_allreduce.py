@@ -28,7 +28,7 @@ from cuflux.errors import CommTimeoutError, CufluxError
 from cuflux.ops.allreduce import (AllReduce, AllReduceRMSNorm, choose_algo, plan_launch,
                                   reference_allreduce, reference_allreduce_rmsnorm,
                                   rmsnorm_residual, token_slice)
-from tests.checks import poison_pool, poisoned, raises_each, seeded_epoch_calls
+from tests.checks import poison_owned, poisoned, raises_each, seeded_epoch_calls
 from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 from tests.mpi import fresh_seed, on_ranks, world_sizes
@@ -539,8 +539,8 @@ def owned_outputs(world, seed, H=1000, calls=8):
                 base, r, _ = _draw([seed, i, int(output == "replicated")], T, H)
                 x[...] = cp.asarray(_rank_x(base, me))
                 res[...] = cp.asarray(r[start:stop])
-                poison_pool((stop - start, H), cp.float32)
-                poison_pool((T, H), cp.float32)
+                poison_owned(norm._memo, (stop - start, H), cp.float32)
+                poison_owned(plain._memo, (T, H), cp.float32)
                 out = norm(x, res, weight)
                 y = plain(x)
                 if i == calls - 1:  # a held output: the next call's is another block

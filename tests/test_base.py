@@ -408,3 +408,47 @@ def test_memo_owns_only_cupy_arrays_on_the_op_device(monkeypatch):
     assert m.owns(_Nd(0x1000), None, _Nd(0x2000))  # None: an absent argument
     assert not m.owns(_Nd(0x1000), FakeArray((4, 8), "float32"))
     assert not _memo(monkeypatch, current=1).owns(_Nd(0x1000))
+
+
+def test_memo_outputs_come_back_once_dropped_two_per_shape_and_bounded(monkeypatch):
+    """CallMemo.output's bookkeeping (CPU, stand-in arrays): a dropped output comes back; one
+    held gets a new one, two kept per (shape, dtype, stream), the oldest shape evicted past
+    OUTPUTS_KEPT, outputs over OUTPUT_KEPT_BYTES never kept, clear() lets all go."""
+    from types import SimpleNamespace
+
+    made = []  # how many were made (the outputs themselves are not held here)
+
+    class Out:
+        def __init__(self, shape, nbytes):
+            self.shape, self.nbytes = shape, nbytes
+            self.data = SimpleNamespace(mem=object(), ptr=len(made))
+
+    def new(shape, dtype, stream):
+        made.append(1)
+        return Out(shape, 8 * int(np.prod(shape)))
+
+    monkeypatch.setattr(base, "_new_output", new)
+    monkeypatch.setattr(base, "stream_of", lambda s=None: SimpleNamespace(ptr=s or 0))
+    m = _memo(monkeypatch)
+    f = np.dtype(np.float64)
+    a = m.output((4,), f)
+    pa = a.data.ptr
+    del a, made[:]
+    assert m.output((4,), f).data.ptr == pa and not made  # dropped: back, nothing made
+    y = m.output((4,), f)
+    z = m.output((4,), f)  # y held: a second one
+    assert z is not y and len(made) == 1
+    del y
+    assert m.output((4,), f).data.ptr == pa
+    w = m.output((4,), f)  # both held (z, and the one just returned is dropped: ...)
+    assert w.data.ptr == pa  # ... so it comes back
+    v = m.output((4,), f)  # w and z held: a third, the oldest kept one let go
+    assert v is not w and v is not z and len(m.outputs[((4,), f, 0)]) == 2
+    assert m.output((4,), f, stream=7) is not v  # another stream: its own
+    for n in range(5, 5 + base.OUTPUTS_KEPT):
+        m.output((n,), f)
+    assert ((4,), f, 0) not in m.outputs and len(m.outputs) == base.OUTPUTS_KEPT
+    m.output((base.OUTPUT_KEPT_BYTES // 8 + 1,), f)
+    assert all(k[0][0] != base.OUTPUT_KEPT_BYTES // 8 + 1 for k in m.outputs)
+    m.clear()
+    assert not m.outputs

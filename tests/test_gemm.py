@@ -21,7 +21,7 @@ import pytest
 
 from cuflux import gemm_core, gemm_tuner, kernels
 from cuflux.ops import gemm as G
-from tests.checks import check_close, f64, poison_pool
+from tests.checks import check_close, f64, poison_owned
 from tests.kernels_cu import GEMM_HOOKS, GEMM_HOOKS_FAMILY
 from tests.mpi import fresh_seed, gpu_available, hopper, on_ranks, world_sizes
 
@@ -430,12 +430,13 @@ def test_calls_that_leave_out_to_gemm_replay_too(impl, M):
     G._memo().clear()
     a, b = cupy.empty((M, K), st), cupy.empty((N, K), st)
     seed = fresh_seed()
-    held = None
+    held, ptrs = None, []
     for i in range(6):
         a[...] = _rand((M, K), "bfloat16", seed + 2 * i)
         b[...] = _rand((N, K), "bfloat16", seed + 2 * i + 1)
-        poison_pool((M, N), st)
+        poison_owned(G._memo(), (M, N), st)
         got = G.gemm(a, b, b_layout="nk", impl=impl)
+        ptrs.append(got.data.ptr)
         if held is not None:
             assert got.data.ptr != held.data.ptr
         held = got if i == 3 else None
@@ -443,6 +444,50 @@ def test_calls_that_leave_out_to_gemm_replay_too(impl, M):
         check_close(got, f64(a) @ f64(b).T, "bfloat16", f"owned call {i} {impl} seed={seed}")
         del got
     assert any(callable(e) for e in G._memo().entries.values())
+    # dropped outputs come back (CallMemo.output): one array, and a second while one is held
+    assert len(set(ptrs)) == 2 and ptrs[:4] == [ptrs[0]] * 4 and ptrs[5] == ptrs[0], ptrs
+
+
+@pytest.mark.gpu
+def test_owned_outputs_come_back_only_when_nothing_holds_them():
+    """CallMemo.output hands an output out again only where the caller holds nothing of it:
+    not while the array, a view of it, an array over its pointer, a pointer made from it or
+    a DLPack capsule of it is alive; two are kept per shape (a loop `y = op(x)` holds one
+    while it makes the next call); other shapes, dtypes and streams get their own."""
+    import cupy
+
+    from cuflux.ops.base import CallMemo
+
+    memo = CallMemo(cupy.cuda.runtime.getDevice())
+    shape, f32 = (64, 32), np.dtype(np.float32)
+    first = memo.output(shape, f32)
+    p0 = first.data.ptr
+    del first
+    again = memo.output(shape, f32)
+    assert again.data.ptr == p0
+    holders = [lambda y: y, lambda y: y[1:], lambda y: y.T, lambda y: y.reshape(-1),
+               lambda y: cupy.ndarray(y.shape, y.dtype, memptr=y.data),
+               lambda y: y.data + 256, lambda y: y.data.mem, lambda y: y.toDlpack()]
+    for i, hold in enumerate(holders):
+        held = hold(again)
+        del again
+        other = memo.output(shape, f32)
+        assert other.data.ptr != p0, f"holder {i} did not keep its output"
+        del other, held
+        again = memo.output(shape, f32)
+        assert again.data.ptr == p0, f"holder {i}: the output did not come back"
+    y = again
+    for _ in range(4):  # y = op(x): the last output held during the call, then dropped
+        y = memo.output(shape, f32)
+    assert len(memo.outputs[(shape, f32, cupy.cuda.get_current_stream().ptr)]) == 2
+    s = cupy.cuda.Stream(non_blocking=True)
+    del y
+    assert memo.output(shape, f32, s).data.ptr != p0  # another stream: its own
+    assert memo.output((64, 16), f32).shape == (64, 16)
+    big = memo.output((1 << 20, 80), np.dtype(np.uint8))  # over OUTPUT_KEPT_BYTES: not kept
+    assert big.nbytes > (64 << 20) and all(k[0] != big.shape for k in memo.outputs)
+    memo.clear()
+    assert not memo.outputs
 
 
 @pytest.mark.gpu

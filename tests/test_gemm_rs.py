@@ -31,7 +31,7 @@ from cuflux.ops.gemm_rs import (REDUCE_MODES, W1_MODES, GemmReduceScatter, make_
                                 own_tile_rows, reference_gemm_rs, tile_order)
 from cuflux.topology import PeerLink, Topology
 from cuflux.world import World
-from tests.checks import GEMM_TOL, check_close, f64, poison_pool, poisoned, raises_each
+from tests.checks import GEMM_TOL, check_close, f64, poison_owned, poisoned, raises_each
 from tests.fakes import FakeArray
 from tests.kernel_args import DeviceArray, check_args
 from tests.kernel_args import names as kernel_names
@@ -664,7 +664,7 @@ def memo_replays_w1(world, seed, M=256, n=264, k=520):
         for i in range(6):  # out left to the op, dropped each call: allocated before the key
             rng = np.random.default_rng([seed, 10 + i])
             a[...] = cp.asarray(rng.standard_normal((M, k), np.float32)).astype(st)
-            poison_pool((M, n), st)
+            poison_owned(op._memo, (M, n), st)
             got = op(a, b)
             assert got.shape == (M, n) and got.dtype == st
             check_close(got, f64(a) @ f64(b).T, "bfloat16", f"owned call {i} seed {seed}")

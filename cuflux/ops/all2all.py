@@ -393,9 +393,9 @@ class All2AllHeads(CommOp):
         return self._run(gather, a, tokens_per_rank, scale, out, out_scale, view, stream, key)
 
     def _owned_outputs(self, gather, a, tokens, scale, stream) -> tuple:
-        """(out, out_scale or None) for a call that leaves them to the op (CuPy arrays), from
-        the pool arena of the call's stream, or (None, None) where the call's shapes are not
-        the op's (the full path then names what is wrong)."""
+        """(out, out_scale or None) for a call that leaves them to the op (CuPy arrays):
+        CallMemo.output, or (None, None) where the call's shapes are not the op's (the full
+        path then names what is wrong)."""
         spec = self.spec
         if self._closed or a.ndim != 4 or not 1 <= a.shape[0] <= spec.batch:
             return None, None
@@ -405,14 +405,12 @@ class All2AllHeads(CommOp):
         tokens = self._plan(tokens, s).tokens  # checked: bad tokens get the full path's error
         B = a.shape[0]
         _, out_shape = io_shapes(spec, gather, B, tokens)
-        import cupy
-
-        with s:
-            out = cupy.empty(out_shape, dtype=spec.dtype.storage)
-            if scale is None:
-                return out, None
-            sc = scale_shapes(spec, gather, B, tokens, scale.ndim == 3)[1]
-            return out, cupy.empty(sc, dtype=np.float32)
+        memo = self._memo
+        out = memo.output(out_shape, spec.dtype.storage, s)
+        if scale is None:
+            return out, None
+        sc = scale_shapes(spec, gather, B, tokens, scale.ndim == 3)[1]
+        return out, memo.output(sc, _F32, s)
 
     def _replay(self, run: "_Replay", view: bool, stream) -> bool:
         """A memo hit: enqueue its launches; False (nothing done) where the call takes the
@@ -732,6 +730,9 @@ class All2AllHeads(CommOp):
         self._plans.clear()
         self._hashes.clear()
         self._views.clear()
+
+
+_F32 = np.dtype(np.float32)
 
 
 def _tokens_key(tokens_per_rank):

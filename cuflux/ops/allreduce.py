@@ -416,7 +416,7 @@ class AllReduce(_P2PReduce):
         (base.CallMemo)."""
         memo = self._memo
         if out is None and memo.owns(x) and x.size <= self.max_elems:
-            out = _empty(x.shape, self.dtype.storage, stream)  # before the key: see CallMemo
+            out = memo.output(x.shape, self.dtype.storage, stream)  # before the key
         key = memo.key((x, out), algo) if out is not None else None
         run = memo.get(key)
         if run is None:
@@ -577,7 +577,8 @@ class AllReduceRMSNorm(_P2PReduce):
         memo = self._memo
         if (out is None and memo.owns(x, residual, weight) and x.ndim == 2
                 and x.shape[0] <= self.max_tokens):  # out before the key: see CallMemo
-            out = _empty((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage, stream)
+            out = memo.output((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage,
+                              stream)
         key = memo.key((x, residual, weight, out), algo) if out is not None else None
         run = memo.get(key)
         if run is None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import time
 import warnings
 
@@ -44,7 +45,7 @@ from cuflux.world import check_timeout  # one check for every timeout_s (ops and
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
            "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route",
-           "max_unfused_m", "CallMemo", "MEMO_MAX"]
+           "max_unfused_m", "CallMemo", "MEMO_MAX", "OUTPUTS_KEPT", "OUTPUT_KEPT_BYTES"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
 # peer that is compiling kernels on first use (up to ~40 s a file, once per machine) to be
@@ -176,6 +177,8 @@ def check_no_alias(op: str, out, **inputs) -> None:
 
 
 MEMO_MAX = 256  # calls an op remembers (CallMemo); a full memo is emptied
+OUTPUTS_KEPT = 4  # outputs a CallMemo keeps for reuse (CallMemo.output) ...
+OUTPUT_KEPT_BYTES = 64 << 20  # ... each at most this big (larger ones: cupy.empty per call)
 
 
 class CallMemo:
@@ -195,20 +198,55 @@ class CallMemo:
     caller's current device is not the op's. Memory freed and reallocated at the same
     address under the same key passes the same checks, so a hit stays right.
 
-    An output the op allocates (out=None) is allocated before the key (owns() says where it
-    may be): CuPy's pool hands a loop that drops its outputs the same few blocks again, so
-    those calls hit too. put() binds a key at its second call only: a caller whose pointers
+    An output the op allocates (out=None) is made before the key (owns() says where it may
+    be; output() makes it), so a loop that drops its outputs gets the same memory again and
+    its calls hit too. put() binds a key at its second call only: a caller whose pointers
     never repeat pays one dict insert a call, not a bind. Keys seen once are kept apart from
     bound ones (`seen`), so such a caller never evicts the bound calls. Each bounded
     (MEMO_MAX; a full one is emptied)."""
 
-    __slots__ = ("device", "entries", "seen", "ndarray")
+    __slots__ = ("device", "entries", "seen", "ndarray", "outputs")
 
     def __init__(self, device):
         self.device = device
         self.entries: dict = {}  # key -> its bound replay
         self.seen: dict = {}  # keys seen once (bound at their second call)
         self.ndarray = None
+        self.outputs: dict = {}  # (shape, dtype, stream) -> (array, its references): output()
+
+    def output(self, shape, dtype, stream=None):
+        """An output the op owns (a call with out=None), on the current device, for a call
+        on `stream` (any stream_of takes; None: the current one): one this memo handed out
+        before for (shape, dtype, stream) again where nothing but the memo holds it any more
+        (the caller dropped it: the array, its pointer and its memory objects referenced as
+        often as when it was made, so no view, pointer or DLPack capsule of it is alive), else
+        a new one from the pool arena of that stream (cupy.empty: 3-5 us of host time on the
+        H200 machine). Its memory is reused only in that stream's order, as CuPy's pool would
+        reuse it, at no allocation, and the call's key repeats. Two are kept per (shape,
+        dtype, stream): `y = op(x)` holds the last output while the next call is made. A
+        caller that keeps its outputs gets a new array each call, as from cupy.empty. Kept:
+        the outputs of the last OUTPUTS_KEPT (shape, dtype, stream), each at most
+        OUTPUT_KEPT_BYTES (memory CuPy's pool would cache for reuse anyway); close() lets
+        them go."""
+        s = stream_of(stream)
+        k = (shape, dtype, s.ptr)
+        outputs = self.outputs
+        kept = outputs.get(k)
+        if kept is not None:
+            for arr, refs in kept:
+                if arr.shape == shape and _references(arr) == refs:
+                    return arr
+        arr = _new_output(shape, dtype, s)
+        if arr.nbytes <= OUTPUT_KEPT_BYTES:
+            if kept is None:
+                if len(outputs) >= OUTPUTS_KEPT:
+                    del outputs[next(iter(outputs))]  # the oldest (shape, dtype, stream)
+                kept = outputs[k] = []
+            elif len(kept) >= 2:
+                kept.pop(0)  # both held by the caller: keep the newer two
+            kept.append([arr, None])
+            kept[-1][1] = _references(arr)  # counted while kept as output() counts above
+        return arr
 
     def _nd(self):
         nd = self.ndarray
@@ -267,6 +305,22 @@ class CallMemo:
     def clear(self) -> None:
         self.entries.clear()
         self.seen.clear()
+        self.outputs.clear()
+
+
+def _new_output(shape, dtype, stream):
+    """cupy.empty from the pool arena of `stream` (a CuPy stream)."""
+    import cupy
+
+    with stream:
+        return cupy.empty(shape, dtype=dtype)
+
+
+def _references(arr) -> tuple:
+    """How often an array, its MemoryPointer and its memory object are referenced: a view
+    holds the array (its base), a pointer made from it or an array over it the others."""
+    d = arr.data
+    return sys.getrefcount(arr), sys.getrefcount(d), sys.getrefcount(d.mem)
 
 
 def failure_board(world, comm):

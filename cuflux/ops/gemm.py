@@ -125,7 +125,7 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
             and (out is None or type(out) is nd)):
         memo = _memo()
         if out is None and out_dtype is None and memo.owns(a, b):
-            out = _owned_out(a, b, b_layout, stream)  # before the key: see CallMemo
+            out = _owned_out(memo, a, b, b_layout, stream)  # before the key: see CallMemo
         if out is not None:
             key = memo.key((a, b, out), (out_dtype, b_layout, impl, config, group_m))
             run = memo.get(key)
@@ -134,16 +134,14 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     return _gemm(a, b, bias, out, out_dtype, b_layout, impl, stream, config, group_m, memo, key)
 
 
-def _owned_out(a, b, b_layout, stream):
-    """gemm's output [M, N] in a's dtype, from the pool arena of the call's stream, for a
-    call that leaves it to the op; None where a or b is not a matrix or the layout is not
-    one (the full path names what is wrong)."""
+def _owned_out(memo, a, b, b_layout, stream):
+    """gemm's output [M, N] in a's dtype for a call that leaves it to the op
+    (CallMemo.output); None where a or b is not a matrix or the layout is not one (the full
+    path names what is wrong)."""
     if a.ndim != 2 or b.ndim != 2 or b_layout not in ("kn", "nk"):
         return None
-    cupy = cupy_module()
-    with stream_of(stream):
-        return cupy.empty((a.shape[0], b.shape[1] if b_layout == "kn" else b.shape[0]),
-                          dtype=a.dtype)
+    return memo.output((a.shape[0], b.shape[1] if b_layout == "kn" else b.shape[0]), a.dtype,
+                       stream)
 
 
 _MEMOS: dict = {}  # device -> CallMemo of gemm's calls there
