@@ -491,8 +491,8 @@ test_repeated_calls_replay_their_launches_and_stay_exact = memo_replays.test(
 @on_ranks
 def owned_outputs(world, seed, calls=24):
     """Calls that leave out (and out_scale) to the op, outputs dropped as a loop drops them:
-    allocated before the memo key, so CuPy's pool hands the same blocks back and the calls
-    are bound and replayed; each is exact bit for bit (the pool's free blocks poisoned
+    made before the memo key (CallMemo.output hands dropped ones back), so the calls
+    are bound and replayed; each is exact bit for bit (every output it may get poisoned
     first), tokens_per_rank passed as NumPy integers keys as the ints it equals, and an
     output still held is never handed out again. W = 1 runs each of its copy paths."""
     import cupy

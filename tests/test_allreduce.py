@@ -516,8 +516,8 @@ test_repeated_calls_replay_their_launch_and_stay_checked = memo_replays.test(
 @on_ranks
 def owned_outputs(world, seed, H=1000, calls=8):
     """Calls that leave out to the op (CuPy arrays), their outputs dropped as a loop drops
-    them: the op allocates each output before its memo key, so CuPy's pool hands the same
-    blocks back and the calls are bound and replayed; each is exact (the pool's free blocks
+    them: the op makes each output before its memo key (CallMemo.output hands dropped ones
+    back), so the calls are bound and replayed; each is exact (every output it may get
     poisoned first), and an output still held is never handed out again. Both outputs of
     AllReduceRMSNorm that change the rows a rank holds (replicated, sequence_parallel)."""
     import cupy as cp

@@ -9,6 +9,7 @@ rank bodies beside them (@on_ranks) on W ranks.
 CPU tests: both cores compile for their targets and emit the instructions they are built on; the
 tile order formula; the ping-pong consumers' protocol; argument checks that need no GPU.
 """
+import gc
 import math
 import os
 import pathlib
@@ -417,10 +418,11 @@ def test_other_stream_and_default_output():
 @pytest.mark.gpu
 @pytest.mark.parametrize("impl,M", [("auto", 1), ("auto", 300), ("sm80", 100)])
 def test_calls_that_leave_out_to_gemm_replay_too(impl, M):
-    """gemm(a, b) without out=, its result dropped as a loop drops it: the output is
-    allocated before the memo key, so CuPy's pool hands the same block back and the call is
-    bound and replayed; each result is exact (the pool's free blocks poisoned first) and in
-    a's dtype, and a result still held is never handed out again."""
+    """gemm(a, b) without out=, its result dropped as a loop drops it: the output is made
+    before the memo key (CallMemo.output hands a dropped one back), so the call is bound and
+    replayed; each result is exact (every output it may get poisoned first) and in a's
+    dtype, and a result still held is never handed out again. The cycle collector is off:
+    an output that only a reference cycle keeps alive (gemm's tuner closure once did) fails."""
     import cupy
 
     from cuflux.arrays import dtype_info
@@ -430,7 +432,19 @@ def test_calls_that_leave_out_to_gemm_replay_too(impl, M):
     G._memo().clear()
     a, b = cupy.empty((M, K), st), cupy.empty((N, K), st)
     seed = fresh_seed()
-    held, ptrs = None, []
+    ptrs = []
+    gc.disable()  # an output kept alive by a reference cycle must show, not be collected
+    try:
+        _owned_loop(a, b, M, N, K, st, impl, seed, ptrs)
+    finally:
+        gc.enable()
+    assert any(callable(e) for e in G._memo().entries.values())
+    # dropped outputs come back (CallMemo.output): one array, and a second while one is held
+    assert len(set(ptrs)) == 2 and ptrs[:4] == [ptrs[0]] * 4 and ptrs[5] == ptrs[0], ptrs
+
+
+def _owned_loop(a, b, M, N, K, st, impl, seed, ptrs):
+    held = None
     for i in range(6):
         a[...] = _rand((M, K), "bfloat16", seed + 2 * i)
         b[...] = _rand((N, K), "bfloat16", seed + 2 * i + 1)
@@ -443,9 +457,6 @@ def test_calls_that_leave_out_to_gemm_replay_too(impl, M):
         assert got.shape == (M, N) and got.dtype == st
         check_close(got, f64(a) @ f64(b).T, "bfloat16", f"owned call {i} {impl} seed={seed}")
         del got
-    assert any(callable(e) for e in G._memo().entries.values())
-    # dropped outputs come back (CallMemo.output): one array, and a second while one is held
-    assert len(set(ptrs)) == 2 and ptrs[:4] == [ptrs[0]] * 4 and ptrs[5] == ptrs[0], ptrs
 
 
 @pytest.mark.gpu

@@ -202,16 +202,17 @@ def _gemm(a, b, bias, out, out_dtype, b_layout, impl, stream, config, group_m, m
     last = [None]  # the latest launch's replay: the call's own comes last (after any timing)
 
     def run(name):
+        # (never calls itself: a closure that refers to itself is a reference cycle, which
+        # would keep a, b and out alive until Python's cycle collector ran)
         if name == CUBLAS:
             done = launch_cublas(a, b, bias, out, dt, odt, M, N, K, b_layout, s, under_capture,
                                  bind=bind)
-            if not done:
-                run(core_heuristic(M, N, K))  # first cuBLAS use of this stream is a capture
-            else:
+            if done:
                 last[0] = done
-        else:
-            last[0] = launch_sm90(SM90_CONFIGS[name], a, b, bias, out, dt, odt, M, N, K,
-                                  b_layout, s, group_m, bind=bind)
+                return
+            name = core_heuristic(M, N, K)  # first cuBLAS use of this stream is a capture
+        last[0] = launch_sm90(SM90_CONFIGS[name], a, b, bias, out, dt, odt, M, N, K,
+                              b_layout, s, group_m, bind=bind)
 
     if config is None:
         config = choice(dt, b_layout, M, N, K, run, s, under_capture)
