@@ -201,18 +201,18 @@ def test_shared_gpu_measures_no_speed():
 
 
 def test_host_loops_of_small_calls_are_long_and_a_function_of_the_agreed_calls():
-    """host_us loops: at least HOST_CALLS calls where regime_calls chose 50 or more (a noisy
-    figure otherwise), as few as the user loop for slow calls and ranks sharing a GPU; a
-    function of `calls` alone, which every rank agrees on (the slowest rank's ms)."""
+    """host_us loops: at least HOST_CALLS calls wherever speed is measured, slow calls
+    included (a noisy figure otherwise: the loop runs behind a hold, so its length costs only
+    the GPU's drain), as few as the user loop where ranks share a GPU; a function of `calls`
+    alone, which every rank agrees on (the slowest rank's ms)."""
     from cuflux.bench.common import HOST_CALLS
 
     assert HOST_CALLS >= 200
-    for ms in (0.001, 0.05, 0.5):
+    for ms in (0.001, 0.05, 0.5, 3.0, None):
         assert cli.host_loop_calls(cli.regime_calls(ms)) == HOST_CALLS
         assert cli.host_loop_calls(cli.regime_calls(ms, quick=True)) == HOST_CALLS
-    assert cli.host_loop_calls(cli.regime_calls(3.0)) == 10
     assert cli.host_loop_calls(cli.regime_calls(0.01, speed=False)) == \
-        cli.regime_calls(0.01, speed=False)
+        cli.regime_calls(0.01, speed=False) < 10
 
 
 def test_regime_calls_are_modest_and_agree_on_the_slow_cases():
@@ -285,6 +285,8 @@ class _World:
 
 
 def test_measure_regimes_takes_the_slowest_rank_and_notes_capture(monkeypatch):
+    from cuflux.bench.common import HOST_CALLS
+
     got = []
 
     def fake(fn, stream, *, calls, graph, barrier, host_calls):
@@ -299,10 +301,10 @@ def test_measure_regimes_takes_the_slowest_rank_and_notes_capture(monkeypatch):
     r = cli.measure_regimes(lambda: None, _Stream(), calls=7, world=world, prefix="baseline_",
                             notes=notes)
     assert r == {"baseline_user_loop_ms": 2.0, "baseline_host_us": 5.0, "baseline_graph_ms": 0.7}
-    assert got == [(7, True, True)] and notes == []
+    assert got == [(7, True, True)] and notes == [] and hosts == [7]  # 7 < 10: no speed
     # the host loop's calls from the agreed calls alone (host_loop_calls), on every rank
     cli.measure_regimes(lambda: None, _Stream(), calls=50, world=world, prefix="baseline_")
-    assert hosts == [7, cli.host_loop_calls(50)] and hosts[1] > 50
+    assert hosts == [7, cli.host_loop_calls(50)] and hosts[1] == HOST_CALLS
     # one rank without a graph: no graph figure for the row
     r = cli.measure_regimes(lambda: None, _Stream(), calls=7,
                             world=_World([{"": (2.0, 4.0, None)}]))

@@ -58,13 +58,16 @@ def regime_calls(ms, quick: bool = False, speed: bool = True) -> int:
 
 
 def host_loop_calls(calls: int) -> int:
-    """Calls of a regime's host_us loop: at least common.HOST_CALLS where regime_calls chose 50
-    or more (calls of at most 1 ms, speed measured: 50 calls of ~10 us of host time put the
-    figure 50 % apart between neighbouring rows of one run, allreduce bench 2026-12-02), else
-    `calls`. A function of the agreed `calls`, so every rank runs as many."""
+    """Calls of a regime's host_us loop: at least common.HOST_CALLS wherever speed is measured
+    (regime_calls chose 10 or more), whatever a call's GPU time: the loop is issued behind a
+    hold, so its length costs only the GPU's drain after it (200 calls of a 7 ms GEMM: 1.4 s),
+    while 50 calls of ~10 us of host time put the figure 50 % apart between neighbouring rows
+    (allreduce bench 2026-12-02) and the 10 of a call over 1 ms read 16-19 us where the same
+    call path took 8-10 (gemm and gemm_rs benches, 2026-12-02h). Else `calls` (ranks sharing
+    a GPU: correctness only). A function of the agreed `calls`, so every rank runs as many."""
     from cuflux.bench.common import HOST_CALLS
 
-    return max(calls, HOST_CALLS) if calls >= 50 else calls
+    return max(calls, HOST_CALLS) if calls >= 10 else calls
 
 
 def slowest(values):
