@@ -508,7 +508,6 @@ def owned_outputs(world, seed, calls=24):
             srcs = {g: (cupy.empty((1, S, hpr, D) if g else (1, tokens[me], H, D), st),
                         cupy.empty((1, S, hpr) if g else (1, tokens[me], H), np.float32)
                         if per_head else None) for g in (False, True)}
-            held = None
             for i in range(calls):
                 if W == 1:
                     op.w1 = ("pdl", "memcpy", "kernel")[(i // 8) % 3]
@@ -533,9 +532,13 @@ def owned_outputs(world, seed, calls=24):
                 listed = [np.int64(t) for t in tokens] if i % 4 == 2 else tokens
                 res = call(src, listed, src_sc)
                 got, got_sc = res if per_head else (res, None)
-                if held is not None:
-                    assert got.data.ptr != held.data.ptr
-                held = got if i == calls - 3 else None
+                if i == calls - 3:  # held: the same call again gets another output
+                    again = call(src, listed, src_sc)
+                    again_out = again[0] if per_head else again
+                    assert again_out.data.ptr != got.data.ptr
+                    op.synchronize()
+                    _same_bits(again_out, want[me], f"held call {i} {dtype} rank {me}")
+                    del again, again_out
                 op.synchronize()
                 _same_bits(got, want[me], f"owned call {i} {dtype} rank {me}")
                 if per_head:

@@ -443,12 +443,58 @@ def test_memo_outputs_come_back_once_dropped_two_per_shape_and_bounded(monkeypat
     w = m.output((4,), f)  # both held (z, and the one just returned is dropped: ...)
     assert w.data.ptr == pa  # ... so it comes back
     v = m.output((4,), f)  # w and z held: a third, the oldest kept one let go
-    assert v is not w and v is not z and len(m.outputs[((4,), f, 0)]) == 2
+    assert v is not w and v is not z and len(m.outputs[((4,), f, 0, 0)]) == 2
     assert m.output((4,), f, stream=7) is not v  # another stream: its own
     for n in range(5, 5 + base.OUTPUTS_KEPT):
         m.output((n,), f)
-    assert ((4,), f, 0) not in m.outputs and len(m.outputs) == base.OUTPUTS_KEPT
+    assert ((4,), f, 0, 0) not in m.outputs and len(m.outputs) == base.OUTPUTS_KEPT
     m.output((base.OUTPUT_KEPT_BYTES // 8 + 1,), f)
     assert all(k[0][0] != base.OUTPUT_KEPT_BYTES // 8 + 1 for k in m.outputs)
     m.clear()
-    assert not m.outputs
+    assert not m.outputs and m.kept_bytes == 0
+
+
+def test_memo_outputs_weak_refs_threads_lru_and_bytes(monkeypatch):
+    """CallMemo.output (CPU, stand-in arrays): an output with a live weak reference does not
+    come back (a weakly keyed cache would see it again); on the per-thread default stream
+    each thread has its own outputs (one handle, a stream per thread: CuPy's pool keeps them
+    apart too); a hit makes its shape the last evicted; the kept bytes stay within
+    OUTPUTS_KEPT_BYTES."""
+    import threading
+    import weakref
+    from types import SimpleNamespace
+
+    class Out:
+        def __init__(self, shape, nbytes):
+            self.shape, self.nbytes = shape, nbytes
+            self.data = SimpleNamespace(mem=object(), ptr=id(self))
+
+    monkeypatch.setattr(base, "_new_output",
+                        lambda shape, dtype, s: Out(shape, 8 * int(np.prod(shape))))
+    monkeypatch.setattr(base, "stream_of", lambda s=None: SimpleNamespace(ptr=s or 0))
+    m = _memo(monkeypatch)
+    f = np.dtype(np.float64)
+    y = m.output((4,), f)
+    ref = weakref.ref(y)
+    del y
+    assert m.output((4,), f) is not ref()  # weakly held: not handed out again
+    del ref
+    mine = m.output((4,), f, stream=2)
+    p = mine.data.ptr
+    del mine
+    theirs = []
+    t = threading.Thread(target=lambda: theirs.append(m.output((4,), f, stream=2).data.ptr))
+    t.start()
+    t.join()
+    assert theirs[0] != p and m.output((4,), f, stream=2).data.ptr == p
+    m.clear()
+    for n in (1, 2, 3, 4):
+        m.output((n,), f)
+    m.output((1,), f)  # a hit: (1,) used last
+    m.output((5,), f)  # a fifth shape: (2,), used longest ago, goes
+    assert [k[0] for k in m.outputs] == [(3,), (4,), (1,), (5,)]
+    big = base.OUTPUT_KEPT_BYTES // 8
+    for n in range(6):
+        m.output((big - n,), f)
+        assert m.kept_bytes <= base.OUTPUTS_KEPT_BYTES
+    assert m.kept_bytes == sum(a.nbytes for v in m.outputs.values() for a, _ in v)

@@ -462,8 +462,9 @@ def _owned_loop(a, b, M, N, K, st, impl, seed, ptrs):
 @pytest.mark.gpu
 def test_owned_outputs_come_back_only_when_nothing_holds_them():
     """CallMemo.output hands an output out again only where the caller holds nothing of it:
-    not while the array, a view of it, an array over its pointer, a pointer made from it or
-    a DLPack capsule of it is alive; two are kept per shape (a loop `y = op(x)` holds one
+    not while the array, a view of it, an array over its pointer, a pointer made from it, a
+    DLPack capsule of it, a list holding it, a weak reference to it or a torch tensor over it
+    (where torch is installed) is alive; two are kept per shape (a loop `y = op(x)` holds one
     while it makes the next call); other shapes, dtypes and streams get their own."""
     import cupy
 
@@ -476,9 +477,18 @@ def test_owned_outputs_come_back_only_when_nothing_holds_them():
     del first
     again = memo.output(shape, f32)
     assert again.data.ptr == p0
+    import weakref
+
     holders = [lambda y: y, lambda y: y[1:], lambda y: y.T, lambda y: y.reshape(-1),
                lambda y: cupy.ndarray(y.shape, y.dtype, memptr=y.data),
-               lambda y: y.data + 256, lambda y: y.data.mem, lambda y: y.toDlpack()]
+               lambda y: y.data + 256, lambda y: y.data.mem, lambda y: y.toDlpack(),
+               lambda y: [y], weakref.ref]
+    try:  # consumers in another framework (through DLPack, __cuda_array_interface__)
+        import torch
+
+        holders += [lambda y: torch.from_dlpack(y), lambda y: torch.as_tensor(y, device="cuda")]
+    except ImportError:
+        pass
     for i, hold in enumerate(holders):
         held = hold(again)
         del again
@@ -490,7 +500,7 @@ def test_owned_outputs_come_back_only_when_nothing_holds_them():
     y = again
     for _ in range(4):  # y = op(x): the last output held during the call, then dropped
         y = memo.output(shape, f32)
-    assert len(memo.outputs[(shape, f32, cupy.cuda.get_current_stream().ptr)]) == 2
+    assert len(memo.outputs[(shape, f32, cupy.cuda.get_current_stream().ptr, 0)]) == 2
     s = cupy.cuda.Stream(non_blocking=True)
     del y
     assert memo.output(shape, f32, s).data.ptr != p0  # another stream: its own

@@ -661,15 +661,23 @@ def memo_replays_w1(world, seed, M=256, n=264, k=520):
         raises_each([(lambda: op(a.view(cp.float16), b, out=out), TypeError,
                       "a must be bfloat16")], "GemmReduceScatter")
         op._memo.clear()
-        for i in range(6):  # out left to the op, dropped each call: allocated before the key
+        ptrs = []
+        for i in range(6):  # out left to the op, dropped each call: made before the key
             rng = np.random.default_rng([seed, 10 + i])
             a[...] = cp.asarray(rng.standard_normal((M, k), np.float32)).astype(st)
             poison_owned(op._memo, (M, n), st)
             got = op(a, b)
+            ptrs.append(got.data.ptr)
             assert got.shape == (M, n) and got.dtype == st
             check_close(got, f64(a) @ f64(b).T, "bfloat16", f"owned call {i} seed {seed}")
+            if i == 3:  # held: the same call again gets another output, also exact
+                again = op(a, b)
+                assert again.data.ptr != got.data.ptr
+                check_close(again, f64(a) @ f64(b).T, "bfloat16", f"held call seed {seed}")
+                del again
             del got
         assert any(callable(e) for e in op._memo.entries.values())
+        assert len(set(ptrs)) == 1, ptrs  # every dropped output came back
     return 12
 
 

@@ -415,7 +415,7 @@ class AllReduce(_P2PReduce):
         A call seen before (CuPy arrays; out= given or left to the op) replays its launch
         (base.CallMemo)."""
         memo = self._memo
-        if out is None and memo.owns(x) and x.size <= self.max_elems:
+        if out is None and not self._closed and memo.owns(x) and x.size <= self.max_elems:
             out = memo.output(x.shape, self.dtype.storage, stream)  # before the key
         key = memo.key((x, out), algo) if out is not None else None
         run = memo.get(key)
@@ -575,8 +575,8 @@ class AllReduceRMSNorm(_P2PReduce):
         """A call seen before (CuPy arrays; out= given or left to the op) replays its launch
         (base.CallMemo)."""
         memo = self._memo
-        if (out is None and memo.owns(x, residual, weight) and x.ndim == 2
-                and x.shape[0] <= self.max_tokens):  # out before the key: see CallMemo
+        if (out is None and not self._closed and memo.owns(x, residual, weight)
+                and x.ndim == 2 and x.shape[0] <= self.max_tokens):  # out first: CallMemo
             out = memo.output((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage,
                               stream)
         key = memo.key((x, residual, weight, out), algo) if out is not None else None

@@ -31,6 +31,8 @@ import functools
 import sys
 import time
 import warnings
+import weakref
+from threading import get_ident
 
 import numpy as np
 
@@ -45,7 +47,8 @@ from cuflux.world import check_timeout  # one check for every timeout_s (ops and
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
            "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route",
-           "max_unfused_m", "CallMemo", "MEMO_MAX", "OUTPUTS_KEPT", "OUTPUT_KEPT_BYTES"]
+           "max_unfused_m", "CallMemo", "MEMO_MAX", "OUTPUTS_KEPT", "OUTPUT_KEPT_BYTES",
+           "OUTPUTS_KEPT_BYTES"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
 # peer that is compiling kernels on first use (up to ~40 s a file, once per machine) to be
@@ -177,8 +180,10 @@ def check_no_alias(op: str, out, **inputs) -> None:
 
 
 MEMO_MAX = 256  # calls an op remembers (CallMemo); a full memo is emptied
-OUTPUTS_KEPT = 4  # outputs a CallMemo keeps for reuse (CallMemo.output) ...
-OUTPUT_KEPT_BYTES = 64 << 20  # ... each at most this big (larger ones: cupy.empty per call)
+OUTPUTS_KEPT = 4  # (shape, dtype, stream)s whose outputs a CallMemo keeps (CallMemo.output),
+OUTPUT_KEPT_BYTES = 64 << 20  # each output at most this big (larger: cupy.empty per call),
+OUTPUTS_KEPT_BYTES = 256 << 20  # all of a memo's kept outputs together at most this
+_PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a stream per thread
 
 
 class CallMemo:
@@ -205,47 +210,59 @@ class CallMemo:
     bound ones (`seen`), so such a caller never evicts the bound calls. Each bounded
     (MEMO_MAX; a full one is emptied)."""
 
-    __slots__ = ("device", "entries", "seen", "ndarray", "outputs")
+    __slots__ = ("device", "entries", "seen", "ndarray", "outputs", "kept_bytes")
 
     def __init__(self, device):
         self.device = device
         self.entries: dict = {}  # key -> its bound replay
         self.seen: dict = {}  # keys seen once (bound at their second call)
         self.ndarray = None
-        self.outputs: dict = {}  # (shape, dtype, stream) -> (array, its references): output()
+        self.outputs: dict = {}  # (shape, dtype, stream, thread) -> [[array, its references]]
+        self.kept_bytes = 0  # of the arrays in self.outputs
 
     def output(self, shape, dtype, stream=None):
         """An output the op owns (a call with out=None), on the current device, for a call
         on `stream` (any stream_of takes; None: the current one): one this memo handed out
         before for (shape, dtype, stream) again where nothing but the memo holds it any more
         (the caller dropped it: the array, its pointer and its memory objects referenced as
-        often as when it was made, so no view, pointer or DLPack capsule of it is alive), else
-        a new one from the pool arena of that stream (cupy.empty: 3-5 us of host time on the
-        H200 machine). Its memory is reused only in that stream's order, as CuPy's pool would
-        reuse it, at no allocation, and the call's key repeats. Two are kept per (shape,
-        dtype, stream): `y = op(x)` holds the last output while the next call is made. A
-        caller that keeps its outputs gets a new array each call, as from cupy.empty. Kept:
-        the outputs of the last OUTPUTS_KEPT (shape, dtype, stream), each at most
-        OUTPUT_KEPT_BYTES (memory CuPy's pool would cache for reuse anyway); close() lets
-        them go."""
+        often as when it was made and no weak reference to the array, so no view, pointer,
+        DLPack capsule or consumer of it is alive), else a new one from the pool arena of
+        that stream (cupy.empty: 3-5 us of host time on the H200 machine). Its memory is
+        reused only in that stream's order, as CuPy's pool would reuse it, at no allocation,
+        and the call's key repeats (on the per-thread default stream, in the calling thread's
+        order: each thread's outputs apart, as CuPy's pool keeps them). Two are kept per
+        (shape, dtype, stream): `y = op(x)` holds the last output while the next call is
+        made. A caller that keeps its outputs gets a new array each call, as from
+        cupy.empty. Kept: the outputs of the OUTPUTS_KEPT (shape, dtype, stream) used last,
+        each at most OUTPUT_KEPT_BYTES, all together at most OUTPUTS_KEPT_BYTES (memory
+        CuPy's pool would cache for reuse anyway); clear() (the op's close()) lets them go."""
         s = stream_of(stream)
-        k = (shape, dtype, s.ptr)
+        p = s.ptr
+        k = (shape, dtype, p, get_ident() if p == _PER_THREAD_STREAM else 0)
         outputs = self.outputs
         kept = outputs.get(k)
         if kept is not None:
             for arr, refs in kept:
                 if arr.shape == shape and _references(arr) == refs:
+                    if len(outputs) > 1:
+                        outputs[k] = outputs.pop(k)  # used last: evicted last
                     return arr
         arr = _new_output(shape, dtype, s)
-        if arr.nbytes <= OUTPUT_KEPT_BYTES:
+        n = arr.nbytes
+        if n <= OUTPUT_KEPT_BYTES:
+            if kept is not None and len(kept) >= 2:
+                self.kept_bytes -= kept.pop(0)[0].nbytes  # both held: keep the newer two
+            while outputs and (self.kept_bytes + n > OUTPUTS_KEPT_BYTES
+                               or (kept is None and len(outputs) >= OUTPUTS_KEPT)):
+                oldest = next(iter(outputs))  # the (shape, dtype, stream) used longest ago
+                self.kept_bytes -= sum(a.nbytes for a, _ in outputs.pop(oldest))
+                if oldest == k:
+                    kept = None
             if kept is None:
-                if len(outputs) >= OUTPUTS_KEPT:
-                    del outputs[next(iter(outputs))]  # the oldest (shape, dtype, stream)
                 kept = outputs[k] = []
-            elif len(kept) >= 2:
-                kept.pop(0)  # both held by the caller: keep the newer two
             kept.append([arr, None])
             kept[-1][1] = _references(arr)  # counted while kept as output() counts above
+            self.kept_bytes += n
         return arr
 
     def _nd(self):
@@ -306,6 +323,7 @@ class CallMemo:
         self.entries.clear()
         self.seen.clear()
         self.outputs.clear()
+        self.kept_bytes = 0
 
 
 def _new_output(shape, dtype, stream):
@@ -317,10 +335,12 @@ def _new_output(shape, dtype, stream):
 
 
 def _references(arr) -> tuple:
-    """How often an array, its MemoryPointer and its memory object are referenced: a view
-    holds the array (its base), a pointer made from it or an array over it the others."""
+    """How often an array, its MemoryPointer and its memory object are referenced, and its
+    weak references: a view holds the array (its base), a pointer made from it or an array
+    over it the others; a cache keyed weakly by the array must not see it come back."""
     d = arr.data
-    return sys.getrefcount(arr), sys.getrefcount(d), sys.getrefcount(d.mem)
+    return (sys.getrefcount(arr), sys.getrefcount(d), sys.getrefcount(d.mem),
+            weakref.getweakrefcount(arr))
 
 
 def failure_board(world, comm):

@@ -37,7 +37,7 @@ from cuflux.launch import capturing, current_device
 from cuflux.ops.base import CallMemo
 
 # The call, plus the core's and the tuner's public names that callers have imported from here.
-__all__ = ["gemm", "gemm_replay", "plan", "IMPLS", "tensor_map", "Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT",
+__all__ = ["gemm", "gemm_replay", "clear_memo", "plan", "IMPLS", "tensor_map", "Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT",
            "Sm80Config", "SM80", "SM80_CONFIG", "CUDA_TYPE", "FAMILY", "WORKSPACE_BYTES",
            "check_aligned", "check_bias", "grouped_tile", "CUBLAS", "CUBLAS_BELOW_M",
            "TUNER_CANDIDATES", "core_heuristic", "heuristic", "load_tuner", "shape_class",
@@ -136,12 +136,33 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
 
 def _owned_out(memo, a, b, b_layout, stream):
     """gemm's output [M, N] in a's dtype for a call that leaves it to the op
-    (CallMemo.output); None where a or b is not a matrix or the layout is not one (the full
-    path names what is wrong)."""
-    if a.ndim != 2 or b.ndim != 2 or b_layout not in ("kn", "nk"):
+    (CallMemo.output); None (the full path, which names what is wrong before it allocates)
+    where a or b is not a matrix of an input dtype, the layout is not one, or K differs."""
+    if (a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype or a.dtype not in _in_storage()
+            or b_layout not in ("kn", "nk")):
         return None
-    return memo.output((a.shape[0], b.shape[1] if b_layout == "kn" else b.shape[0]), a.dtype,
-                       stream)
+    kn = b_layout == "kn"
+    if a.shape[1] != b.shape[0 if kn else 1]:
+        return None
+    return memo.output((a.shape[0], b.shape[1] if kn else b.shape[0]), a.dtype, stream)
+
+
+_IN_STORAGE: list = []
+
+
+def _in_storage() -> tuple:
+    """The storage dtypes of IN_DTYPES, built once."""
+    if not _IN_STORAGE:
+        _IN_STORAGE.append(tuple(dtype_info(n).storage for n in IN_DTYPES))
+    return _IN_STORAGE[0]
+
+
+def clear_memo() -> None:
+    """Forget every call gemm has bound and let go of the outputs it keeps for reuse
+    (CallMemo.output: up to ops.base.OUTPUTS_KEPT_BYTES a device), on every device: for a
+    process that is done with gemm, or wants that memory back in CuPy's pool."""
+    for memo in list(_MEMOS.values()):
+        memo.clear()
 
 
 _MEMOS: dict = {}  # device -> CallMemo of gemm's calls there

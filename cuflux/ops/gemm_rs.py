@@ -652,7 +652,7 @@ class GemmReduceScatter(CommOp):
         key = None
         if bias is None and self.world.size == 1:
             memo = self._memo
-            if (out is None and memo.owns(a, b) and a.ndim == 2
+            if (out is None and not self._closed and memo.owns(a, b) and a.ndim == 2
                     and a.shape[0] <= self.max_m):  # out before the key: see CallMemo
                 out = memo.output((a.shape[0], self.n), self.out_dtype.storage, stream)
             key = memo.key((a, b, out), self.w1) if out is not None else None
