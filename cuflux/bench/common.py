@@ -164,7 +164,7 @@ extern "C" __global__ void cuflux_bench_hold(unsigned long long ns) {
 extern "C" __global__ void cuflux_bench_empty(unsigned long long unused) {}
 """
 _HOLD_MAX_US = 20_000.0
-HOST_CALLS = 200  # the fewest calls of a host_us loop of small calls (__main__.host_loop_calls)
+HOST_CALLS = 200  # the fewest calls of a host_us loop where speed is measured (__main__.host_loop_calls)
 _hold_kernel = None
 # This host's floor for enqueueing GPU work from Python (measure_host_floor), written into
 # every results JSON of the run: the issues' host bars read against it.
@@ -360,7 +360,7 @@ def write_results(op: str, world_size: int, rows: list[dict], extra: dict | None
            "world_size": world_size, "rows": rows}
     if HOST_FLOOR:
         doc["host_floor_us"] = dict(HOST_FLOOR)
-    doc["host_calls_min"] = HOST_CALLS  # host_us of calls up to 1 ms: at least this many
+    doc["host_calls_min"] = HOST_CALLS  # every host_us loop (speed measured): at least this many
     if extra:
         doc.update(extra)
     d = pathlib.Path(outdir)
