@@ -5,6 +5,7 @@ CUFLUX_TEST_WORLD_SIZES) and skips without a GPU ("no CUDA device"). CPU tests (
 shared checks (aliasing, timeouts, capture refusal, the fused route's boundary) and the epoch
 re-arm of host-counted ops."""
 import math
+import sys
 import time
 
 import numpy as np
@@ -452,6 +453,26 @@ def test_memo_outputs_come_back_once_dropped_two_per_shape_and_bounded(monkeypat
     assert all(k[0][0] != base.OUTPUT_KEPT_BYTES // 8 + 1 for k in m.outputs)
     m.clear()
     assert not m.outputs and m.kept_bytes == 0
+
+
+def test_memo_outputs_are_all_new_where_reference_counts_are_not_trusted(monkeypatch):
+    """Where reference counts may not show every holder (_COUNTS_HOLD false: Python 3.14+,
+    free-threaded builds, other interpreters), CallMemo.output never hands an output back and
+    keeps none."""
+    from types import SimpleNamespace
+
+    if sys.implementation.name == "cpython":  # the CPython builds it trusts: up to 3.13, GIL
+        assert base._COUNTS_HOLD is (sys.version_info < (3, 14)
+                                     and getattr(sys, "_is_gil_enabled", lambda: True)())
+    made = []
+    monkeypatch.setattr(base, "_COUNTS_HOLD", False)
+    monkeypatch.setattr(base, "_new_output", lambda shape, dtype, s: made.append(1) or
+                        SimpleNamespace(shape=shape, nbytes=8, data=SimpleNamespace(mem=None)))
+    monkeypatch.setattr(base, "stream_of", lambda s=None: SimpleNamespace(ptr=0))
+    m = _memo(monkeypatch)
+    for _ in range(3):
+        m.output((4,), np.dtype(np.float64))
+    assert len(made) == 3 and not m.outputs and m.kept_bytes == 0
 
 
 def test_memo_outputs_weak_refs_threads_lru_and_bytes(monkeypatch):

@@ -184,6 +184,11 @@ OUTPUTS_KEPT = 4  # (shape, dtype, stream)s whose outputs a CallMemo keeps (Call
 OUTPUT_KEPT_BYTES = 64 << 20  # each output at most this big (larger: cupy.empty per call),
 OUTPUTS_KEPT_BYTES = 256 << 20  # all of a memo's kept outputs together at most this
 _PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a stream per thread
+# CallMemo.output reads "nothing holds it" from reference counts as CPython up to 3.13 keeps
+# them (every reference a caller can hold is counted); elsewhere (3.14's borrowed stack
+# references, free-threaded builds, other interpreters: untried) every output is new.
+_COUNTS_HOLD = (sys.implementation.name == "cpython" and sys.version_info < (3, 14)
+                and getattr(sys, "_is_gil_enabled", lambda: True)())
 
 
 class CallMemo:
@@ -237,6 +242,8 @@ class CallMemo:
         each at most OUTPUT_KEPT_BYTES, all together at most OUTPUTS_KEPT_BYTES (memory
         CuPy's pool would cache for reuse anyway); clear() (the op's close()) lets them go."""
         s = stream_of(stream)
+        if not _COUNTS_HOLD:
+            return _new_output(shape, dtype, s)
         p = s.ptr
         k = (shape, dtype, p, get_ident() if p == _PER_THREAD_STREAM else 0)
         outputs = self.outputs
