@@ -222,6 +222,18 @@ def _torch_current_stream(like):
     return s
 
 
+def empty_on(shape, dtype, stream=None):
+    """cupy.empty on the current device from the pool arena of the stream that will write it
+    (`stream`: anything stream_of takes; None: the current one), so its block is reused only
+    in that stream's order (2.8-5 us of host time on the H200 machine)."""
+    import cupy
+
+    if stream is None:
+        return cupy.empty(shape, dtype=dtype)
+    with stream_of(stream):
+        return cupy.empty(shape, dtype=dtype)
+
+
 def zeros_settled(shape, dtype):
     """A new CuPy array of zeros on the current device, zeroed before this returns: a word a
     kernel on any stream may read first (a non-blocking stream does not wait for the stream

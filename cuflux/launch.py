@@ -368,7 +368,6 @@ class GraphReplay:
             raise CudaError(f"{self.op}: launching the CUDA graph of {self.what} failed: "
                             f"{e}") from None
 
-
     def _capture(self):
         """The graph exec, or _DIRECT where capturing failed (a launch the driver refuses
         to capture, out of memory, ...): said once as a RuntimeWarning, after which the

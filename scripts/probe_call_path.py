@@ -59,7 +59,7 @@ def main():
     row("norm: memo.output (a dropped output back)", per_call_us(
         lambda: norm._memo.output((1, H), x.dtype, s)))
     row("norm: cupy.empty of the output (stream's arena)", per_call_us(
-        lambda: R._empty((1, H), x.dtype, s)))
+        lambda: arrays.empty_on((1, H), x.dtype, s)))
     full = type(norm)._call.__wrapped__  # the full path: checks, plan, prepared launch
     row("norm: the full path (_call without on_op_device, no memo)", per_call_us(
         lambda: full(norm, x, res, w, out, s, None, None), hold=s))

@@ -420,9 +420,7 @@ class All2AllHeads(CommOp):
             raise CufluxError(f"{_OP}: the op is closed")
         self._raise_if_failed()
         s = stream_of(stream)
-        W = self.spec.world_size
-        captured_now = (W > 1 or self.w1 == "kernel") and _capturing(s)
-        capturing = captured_now and W > 1
+        captured_now, capturing = self._capture_state(s)
         if view and (capturing or self._captured or run.views[0].shape != run.shape[0]
                      or (run.views[1] is not None and run.views[1].shape != run.shape[1])):
             return False
@@ -432,6 +430,15 @@ class All2AllHeads(CommOp):
         for launch in run.launches:
             launch(s.ptr)
         return True
+
+    def _capture_state(self, s) -> tuple[bool, bool]:
+        """(captured_now, capturing) of a call on `s`: whether the call is captured where its
+        kernels read the plan's device prefix array (every path at W > 1, the copy kernel of
+        w1="kernel" at W = 1: the op then counts as captured, so no plan a graph holds is
+        evicted), and whether it is captured at W > 1 (views refused, no cross-stream wait)."""
+        W = self.spec.world_size
+        captured_now = (W > 1 or self.w1 == "kernel") and _capturing(s)
+        return captured_now, captured_now and W > 1
 
     def _sequence(self, s, captured_now: bool, capturing: bool) -> None:
         """Every call of the op in one stream order (double buffering relies on it): a call on
@@ -537,11 +544,7 @@ class All2AllHeads(CommOp):
         if out_scale is not None and not mode:
             raise ValueError(f"{_OP}: out_scale given without scale")
         h = self._call_hash((gather, tokens, B, mode))
-        # Under capture: the paths whose kernels read the plan's device prefix array (every
-        # path at W > 1, the copy kernel of w1="kernel" at W = 1) mark the op captured, so no
-        # plan a graph holds is evicted; at W > 1 a view is refused (below).
-        captured_now = ((spec.world_size > 1 or self.w1 == "kernel") and _capturing(s))
-        capturing = captured_now and spec.world_size > 1
+        captured_now, capturing = self._capture_state(s)  # at W > 1 a view is refused:
         if view and (capturing or self._captured):
             raise CaptureError(
                 f"{_OP}: view=True hands out the receive slot of the call's parity, which a "

@@ -22,8 +22,8 @@ import math
 import numpy as np
 
 from cuflux import kernels
-from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, is_torch, stream_of,
-                           to_caller, zeros_settled)
+from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, empty_on, is_torch,
+                           stream_of, to_caller, zeros_settled)
 from cuflux.errors import CufluxError
 from cuflux.launch import graph_replay
 from cuflux.ops.base import (DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
@@ -440,16 +440,12 @@ class AllReduce(_P2PReduce):
             raise ValueError(f"{self.op}: algo must be one of {ALGOS}, got {algo!r}")
         s = stream_of(stream, x_in)
         if out is None:
-            out = _empty(x.shape, self.dtype.storage, s)
+            out = empty_on(x.shape, self.dtype.storage, s)
         else:
             out = as_cupy(out, "out", self.op)
             check_array(out, name="out", op=self.op, shape=x.shape, dtype=self.dtype,
                         device=self.world.device)
-        agreed = self.world.size == 1 or (x.size, algo) in self._agreed
-        if not agreed:
-            self._agree((x.size, algo), "x.size and algo of the call")
-            agreed = (x.size, algo) in self._agreed  # (unless the set is full: _agree)
-        bind = agreed and self._memo.wants(key)  # a hit skips the agreement: bound once made
+        bind = self._agreed_bind((x.size, algo), "x.size and algo of the call", key)
         run = _nothing
         if x.size and self.world.size == 1:
             # The sum over one rank is x: one device-to-device copy (none in place). The
@@ -594,14 +590,10 @@ class AllReduceRMSNorm(_P2PReduce):
         x, residual, weight, out = check_norm_call(self, x, residual, weight, out, algo)
         s = stream_of(stream, x_in)
         if out is None:
-            out = _empty((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage, s)
+            out = empty_on((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage, s)
         else:
             check_no_alias(self.op, out, x=x, residual=residual, weight=weight)
-        agreed = self.world.size == 1 or (x.shape[0], algo) in self._agreed
-        if not agreed:
-            self._agree((x.shape[0], algo), "token count and algo of the call")
-            agreed = (x.shape[0], algo) in self._agreed
-        bind = agreed and self._memo.wants(key)
+        bind = self._agreed_bind((x.shape[0], algo), "token count and algo of the call", key)
         run = _nothing
         if x.shape[0]:
             ptrs = (x.data.ptr, out.data.ptr, residual.data.ptr, weight.data.ptr)
@@ -642,18 +634,6 @@ def _kernel(module, plan: LaunchPlan):
     return fn
 
 
-def _empty(shape, dtype, stream=None):
-    """An output the op owns: cupy.empty on the current device, from the pool arena of the
-    stream that writes it (`stream`: any stream_of takes; None: the current one, 2.8 us on
-    the H200 machine), so its block is reused only in that stream's order."""
-    import cupy
-
-    if stream is None:
-        return cupy.empty(shape, dtype=dtype)
-    with stream_of(stream):
-        return cupy.empty(shape, dtype=dtype)
-
-
 # ---- local fused residual add + RMSNorm (the unfused baseline's second kernel) --------------
 def rmsnorm_residual(x, residual, weight, eps: float = 1e-6, out=None, stream=None):
     """residual <- x + residual; out = RMSNorm(residual) * weight, on this GPU only.
@@ -680,7 +660,7 @@ def rmsnorm_residual(x, residual, weight, eps: float = 1e-6, out=None, stream=No
     with cupy.cuda.Device(dev):
         s = stream_of(stream, x_in)
         if out is None:
-            out = _empty((T, H), d.storage, s if is_torch(x_in) else None)
+            out = empty_on((T, H), d.storage, s if is_torch(x_in) else None)
         else:
             out = check_array(as_cupy(out, "out", op), name="out", op=op, shape=(T, H),
                               dtype=d, device=dev)

@@ -36,7 +36,7 @@ from threading import get_ident
 
 import numpy as np
 
-from cuflux.arrays import stream_of
+from cuflux.arrays import _ndarray, empty_on, stream_of
 from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError, ErrorRecord,
                            FailureBoard, NoDeviceError)
 from cuflux.launch import current_device
@@ -273,12 +273,7 @@ class CallMemo:
         return arr
 
     def _nd(self):
-        nd = self.ndarray
-        if nd is None:
-            from cuflux.arrays import _ndarray
-
-            nd = self.ndarray = _ndarray()
-        return nd
+        return self.ndarray or _ndarray()  # (a stand-in class where tests set one)
 
     def owns(self, *arrays) -> bool:
         """Whether a call on these arrays (None: absent) may be keyed: every one a CuPy array
@@ -333,12 +328,7 @@ class CallMemo:
         self.kept_bytes = 0
 
 
-def _new_output(shape, dtype, stream):
-    """cupy.empty from the pool arena of `stream` (a CuPy stream)."""
-    import cupy
-
-    with stream:
-        return cupy.empty(shape, dtype=dtype)
+_new_output = empty_on  # CallMemo.output's allocation (tests put a stand-in here)
 
 
 def _references(arr) -> tuple:
@@ -503,6 +493,16 @@ class CommOp(Closeable):
             self._host_failure(e, f"comparing the call's {what} with every rank")
         if len(self._agreed) < 4096:
             self._agreed.add(key)
+
+    def _agreed_bind(self, agree_key, what: str, memo_key) -> bool:
+        """_agree(agree_key) at W > 1, then whether the full path binds this call for the memo
+        (CallMemo.wants): never a call whose agreement is not remembered (a full `_agreed`),
+        as a hit would skip it."""
+        if self.world.size > 1 and agree_key not in self._agreed:
+            self._agree(agree_key, what)
+            if agree_key not in self._agreed:
+                return False
+        return self._memo.wants(memo_key)
 
     def _host_failure(self, e: CommTimeoutError, doing: str):
         """A bounded host exchange of the op timed out: the op is failed, as if a kernel's wait

@@ -22,6 +22,7 @@ configuration cuflux/gemm_tuner.py; their public names used here are re-exported
 from __future__ import annotations
 
 import contextlib
+import functools
 
 from cuflux.arrays import _ndarray, as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import CaptureError
@@ -147,14 +148,10 @@ def _owned_out(memo, a, b, b_layout, stream):
     return memo.output((a.shape[0], b.shape[1] if kn else b.shape[0]), a.dtype, stream)
 
 
-_IN_STORAGE: list = []
-
-
+@functools.cache
 def _in_storage() -> tuple:
-    """The storage dtypes of IN_DTYPES, built once."""
-    if not _IN_STORAGE:
-        _IN_STORAGE.append(tuple(dtype_info(n).storage for n in IN_DTYPES))
-    return _IN_STORAGE[0]
+    """The storage dtypes of IN_DTYPES."""
+    return tuple(dtype_info(n).storage for n in IN_DTYPES)
 
 
 def clear_memo() -> None:
