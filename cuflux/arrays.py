@@ -10,7 +10,8 @@ import sys
 import numpy as np
 
 __all__ = ["DType", "dtype_info", "as_cupy", "check_array", "check_rows", "stream_of",
-           "framework_of", "is_torch", "to_caller", "zeros_settled"]
+           "framework_of", "is_torch", "to_caller", "zeros_settled", "storage_dtype",
+           "torch_empty", "torch_tensor_type"]
 
 
 class DType:
@@ -101,6 +102,10 @@ def as_cupy(x, name: str = "x", op: str = "cuflux"):
 
     if isinstance(x, cupy.ndarray):
         return x
+    if _TORCH_TENSOR and type(x) is _TORCH_TENSOR[0]:
+        a = _torch_as_cupy(x)
+        if a is not None:
+            return a
     # DLPack first: it carries bfloat16, which __cuda_array_interface__ cannot name (torch
     # exports bf16 there as opaque 2-byte voids).
     if hasattr(x, "__dlpack__"):
@@ -191,27 +196,172 @@ def to_caller(out, like, given=None):
     return _to_torch(out, like)
 
 
+def torch_tensor_type():
+    """torch.Tensor once the caller imported torch (never imported here), else None."""
+    if not _TORCH_TENSOR:
+        is_torch(None)  # caches torch.Tensor where torch is imported
+    return _TORCH_TENSOR[0] if _TORCH_TENSOR else None
+
+
+_TORCH_NP: dict = {}  # torch dtype -> the NumPy dtype of its storage (fp8: uint8)
+_NP_TORCH: dict = {}  # NumPy storage dtype -> torch dtype
+_TORCH_FNS: list = []  # [torch.empty, torch.empty_like, torch.strided], set with the tables
+
+
+def _torch_tables() -> dict:
+    """_TORCH_NP, built once: filled aside and published whole (_TORCH_NP last, the flag every
+    reader tests), so a thread racing the first call sees empty tables or full ones."""
+    if not _TORCH_NP:
+        torch = sys.modules["torch"]
+        to_np, to_torch = {}, {}
+        for t, n in (("bfloat16", _bf16()), ("float16", np.float16), ("float32", np.float32),
+                     ("float64", np.float64), ("uint8", np.uint8), ("int8", np.int8),
+                     ("int16", np.int16), ("int32", np.int32), ("int64", np.int64)):
+            to_np[getattr(torch, t)] = np.dtype(n)
+            to_torch[np.dtype(n)] = getattr(torch, t)
+        for t in ("float8_e4m3fn", "float8_e5m2"):
+            if hasattr(torch, t):
+                to_np[getattr(torch, t)] = np.dtype(np.uint8)  # fp8's storage, as ours
+        if not _TORCH_FNS:
+            _TORCH_FNS.extend((torch.empty, torch.empty_like, torch.strided))
+        _NP_TORCH.update(to_torch)
+        _TORCH_NP.update(to_np)
+    return _TORCH_NP
+
+
+def storage_dtype(x):
+    """x's dtype as CuPy stores it: a CuPy array's own, a torch tensor's NumPy counterpart
+    (fp8: uint8; None for a dtype cuflux has no storage for)."""
+    if _TORCH_TENSOR and type(x) is _TORCH_TENSOR[0]:
+        return (_TORCH_NP or _torch_tables()).get(x.dtype)
+    return x.dtype
+
+
+def _torch_as_cupy(t):
+    """A CuPy array over a CUDA torch tensor's memory, made directly (UnownedMemory holding
+    the tensor; ~4-6 us against ~24-26 for cupy.from_dlpack, whose stream handshake a call on
+    torch's current stream does not need: scripts/results/probe_torch_path-h200-2026-12-02.txt;
+    a call given another stream= orders its inputs itself, as with CuPy arrays). None where
+    DLPack should decide (a tensor that requires grad, off the GPU, empty, not strided, a
+    negated or conjugated view, or of a dtype without a storage here): its errors name the
+    problem."""
+    dt = (_TORCH_NP or _torch_tables()).get(t.dtype)
+    if (dt is None or t.requires_grad or not t.is_cuda or t.layout is not _TORCH_FNS[2]
+            or t.is_neg() or t.is_conj()):
+        return None
+    n = t.numel()
+    if not n:
+        return None
+    import cupy
+
+    item = dt.itemsize
+    if t.is_contiguous():
+        nbytes, strides = n * item, None
+    else:
+        shape, st = t.shape, t.stride()
+        nbytes = (sum((d - 1) * s for d, s in zip(shape, st)) + 1) * item
+        strides = tuple(s * item for s in st)
+    mem = cupy.cuda.UnownedMemory(t.data_ptr(), nbytes, t, device_id=t.get_device())
+    return cupy.ndarray(tuple(t.shape), dt, cupy.cuda.MemoryPointer(mem, 0), strides=strides)
+
+
+def torch_empty(shape, dtype, stream, like):
+    """A new torch tensor on like's device for an output the op owns when the caller's
+    arrays are torch tensors: from torch's caching allocator (2-3 us; a loop that drops its
+    outputs gets the same blocks back, so the op's memo keys repeat), of NumPy storage
+    `dtype` (like's own torch dtype where that is its storage: fp8 stays fp8). From the pool
+    of the stream the op writes it on (`stream`: anything stream_of takes; None: torch's
+    current one), as CuPy's pool would: a block torch hands out there was last used in that
+    stream's order. Another stream than torch's current one costs a stream switch (~5 us)."""
+    tables = _TORCH_NP or _torch_tables()
+    empty, empty_like, _ = _TORCH_FNS
+    mine = tables.get(like.dtype)
+    if stream is not None:
+        s = stream_of(stream)
+        if s.ptr != _torch_stream_handle(like.get_device()):
+            torch = sys.modules["torch"]
+            with torch.cuda.stream(_torch_stream_object(s.ptr, like.device)):
+                return torch_empty(shape, dtype, None, like)
+    if mine is not None and mine == dtype:  # (None == np.dtype("float64") is True)
+        if like.shape == shape and like.is_contiguous():  # 1.7 us; torch.empty 3.5 us
+            return empty_like(like)
+        return empty(shape, dtype=like.dtype, device=like.device)
+    return empty(shape, dtype=_NP_TORCH[np.dtype(dtype)], device=like.device)
+
+
+_TORCH_STREAM_OBJECTS: dict = {}  # (handle, device) -> torch.cuda.ExternalStream
+
+
+def _torch_stream_object(handle: int, device):
+    key = (handle, device)
+    s = _TORCH_STREAM_OBJECTS.get(key)
+    if s is None:
+        if len(_TORCH_STREAM_OBJECTS) > 256:
+            _TORCH_STREAM_OBJECTS.clear()
+        torch = sys.modules["torch"]
+        s = _TORCH_STREAM_OBJECTS[key] = torch.cuda.ExternalStream(handle, device=device)
+    return s
+
+
+_NO_SYNC: list = []  # [False] once CuPy refused __dlpack__(stream=-1)
+
+
 def _to_torch(a, like):
+    """a (a CuPy array the op wrote on the call's stream) as a torch tensor over the same
+    memory. Its DLPack capsule is taken with stream=-1 (no handshake: torch.from_dlpack(a)
+    would make torch's current stream wait on CuPy's current one, which is not the call's
+    stream anyway; 15 us of host time); the call's stream is torch's current one unless the
+    caller named another, whose order is then the caller's, as with CuPy arrays."""
     if a is None:
         return None
     torch = sys.modules["torch"]
-    try:
-        return torch.from_dlpack(a)
-    except Exception:
-        # A dtype DLPack cannot name on one side (fp8 stored as uint8): the same bytes, viewed.
-        if a.dtype.itemsize != like.element_size():
-            raise
-        return torch.from_dlpack(a.view(f"u{a.dtype.itemsize}")).view(like.dtype)
+    t = None
+    if not _NO_SYNC:
+        try:
+            capsule = a.__dlpack__(stream=-1)
+        except (TypeError, ValueError, BufferError):
+            _NO_SYNC.append(False)  # this CuPy takes no stream=-1: the handshake from now on
+        else:
+            try:
+                t = torch.from_dlpack(capsule)
+            except Exception:  # a dtype torch cannot take: the ways below
+                pass
+    if t is None:
+        try:
+            t = torch.from_dlpack(a)
+        except Exception:
+            # A dtype DLPack cannot name on one side: the same bytes, viewed.
+            if a.dtype.itemsize != like.element_size():
+                raise
+            return torch.from_dlpack(a.view(f"u{a.dtype.itemsize}")).view(like.dtype)
+    # fp8 in, fp8 out: an output stored as the input is (uint8) takes the input's torch dtype
+    mine = (_TORCH_NP or _torch_tables()).get(like.dtype)
+    if t.dtype != like.dtype and mine is not None and mine == a.dtype:
+        return t.view(like.dtype)
+    return t
 
 
 _TORCH_STREAMS: dict = {}  # (torch stream handle, device) -> its cupy ExternalStream
 
 
+_RAW_STREAM: list = []  # [torch's raw current-stream getter (device index -> handle)]
+
+
+def _torch_stream_handle(dev: int) -> int:
+    """The handle of torch's current stream on device `dev`: torch._C's raw getter where
+    torch has it (0.2 us; torch.cuda.current_stream builds a Stream object: 4.8 us)."""
+    if not _RAW_STREAM:
+        torch = sys.modules["torch"]
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _RAW_STREAM.append(raw if raw is not None
+                           else lambda d: torch.cuda.current_stream(d).cuda_stream)
+    return _RAW_STREAM[0](dev)
+
+
 def _torch_current_stream(like):
     """torch's current stream on like's device, as a CuPy ExternalStream (cached by handle)."""
-    torch = sys.modules["torch"]
-    dev = like.device.index
-    handle = torch.cuda.current_stream(dev).cuda_stream
+    dev = like.get_device()
+    handle = _torch_stream_handle(dev)
     s = _TORCH_STREAMS.get((handle, dev))
     if s is None:
         import cupy

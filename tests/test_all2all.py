@@ -535,7 +535,9 @@ def owned_outputs(world, seed, calls=24):
                 if i == calls - 3:  # held: the same call again gets another output
                     again = call(src, listed, src_sc)
                     again_out = again[0] if per_head else again
-                    assert again_out.data.ptr != got.data.ptr
+                    # (a rank without tokens gets empty outputs: no memory, pointer 0)
+                    assert again_out is not got and (got.size == 0
+                                                     or again_out.data.ptr != got.data.ptr)
                     op.synchronize()
                     _same_bits(again_out, want[me], f"held call {i} {dtype} rank {me}")
                     del again, again_out

@@ -308,13 +308,198 @@ def torch_route(world, seed=40):
     return True
 
 
+@on_ranks
+def torch_calls_replay(world, seed=50, calls=12):
+    """The memoized ops called from torch as cuflux.torch calls them (outputs left to the op,
+    torch's current stream: a side stream) and with out=: each call bit for bit the CuPy
+    call of the same op on the same data (itself checked against float64 in the op's own
+    tests) on fresh data every call, outputs poisoned first (a block of torch's allocator
+    filled and freed just before, which the call's own output then takes), torch in and
+    torch out (out= returned as given, fp8 in fp8 out), most calls replayed (a memo entry
+    keyed by torch tensors; the full path runs at most the first few), an output still held
+    never written by the next call, and a tensor that requires grad refused after its
+    twin's call was bound."""
+    torch = _torch()
+    if torch is None:
+        return "torch missing"
+    import cupy
+
+    from cuflux.ops import gemm as gemm_mod
+
+    W, me = world.size, world.rank
+    dev = torch.device("cuda", world.device)
+    side = torch.cuda.Stream(device=dev)
+    cs = cupy.cuda.ExternalStream(side.cuda_stream, world.device)
+    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+
+    def draw(i, *shape, dtype=torch.bfloat16):
+        g = torch.Generator().manual_seed(seed * 100003 + i * 64 + me)
+        t = torch.rand(*shape, generator=g) * 2 - 1
+        if dtype in (torch.float8_e4m3fn,):
+            return (t * 8).to(dtype).to(dev)
+        return t.to(dtype).to(dev)
+
+    def poison(shape, dtype):
+        p = torch.empty(shape, dtype=dtype, device=dev)
+        p.view(torch.uint8).fill_(0xFF)  # NaN in every float format here
+        del p
+
+    def same(got, want, what):
+        assert isinstance(got, torch.Tensor) and got.device == dev, (what, type(got))
+        want = want if isinstance(want, torch.Tensor) else torch.from_dlpack(want)
+        assert got.shape == want.shape, (what, got.shape, want.shape)
+        assert torch.equal(bits(got), bits(want.view(got.dtype) if want.dtype != got.dtype
+                                              else want)), f"{what} rank {me}"
+
+    def cu(t):  # the same data as CuPy (fp8 as its uint8 storage)
+        if t.dtype == torch.float8_e4m3fn:
+            t = t.view(torch.uint8)
+        return cupy.from_dlpack(t)
+
+    def full_calls(op, name="_call", arg=0, gather=None):
+        """Counts the op's full-path calls made with torch tensors (argument `arg`; with
+        `gather`, only the calls of that direction: argument 0 of All2AllHeads._run)."""
+        count = [0]
+        inner = getattr(op, name)
+
+        def counted(*a, **k):
+            count[0] += isinstance(a[arg], torch.Tensor) and (gather is None or a[0] == gather)
+            return inner(*a, **k)
+        setattr(op, name, counted)
+        return count
+
+    def torch_keyed(memo):
+        return sum(any(isinstance(e, torch.dtype) for e in k) for k in memo.entries)
+
+    H, T, D = 256, 12, 64
+    tokens = tuple(T + (r % 3) for r in range(W))
+    with torch.cuda.stream(side), \
+            cuflux.AllReduce(world, 1 << 14, "bfloat16") as ar, \
+            cuflux.AllReduce(world, 1 << 14, "bfloat16") as ar_out, \
+            cuflux.AllReduceRMSNorm(world, 64, H, "bfloat16") as norm, \
+            cuflux.All2AllHeads(world, T + 2, 2 * W, D, "bfloat16") as a2a, \
+            cuflux.All2AllHeads(world, T + 2, 2 * W, D, "float8_e4m3fn") as a2q:
+        # each kind of call counted apart (ar: owned outputs, ar_out: out=)
+        counts = {"ar owned": full_calls(ar), "ar out=": full_calls(ar_out),
+                  "norm": full_calls(norm),
+                  "a2a scatter": full_calls(a2a, "_run", 1, False),
+                  "a2a gather": full_calls(a2a, "_run", 1, True),
+                  "a2a fp8 scatter": full_calls(a2q, "_run", 1)}
+        res = draw(999, T, H)
+        w = draw(998, H)
+        # Inputs refilled in place each call (fresh data, the same tensors), as a model's
+        # step refills its buffers: the loop's allocations repeat call after call, so do
+        # the torch allocator's blocks, so do the calls' keys.
+        bf16, fp8 = torch.bfloat16, torch.float8_e4m3fn
+        x, given, r_t, r_t2 = (torch.empty(T, H, dtype=bf16, device=dev) for _ in range(4))
+        xs = torch.empty(1, tokens[me], 2 * W, D, dtype=bf16, device=dev)
+        xq = torch.empty(1, tokens[me], 2 * W, D, dtype=fp8, device=dev)
+        sq = torch.empty(1, tokens[me], dtype=torch.float32, device=dev)
+        for i in range(calls):
+            x.copy_(draw(i, T, H))
+            poison((T, H), bf16)
+            y = ar(x)
+            y2 = ar_out(x, out=given)
+            assert y2 is given
+            want = ar(cu(x), stream=cs)
+            same(y, want, f"allreduce call {i}")
+            same(y2, want, f"allreduce out= call {i}")
+
+            r_t.copy_(res)
+            r_t2.copy_(res)
+            r_c = cu(r_t2)
+            poison((T, H), bf16)
+            z = norm(x, r_t, w)
+            zc = norm(cu(x), r_c, cu(w), stream=cs)
+            same(z, zc, f"norm call {i}")
+            same(r_t, r_c, f"norm residual call {i}")
+
+            xs.copy_(draw(100 + i, 1, tokens[me], 2 * W, D))
+            poison((1, sum(tokens), 2, D), bf16)
+            ys = a2a.scatter_heads(xs, tokens)
+            same(ys, a2a.scatter_heads(cu(xs), tokens, stream=cs), f"a2a scatter call {i}")
+            back = a2a.gather_heads(ys, tokens)
+            same(back, xs, f"a2a round trip call {i}")
+
+            xq.copy_(draw(200 + i, 1, tokens[me], 2 * W, D, dtype=fp8))
+            sq.copy_(draw(300 + i, 1, tokens[me]).abs().float() + 0.5)
+            poison((1, sum(tokens), 2, D), fp8)
+            yq, yqs = a2q.scatter_heads(xq, tokens, sq)
+            assert yq.dtype == fp8 and yqs.dtype == torch.float32
+            wq, wqs = a2q.scatter_heads(cu(xq), tokens, cu(sq), stream=cs)
+            same(yq, wq, f"a2a fp8 call {i}")
+            same(yqs, wqs, f"a2a fp8 scales call {i}")
+            del y, y2, z, ys, back, yq, yqs
+        side.synchronize()
+        # a key is bound at its second sighting and the loop's pointers repeat (torch's
+        # allocator hands the dropped blocks back): at least half of each kind replayed
+        full = {name: count[0] for name, count in counts.items()}
+        assert all(n <= calls // 2 for n in full.values()), \
+            f"of {calls} torch calls of each kind, these took the full path: {full}"
+        # an output still held is not the next call's: its values stay
+        held = ar(x)
+        ar(x * 2)
+        same(held, ar(cu(x), stream=cs), "held allreduce output")
+        # a tensor that requires grad is refused, also where its twin's call was bound
+        ar_out(x, out=given)
+        ar_out(x, out=given)  # bound
+        x.requires_grad_()
+        with pytest.raises((RuntimeError, TypeError)):
+            ar_out(x, out=given)
+        x.requires_grad_(False)
+        with pytest.raises(ValueError, match="contiguous"):  # not C-contiguous: refused
+            ar(x.t())
+        # owned outputs of a call on a stream that is not torch's current one (its pool)
+        other = torch.cuda.Stream(device=dev)
+        other.wait_stream(side)
+        for i in range(3):
+            got = ar(x, stream=other)
+            other.synchronize()
+            same(got, ar(cu(x), stream=cs), f"allreduce on another stream, call {i}")
+            side.synchronize()
+        for name, op in (("ar", ar), ("ar_out", ar_out), ("norm", norm), ("a2a", a2a),
+                         ("a2q", a2q)):
+            assert torch_keyed(op._memo) >= 1, f"{name}: no call keyed by torch tensors bound"
+
+    # gemm (local at any W) and GemmReduceScatter at W = 1
+    M, N, K = 24, 64, 128
+    memo = gemm_mod._memo()
+    with torch.cuda.stream(side):
+        b = draw(400, N, K)
+        for i in range(calls):
+            a = draw(500 + i, M, K)
+            poison((M, N), torch.bfloat16)
+            c = cuflux.gemm(a, b, b_layout="nk")
+            given = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+            c2 = cuflux.gemm(a, b, out=given, b_layout="nk")
+            assert c2 is given
+            want = cuflux.gemm(cu(a), cu(b), b_layout="nk", stream=cs)
+            same(c, want, f"gemm call {i}")
+            same(c2, want, f"gemm out= call {i}")
+            del c, c2
+        assert torch_keyed(memo) >= 2, "gemm: no torch-keyed call bound"
+        if W == 1:
+            with cuflux.GemmReduceScatter(world, M, N, K, "bfloat16", b_layout="nk") as rs:
+                for i in range(calls):
+                    a = draw(600 + i, M, K)
+                    poison((M, N), torch.bfloat16)
+                    c = rs(a, b)
+                    same(c, cuflux.gemm(cu(a), cu(b), b_layout="nk", stream=cs),
+                         f"gemm_rs W=1 call {i}")
+                    del c
+                assert torch_keyed(rs._memo) >= 1, "gemm_rs: no torch-keyed call bound"
+    side.synchronize()
+    return True
+
+
 # Each case runs at every W on fresh random data and returns True on every rank when its checks
 # passed (a failure names the seed).
 CASES = {"column_and_row_parallel_linear_forward_backward": linear_layers,
          "parallel_rmsnorm_every_output_forward_backward": norm_layer,
          "ulysses_attention_forward_backward": ulysses,
          "torch_in_torch_out_on_torch_current_stream": torch_in_torch_out,
-         "init_on_a_torch_distributed_group": torch_route}
+         "init_on_a_torch_distributed_group": torch_route,
+         "torch_calls_replay_bit_for_bit": torch_calls_replay}
 
 
 @pytest.mark.gpu

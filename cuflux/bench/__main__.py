@@ -24,7 +24,7 @@ import sys
 OPS = {"allgather": "cuflux.bench.allgather", "allreduce": "cuflux.bench.allreduce",
        "all2all": "cuflux.bench.all2all", "gemm": "cuflux.bench.gemm",
        "ag_gemm": "cuflux.bench.ag_gemm", "gemm_rs": "cuflux.bench.gemm_rs",
-       "across": "cuflux.bench.across"}
+       "across": "cuflux.bench.across", "torch": "cuflux.bench.torch_calls"}
 DEFAULT_OUTDIR = "cuflux-results"  # under the working directory
 
 # ---- regimes ----------------------------------------------------------------------------------

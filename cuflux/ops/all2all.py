@@ -30,7 +30,8 @@ from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, STATUS_OK, Ca
                            CommTimeoutError, CufluxError)
 from cuflux.launch import capturing as _capturing
 from cuflux.launch import graph_replay
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout, on_op_device
+from cuflux.ops.base import (CUPY, DEFAULT_TIMEOUT_S, TORCH, CommOp, check_no_alias, check_timeout,
+                             on_op_device)
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
@@ -270,7 +271,10 @@ class All2AllHeads(CommOp):
         layout): "pdl" (default) a copy kernel launched with programmatic dependent launch where
         16-byte vectors fit, so its launch overlaps the end of the kernel ahead of it (0.93-0.95
         of the copy rate on the H200, `python -m cuflux.bench all2all`; cudaMemcpyAsync where
-        they do not fit), "memcpy" always cudaMemcpyAsync (0.90), "kernel" the general push
+        they do not fit, and for calls with scales, whose two copies then replay as one graph:
+        a PDL launch cannot join a graph, and a PDL launch beside a copy cost 18 us of host time
+        a call against 11 for the two copies, scripts/results/probe_torch_path-h200-2026-12-02.txt),
+        "memcpy" always cudaMemcpyAsync (0.90), "kernel" the general push
         kernel (what W > 1 runs; tests and benchmarks). The attribute `op.w1` may be changed
         between calls.
 
@@ -339,6 +343,7 @@ class All2AllHeads(CommOp):
         self._plans: collections.OrderedDict = collections.OrderedDict()
         self._hashes: dict = {}
         self._views: dict = {}  # (region, shape, dtype) -> a view of this rank's slot
+        self._out_shapes: dict = {}  # (gather, tokens, B, scale ndim) -> owned output shapes
         self.w1 = w1
         self._closed = False
 
@@ -365,61 +370,73 @@ class All2AllHeads(CommOp):
     __call__ = scatter_heads
 
     def _call(self, gather, a, tokens_per_rank, scale, out, out_scale, view, stream):
-        """A call seen before (CuPy arrays; tokens_per_rank a list or tuple of integers; out=
-        given, and out_scale= with scales, or both left to the op, or view=True with
-        neither) replays what it launched (base.CallMemo); any other call takes the full
-        path (_run). Outputs left to the op are allocated first (_owned_outputs), so a loop
-        that drops them hits too."""
+        """A call seen before (CuPy arrays or torch tensors; tokens_per_rank a list or tuple
+        of integers; out= given, and out_scale= with scales, or both left to the op, or
+        view=True with neither, CuPy arrays only) replays what it launched (base.CallMemo);
+        any other call takes the full path (_run). Outputs left to the op are allocated
+        first (_owned_outputs), so a loop that drops them hits too."""
         key = None
         tokens = _tokens_key(tokens_per_rank)
         if tokens is not None:
             memo = self._memo
             if view:
-                if out is None and out_scale is None:
-                    # a view is the receive slot of the call's parity: a key per parity
+                # a view is the receive slot of the call's parity: a key per parity (CuPy
+                # views: a torch caller's are converted by the full path)
+                if out is None and out_scale is None and memo.owns(a, scale) == CUPY:
                     key = memo.key((a,) if scale is None else (a, scale),
                                    (gather, tokens, self.w1, True, (self.epoch + 1) & 1))
             else:
-                if out is None and out_scale is None and memo.owns(a, scale):
-                    out, out_scale = self._owned_outputs(gather, a, tokens, scale, stream)
+                if out is None and out_scale is None:
+                    kind = memo.owns(a, scale)
+                    if kind:
+                        out, out_scale = self._owned_outputs(gather, a, tokens, scale, stream,
+                                                             a if kind == TORCH else None)
                 if out is not None and (scale is None) == (out_scale is None):
                     key = memo.key((a, out) if scale is None else (a, scale, out, out_scale),
                                    (gather, tokens, self.w1, False, 0))
             run = memo.get(key)
-            if run is not None and self._replay(run, view, stream):
+            if run is not None and self._replay(run, view, stream, a):
                 if view:
                     out, out_scale = run.views
                 return (out, out_scale) if scale is not None else out
         return self._run(gather, a, tokens_per_rank, scale, out, out_scale, view, stream, key)
 
-    def _owned_outputs(self, gather, a, tokens, scale, stream) -> tuple:
-        """(out, out_scale or None) for a call that leaves them to the op (CuPy arrays):
-        CallMemo.output, or (None, None) where the call's shapes are not the op's (the full
-        path then names what is wrong)."""
+    def _owned_outputs(self, gather, a, tokens, scale, stream, like=None) -> tuple:
+        """(out, out_scale or None) for a call that leaves them to the op (CuPy arrays, or
+        torch tensors: `like`, the input): CallMemo.output, or (None, None) where the call's
+        shapes are not the op's (the full path then names what is wrong)."""
         spec = self.spec
         if self._closed or a.ndim != 4 or not 1 <= a.shape[0] <= spec.batch:
             return None, None
         if scale is not None and scale.ndim not in (2, 3):
             return None, None
-        s = stream_of(stream)
-        tokens = self._plan(tokens, s).tokens  # checked: bad tokens get the full path's error
         B = a.shape[0]
-        _, out_shape = io_shapes(spec, gather, B, tokens)
+        key = (gather, tokens, B, 0 if scale is None else scale.ndim)
+        shapes = self._out_shapes.get(key)  # (_plan + io_shapes + scale_shapes: ~1.5 us)
+        if shapes is None:
+            # checked (bad tokens get the full path's error), then remembered: shapes follow
+            # token lists, bounded like plans
+            tokens = self._plan(tokens, stream_of(stream, like)).tokens
+            shapes = (io_shapes(spec, gather, B, tokens)[1],
+                      None if scale is None
+                      else scale_shapes(spec, gather, B, tokens, scale.ndim == 3)[1])
+            if len(self._out_shapes) >= CACHE_MAX:
+                self._out_shapes.clear()
+            self._out_shapes[key] = shapes
         memo = self._memo
-        out = memo.output(out_shape, spec.dtype.storage, s)
+        out = memo.output(shapes[0], spec.dtype.storage, stream, like)
         if scale is None:
             return out, None
-        sc = scale_shapes(spec, gather, B, tokens, scale.ndim == 3)[1]
-        return out, memo.output(sc, _F32, s)
+        return out, memo.output(shapes[1], _F32, stream, like)
 
-    def _replay(self, run: "_Replay", view: bool, stream) -> bool:
-        """A memo hit: enqueue its launches; False (nothing done) where the call takes the
-        full path instead (a view under capture, refused there; a view whose shape the
-        caller changed in place)."""
+    def _replay(self, run: "_Replay", view: bool, stream, like=None) -> bool:
+        """A memo hit: enqueue its launches on `stream` (None: the current one of like's
+        framework); False (nothing done) where the call takes the full path instead (a view
+        under capture, refused there; a view whose shape the caller changed in place)."""
         if self._closed:
             raise CufluxError(f"{_OP}: the op is closed")
         self._raise_if_failed()
-        s = stream_of(stream)
+        s = stream_of(stream, like)
         captured_now, capturing = self._capture_state(s)
         if view and (capturing or self._captured or run.views[0].shape != run.shape[0]
                      or (run.views[1] is not None and run.views[1].shape != run.shape[1])):
@@ -556,13 +573,13 @@ class All2AllHeads(CommOp):
             out = self._slot_view(f"data{parity}", out_shape, spec.dtype.storage)
             out_scale = self._slot_view(f"scale{parity}", sc_shape, np.float32) if mode else None
         else:
-            given = out is not None, out_scale is not None
+            out_given, scale_given = out is not None, out_scale is not None
             out = self._output(out, "out", out_shape, spec.dtype, s)
             if mode:
                 out_scale = self._output(out_scale, "out_scale", sc_shape, dtype_info("float32"), s)
-            if given[0]:
+            if out_given:
                 check_no_alias(_OP, out, input=a, scale=scale)
-            if given[1] and mode:
+            if scale_given and mode:
                 check_no_alias(_OP, out_scale, input=a, scale=scale)
         S = plan.total
         bind = self._memo.wants(key) and not self._captured
@@ -587,14 +604,14 @@ class All2AllHeads(CommOp):
         spec, bound = self.spec, []
         if spec.world_size == 1 and self.w1 != "kernel":
             # One rank: input and output have the same layout, the op is one copy:
-            # cudaMemcpyAsync, or ("pdl", where 16-byte vectors fit) a copy kernel launched
-            # with programmatic dependent launch.
+            # cudaMemcpyAsync, or ("pdl", where 16-byte vectors fit and no scales follow) a
+            # copy kernel launched with programmatic dependent launch.
             from cupy.cuda import runtime
 
             rows = B * plan.total
             nbytes = rows * self._row_bytes
             copies = []
-            if (self.w1 == "pdl" and nbytes % 16 == 0 and a.data.ptr % 16 == 0
+            if (self.w1 == "pdl" and not mode and nbytes % 16 == 0 and a.data.ptr % 16 == 0
                     and out.data.ptr % 16 == 0):
                 n_vec = nbytes // 16
                 args = (a, out, np.uint64(n_vec))

@@ -36,7 +36,7 @@ from threading import get_ident
 
 import numpy as np
 
-from cuflux.arrays import _ndarray, empty_on, stream_of
+from cuflux.arrays import _ndarray, empty_on, stream_of, torch_empty, torch_tensor_type
 from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError, ErrorRecord,
                            FailureBoard, NoDeviceError)
 from cuflux.launch import current_device
@@ -198,15 +198,18 @@ class CallMemo:
     no argument packing (AllReduceRMSNorm at W = 1: 7.3 us a call against 10.6 for the full
     path, scripts/results/probe_call_path-h200-2026-12-02d.txt).
 
-    key(): per array argument (CuPy arrays, none of them None: the caller leaves out the
-    absent ones, and their absence shows in the key's length or in `extra`) its device
-    pointer, device, shape, dtype and C-contiguity (or, where not contiguous, its strides):
-    what contiguity, shape, dtype, device, alignment and overlap checks read; then `extra`
-    (the call's other arguments, each of a type whose equality is the full path's: an int
-    stands for an int, never for a float or a bool that equals it); None, the full path,
-    where an argument is not a CuPy array (a torch tensor converts at every call) or the
-    caller's current device is not the op's. Memory freed and reallocated at the same
-    address under the same key passes the same checks, so a hit stays right.
+    key(): per array argument (all CuPy arrays or all torch tensors, none of them None: the
+    caller leaves out the absent ones, and their absence shows in the key's length or in
+    `extra`) its device pointer, device, shape, dtype and C-contiguity (or, where not
+    contiguous, its strides), and for a tensor whether it requires grad: what contiguity,
+    shape, dtype, device, alignment and overlap checks read; then `extra` (the call's other
+    arguments, each of a type whose equality is the full path's: an int stands for an int,
+    never for a float or a bool that equals it); None, the full path, where the arguments
+    are of mixed or other kinds, or the caller's current device is not the op's. Memory
+    freed and reallocated at the same address under the same key passes the same checks,
+    so a hit stays right. A torch caller's hit returns the caller's own tensors (out=) or
+    ones torch's allocator made (output(like=)): torch in, torch out, no DLPack (which cost
+    a torch call 100-250 us: scripts/results/probe_torch_path-h200-2026-12-02.txt).
 
     An output the op allocates (out=None) is made before the key (owns() says where it may
     be; output() makes it), so a loop that drops its outputs gets the same memory again and
@@ -225,7 +228,7 @@ class CallMemo:
         self.outputs: dict = {}  # (shape, dtype, stream, thread) -> [[array, its references]]
         self.kept_bytes = 0  # of the arrays in self.outputs
 
-    def output(self, shape, dtype, stream=None):
+    def output(self, shape, dtype, stream=None, like=None):
         """An output the op owns (a call with out=None), on the current device, for a call
         on `stream` (any stream_of takes; None: the current one): one this memo handed out
         before for (shape, dtype, stream) again where nothing but the memo holds it any more
@@ -240,7 +243,13 @@ class CallMemo:
         made. A caller that keeps its outputs gets a new array each call, as from
         cupy.empty. Kept: the outputs of the OUTPUTS_KEPT (shape, dtype, stream) used last,
         each at most OUTPUT_KEPT_BYTES, all together at most OUTPUTS_KEPT_BYTES (memory
-        CuPy's pool would cache for reuse anyway); clear() (the op's close()) lets them go."""
+        CuPy's pool would cache for reuse anyway); clear() (the op's close()) lets them go.
+
+        like: the call's first array where owns() said TORCH: a torch tensor from torch's
+        caching allocator instead (arrays.torch_empty), which hands a dropped block back by
+        itself (nothing kept here: the allocator sees every holder, views included)."""
+        if like is not None:
+            return torch_empty(shape, dtype, stream, like)
         s = stream_of(stream)
         if not _COUNTS_HOLD:
             return _new_output(shape, dtype, s)
@@ -275,26 +284,37 @@ class CallMemo:
     def _nd(self):
         return self.ndarray or _ndarray()  # (a stand-in class where tests set one)
 
-    def owns(self, *arrays) -> bool:
-        """Whether a call on these arrays (None: absent) may be keyed: every one a CuPy array
-        and the op's device current (the types first: a torch tensor never costs the device
-        query). An op allocates its output before the key only where this holds."""
-        nd = self._nd()
-        for a in arrays:
-            if a is not None and type(a) is not nd:
-                return False
-        return current_device() == self.device
+    def owns(self, *arrays) -> int:
+        """Whether a call on these arrays (None: absent) may be keyed, and in which framework:
+        CUPY (every one a CuPy array), TORCH (every one a torch.Tensor on the op's device that
+        does not require grad), else 0; and the op's device current (the types first: any
+        other array never costs the device query). An op allocates its output before the key
+        only where this holds (TORCH: output(like=) of torch's allocator)."""
+        kind = _kind(self._nd(), arrays, self.device)
+        return kind if kind and current_device() == self.device else 0
 
     def key(self, arrays: tuple, extra=None):
         nd = self._nd()
         k = [extra]
-        for a in arrays:
-            if type(a) is not nd:
+        if type(arrays[0]) is nd:
+            for a in arrays:
+                if type(a) is not nd:
+                    return None
+                d = a.data
+                # CuPy's C-contiguity flag (an attribute read) stands for the strides, whose
+                # tuple costs as much as the shape's; a non-contiguous array keeps its strides
+                k += (d.ptr, d.device_id, a.shape, a.dtype, a._c_contiguous or a.strides)
+        else:
+            tensor = torch_tensor_type()
+            if tensor is None:
                 return None
-            d = a.data
-            # CuPy's C-contiguity flag (an attribute read) stands for the strides, whose tuple
-            # costs as much as the shape's; a non-contiguous array keeps its strides in the key
-            k += (d.ptr, d.device_id, a.shape, a.dtype, a._c_contiguous or a.strides)
+            for a in arrays:
+                if type(a) is not tensor:
+                    return None
+                # what the full path's intake reads (arrays._torch_as_cupy): a tensor that
+                # requires grad is refused there, so it never hits a key bound without
+                k += (a.data_ptr(), a.get_device(), a.shape, a.dtype,
+                      a.is_contiguous() or a.stride(), a.requires_grad)
         if current_device() != self.device:
             return None
         return tuple(k)
@@ -329,6 +349,32 @@ class CallMemo:
 
 
 _new_output = empty_on  # CallMemo.output's allocation (tests put a stand-in here)
+CUPY, TORCH = 1, 2  # CallMemo.owns: the framework of a call's arrays
+
+
+def _strided():
+    return sys.modules["torch"].strided
+
+
+def _kind(nd, arrays, device) -> int:
+    """CUPY, TORCH or 0 for CallMemo.owns (the device is the caller's)."""
+    kind = 0
+    tensor = None
+    for a in arrays:
+        if a is None:
+            continue
+        if type(a) is nd:
+            if kind == TORCH:
+                return 0
+            kind = CUPY
+            continue
+        if tensor is None:
+            tensor = torch_tensor_type()
+        if (tensor is None or type(a) is not tensor or kind == CUPY or a.requires_grad
+                or a.get_device() != device or a.layout is not _strided()):
+            return 0  # (a sparse tensor has no data_ptr for the key)
+        kind = TORCH
+    return kind
 
 
 def _references(arr) -> tuple:
@@ -466,11 +512,11 @@ class CommOp(Closeable):
         self.comm.free()
 
     # ---- the call path -----------------------------------------------------------------------
-    def _replayed(self, run, stream) -> bool:
-        """A memo hit (CallMemo): `run`, the call's bound replay, on its stream, once the
-        caller checked the op's state; False where the replay declined (nothing enqueued:
-        the caller takes the full path)."""
-        s = stream_of(stream)
+    def _replayed(self, run, stream, like=None) -> bool:
+        """A memo hit (CallMemo): `run`, the call's bound replay, on its stream (None: the
+        current one of like's framework, as stream_of), once the caller checked the op's
+        state; False where the replay declined (nothing enqueued: the full path)."""
+        s = stream_of(stream, like)
         self._last_stream = s
         return run(s.ptr) is not False
 

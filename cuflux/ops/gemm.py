@@ -24,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import functools
 
-from cuflux.arrays import _ndarray, as_cupy, check_array, dtype_info, stream_of, to_caller
+from cuflux.arrays import (_ndarray, as_cupy, check_array, dtype_info, storage_dtype, stream_of,
+                           to_caller, torch_tensor_type)
 from cuflux.errors import CaptureError
 from cuflux.gemm_core import (CUDA_TYPE, FAMILY, IN_DTYPES, OUT_KIND, SM80, SM80_CONFIG,
                               SM90_CONFIGS, SM90_DEFAULT, WORKSPACE_BYTES, Sm80Config,
@@ -35,7 +36,7 @@ from cuflux.gemm_tuner import (CUBLAS, CUBLAS_BELOW_M, TUNER_CANDIDATES, choice,
                                heuristic, load_tuner, plan, shape_class, tune_key, tuned_config,
                                tuner_path)
 from cuflux.launch import capturing, current_device
-from cuflux.ops.base import CallMemo
+from cuflux.ops.base import TORCH, CallMemo
 
 # The call, plus the core's and the tuner's public names that callers have imported from here.
 __all__ = ["gemm", "gemm_replay", "clear_memo", "plan", "IMPLS", "tensor_map", "Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT",
@@ -113,39 +114,43 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
       group_m: tile rows per L2 group of the tile order (1: row-major order).
     K and N must be multiples of 8 (16-byte rows). Capturable in a CUDA graph once the shape
     class has been tuned (under capture an untuned shape takes the heuristic: no timing).
-    Without bias (CuPy arrays; out= given or left to the op), a call seen before replays
+    Without bias (CuPy arrays or torch tensors; out= given or left to the op), a call seen before replays
     its launch (ops.base.CallMemo): no check, no plan, no tuner lookup. The replay is the
     route and configuration the call took when it was bound (the tuner's winner then; a
     later change of the tuner's table or of CUFLUX_GEMM_* knobs reaches calls not yet bound).
     """
     memo = key = None
-    nd = _ndarray()
     # keyed: no bias, an int group_m (a bool equals an int: the full path's error), CuPy
-    # arrays (asked before the device: the memo is the current device's)
-    if (bias is None and type(group_m) is int and type(a) is nd and type(b) is nd
-            and (out is None or type(out) is nd)):
+    # arrays or torch tensors (asked before the device: the memo is the current device's)
+    t = type(a)
+    if (bias is None and type(group_m) is int and (t is _ndarray() or t is torch_tensor_type())
+            and type(b) is t and (out is None or type(out) is t)):
         memo = _memo()
-        if out is None and out_dtype is None and memo.owns(a, b):
-            out = _owned_out(memo, a, b, b_layout, stream)  # before the key: see CallMemo
+        if out is None and out_dtype is None:
+            kind = memo.owns(a, b)
+            if kind:  # before the key: see CallMemo
+                out = _owned_out(memo, a, b, b_layout, stream, a if kind == TORCH else None)
         if out is not None:
             key = memo.key((a, b, out), (out_dtype, b_layout, impl, config, group_m))
             run = memo.get(key)
-            if run is not None and run(stream_of(stream).ptr) is not False:
+            if run is not None and run(stream_of(stream, a).ptr) is not False:
                 return out
     return _gemm(a, b, bias, out, out_dtype, b_layout, impl, stream, config, group_m, memo, key)
 
 
-def _owned_out(memo, a, b, b_layout, stream):
+def _owned_out(memo, a, b, b_layout, stream, like=None):
     """gemm's output [M, N] in a's dtype for a call that leaves it to the op
-    (CallMemo.output); None (the full path, which names what is wrong before it allocates)
-    where a or b is not a matrix of an input dtype, the layout is not one, or K differs."""
-    if (a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype or a.dtype not in _in_storage()
-            or b_layout not in ("kn", "nk")):
+    (CallMemo.output; `like`: a, for torch tensors); None (the full path, which names what
+    is wrong before it allocates) where a or b is not a matrix of an input dtype, the layout
+    is not one, or K differs."""
+    st = storage_dtype(a)
+    if (a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype or st is None
+            or st not in _in_storage() or b_layout not in ("kn", "nk")):
         return None
     kn = b_layout == "kn"
     if a.shape[1] != b.shape[0 if kn else 1]:
         return None
-    return memo.output((a.shape[0], b.shape[1] if kn else b.shape[0]), a.dtype, stream)
+    return memo.output((a.shape[0], b.shape[1] if kn else b.shape[0]), st, stream, like)
 
 
 @functools.cache

@@ -46,7 +46,7 @@ from cuflux import kernels, knobs
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller, zeros_settled
 from cuflux.errors import ABORT
 from cuflux.ops.allgather import _MEMCPY_DEFAULT, CopyGather
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, ROUTES, CommOp, check_no_alias,
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, ROUTES, TORCH, CommOp, check_no_alias,
                              check_route, check_timeout, fused_route, max_unfused_m,
                              on_op_device, require_world_device)
 from cuflux.ops.gemm import gemm, gemm_replay
@@ -646,20 +646,22 @@ class GemmReduceScatter(CommOp):
 
         out: optional output array (else allocated). stream: CuPy stream, raw handle or torch
         stream (default: CuPy's current stream). Returns out (a CuPy array). At W = 1 (the
-        plain GEMM) a call with no bias seen before (CuPy arrays; out= given or left to the
+        plain GEMM) a call with no bias seen before (CuPy arrays or torch tensors; out= given or left to the
         op) replays cuflux.gemm's launch (base.CallMemo).
         """
         key = None
         if bias is None and self.world.size == 1:
             memo = self._memo
-            if (out is None and not self._closed and memo.owns(a, b) and a.ndim == 2
-                    and a.shape[0] <= self.max_m):  # out before the key: see CallMemo
-                out = memo.output((a.shape[0], self.n), self.out_dtype.storage, stream)
+            if out is None and not self._closed:
+                kind = memo.owns(a, b)
+                if kind and a.ndim == 2 and a.shape[0] <= self.max_m:  # out first: CallMemo
+                    out = memo.output((a.shape[0], self.n), self.out_dtype.storage, stream,
+                                      like=a if kind == TORCH else None)
             key = memo.key((a, b, out), self.w1) if out is not None else None
             run = memo.get(key)
             if run is not None:
                 self._check_open()
-                if self._replayed(run, stream):  # False: no cuBLAS workspace there yet
+                if self._replayed(run, stream, a):  # False: no cuBLAS workspace there yet
                     return out
         return self._call(a, b, bias, out, stream, key)
 
