@@ -411,6 +411,87 @@ def test_memo_owns_only_cupy_arrays_on_the_op_device(monkeypatch):
     assert not _memo(monkeypatch, current=1).owns(_Nd(0x1000))
 
 
+class _Tensor:
+    """Stands for a torch.Tensor: what CallMemo.owns and key read (data_ptr, get_device,
+    shape, dtype, is_contiguous, stride, requires_grad, layout)."""
+
+    def __init__(self, ptr, shape=(4, 8), strides=(8, 1), dtype="bfloat16", device=0,
+                 requires_grad=False, layout="strided"):
+        self.ptr, self.shape, self.strides, self.dtype = ptr, shape, strides, dtype
+        self.device, self.requires_grad, self.layout = device, requires_grad, layout
+
+    def data_ptr(self):
+        return self.ptr
+
+    def get_device(self):
+        return self.device
+
+    def is_contiguous(self):
+        return self.strides == tuple(int(np.prod(self.shape[i + 1:]))
+                                     for i in range(len(self.shape)))
+
+    def stride(self):
+        return self.strides
+
+
+def _torch_memo(monkeypatch, current=0):
+    monkeypatch.setattr(base, "torch_tensor_type", lambda: _Tensor)
+    monkeypatch.setattr(base, "_strided", lambda: "strided")
+    return _memo(monkeypatch, current)
+
+
+def test_memo_owns_torch_tensors_that_a_replay_may_take(monkeypatch):
+    """owns(): CUPY for CuPy arrays, TORCH for torch tensors on the op's device that do not
+    require grad and are strided; 0 for a mix, anything else, or another current device."""
+    m = _torch_memo(monkeypatch)
+    assert m.owns(_Tensor(0x1000), None, _Tensor(0x2000)) == base.TORCH
+    assert m.owns(_Nd(0x1000), _Nd(0x2000)) == base.CUPY
+    for arrays in [(_Tensor(0x1000), _Nd(0x2000)), (_Nd(0x1000), _Tensor(0x2000)),
+                   (_Tensor(0x1000, requires_grad=True),), (_Tensor(0x1000, device=1),),
+                   (_Tensor(0x1000, device=-1),), (_Tensor(0x1000, layout="sparse_coo"),),
+                   (_Tensor(0x1000), FakeArray((4, 8), "float32"))]:
+        assert m.owns(*arrays) == 0, arrays
+    assert _torch_memo(monkeypatch, current=1).owns(_Tensor(0x1000)) == 0
+    # without torch imported nothing is a tensor
+    monkeypatch.setattr(base, "torch_tensor_type", lambda: None)
+    assert m.owns(_Tensor(0x1000)) == 0 and m.key((_Tensor(0x1000),)) is None
+
+
+def test_memo_keys_torch_calls_by_what_their_checks_read(monkeypatch):
+    """A torch call's key changes with pointer, device, shape, dtype, strides and
+    requires_grad; a mix of CuPy arrays and tensors has none; a torch key never equals a
+    CuPy key."""
+    m = _torch_memo(monkeypatch)
+    k = m.key((_Tensor(0x1000), _Tensor(0x2000)), "auto")
+    assert k is not None and k == m.key((_Tensor(0x1000), _Tensor(0x2000)), "auto")
+    others = [(_Tensor(0x1010), _Tensor(0x2000)), (_Tensor(0x1000, device=1), _Tensor(0x2000)),
+              (_Tensor(0x1000, shape=(2, 16), strides=(16, 1)), _Tensor(0x2000)),
+              (_Tensor(0x1000, strides=(1, 4)), _Tensor(0x2000)),
+              (_Tensor(0x1000, dtype="float16"), _Tensor(0x2000)),
+              (_Tensor(0x1000, requires_grad=True), _Tensor(0x2000)),
+              (_Tensor(0x1000),)]
+    keys = {m.key(a, "auto") for a in others}
+    assert len(keys) == len(others) and k not in keys and None not in keys
+    assert m.key((_Tensor(0x1000), _Nd(0x2000)), "auto") is None
+    assert m.key((_Nd(0x1000), _Tensor(0x2000)), "auto") is None
+    assert m.key((_Nd(0x1000), _Nd(0x2000)), "auto") != k
+    assert _torch_memo(monkeypatch, current=1).key((_Tensor(0x1000),)) is None
+
+
+def test_memo_outputs_of_torch_calls_come_from_torch(monkeypatch):
+    """output(like=): torch's allocator (arrays.torch_empty) with the call's stream and the
+    input to take the device and dtype from; the memo keeps none of them (the allocator hands
+    a dropped block back by itself)."""
+    m = _torch_memo(monkeypatch)
+    asked = []
+    monkeypatch.setattr(base, "torch_empty", lambda *a: asked.append(a) or ("tensor", a))
+    like = _Tensor(0x1000)
+    got = m.output((4, 8), np.float32, "stream", like=like)
+    assert got == ("tensor", ((4, 8), np.float32, "stream", like))
+    assert asked == [((4, 8), np.float32, "stream", like)]
+    assert not m.outputs and m.kept_bytes == 0
+
+
 def test_memo_outputs_come_back_once_dropped_two_per_shape_and_bounded(monkeypatch):
     """CallMemo.output's bookkeeping (CPU, stand-in arrays): a dropped output comes back; one
     held gets a new one, two kept per (shape, dtype, stream), the oldest shape evicted past

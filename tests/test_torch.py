@@ -64,6 +64,13 @@ def _close(got, want, what, rtol=2e-2, atol_frac=2e-2):
                              f"{w[i].item() if i else w.flatten()[0]}")
 
 
+def _device_and_side_stream(torch, world):
+    """This rank's torch device and a side stream on it (the ops' calls made there test that
+    they queue on torch's current stream, not the default one)."""
+    dev = torch.device("cuda", world.device)
+    return dev, torch.cuda.Stream(device=dev)
+
+
 def _draw(torch, seed, *shape, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.rand(*shape, generator=g, dtype=torch.float64) * 2 - 1) * scale
@@ -234,8 +241,7 @@ def torch_in_torch_out(world, seed=30):
     import cuflux
 
     W, me = world.size, world.rank
-    dev = torch.device("cuda", world.device)
-    side = torch.cuda.Stream(device=dev)
+    dev, side = _device_and_side_stream(torch, world)
     with cuflux.AllReduce(world, 4096, "bfloat16") as ar, \
             cuflux.All2AllHeads(world, 16, 2 * W, 64, "bfloat16") as a2a, \
             cuflux.AllGather(world, 8, 64, "bfloat16") as ag:
@@ -327,8 +333,7 @@ def torch_calls_replay(world, seed=50, calls=12):
     from cuflux.ops import gemm as gemm_mod
 
     W, me = world.size, world.rank
-    dev = torch.device("cuda", world.device)
-    side = torch.cuda.Stream(device=dev)
+    dev, side = _device_and_side_stream(torch, world)
     cs = cupy.cuda.ExternalStream(side.cuda_stream, world.device)
     bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
 

@@ -14,7 +14,8 @@ kernels for the work on one GPU, named in `baseline`):
   user_loop_ms  back-to-back calls from Python, nothing held, wall time per call
   host_us       host time per call alone (issued while the GPU is held)
 No graph regime: torch callers capture with torch.cuda.graph, whose allocator pool this
-bench does not set up (the CuPy benches report graph_ms).
+bench does not set up (the CuPy benches report graph_ms). No GPU-queued column either, so
+`--plot` draws no chart of it.
 """
 from __future__ import annotations
 
