@@ -412,8 +412,8 @@ class AllReduce(_P2PReduce):
         out (same shape) = sum over ranks. `algo` overrides the op's choice for this call,
         within what the op's stage holds: "two_shot" unless it was built "one_shot",
         "one_shot" up to `one_shot_elems` (every size when it was built "one_shot").
-        A call seen before (CuPy arrays or torch tensors; out= given or left to the op) replays its launch
-        (base.CallMemo)."""
+        A call seen before (CuPy arrays or torch tensors; out= given or left to the op)
+        replays its launch (base.CallMemo)."""
         memo = self._memo
         if out is None and not self._closed:
             kind = memo.owns(x)
@@ -572,8 +572,8 @@ class AllReduceRMSNorm(_P2PReduce):
         return num_tokens
 
     def __call__(self, x, residual, weight, out=None, stream=None, algo: str | None = None):
-        """A call seen before (CuPy arrays or torch tensors; out= given or left to the op) replays its launch
-        (base.CallMemo)."""
+        """A call seen before (CuPy arrays or torch tensors; out= given or left to the op)
+        replays its launch (base.CallMemo)."""
         memo = self._memo
         if out is None and not self._closed:
             kind = memo.owns(x, residual, weight)

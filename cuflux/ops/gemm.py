@@ -98,7 +98,8 @@ def _check_args(a, b, bias, out, out_dtype, b_layout, impl, alloc_stream=None):
 # ---- public API ------------------------------------------------------------------------------------
 def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: str = "auto",
          stream=None, config: str | None = None, group_m: int = 8):
-    """C = a @ b (+ bias) with fp32 accumulation; returns C (a CuPy array).
+    """C = a @ b (+ bias) with fp32 accumulation; returns C (a torch tensor for a torch a,
+    else a CuPy array).
 
     Args:
       a: [M, K], bfloat16 or float16 (any array CuPy takes without a copy), C-contiguous.
@@ -109,15 +110,17 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
       impl: "auto" (the faster of our Hopper core and cuBLAS for this shape class, as the tuner
         measured it, on sm_90a; elsewhere the portable core, or cuBLAS below CUBLAS_BELOW_M
         rows), "sm90", "sm80" or "cublas". `plan(M, N, K, ...)` says what "auto" runs.
-      stream: CuPy stream, raw handle or torch stream (default: CuPy's current stream).
+      stream: CuPy stream, raw handle or torch stream (default: the current stream of a's
+        framework, CuPy's or torch's).
       config: a Hopper configuration name from SM90_CONFIGS (skips the tuner).
       group_m: tile rows per L2 group of the tile order (1: row-major order).
     K and N must be multiples of 8 (16-byte rows). Capturable in a CUDA graph once the shape
     class has been tuned (under capture an untuned shape takes the heuristic: no timing).
-    Without bias (CuPy arrays or torch tensors; out= given or left to the op), a call seen before replays
-    its launch (ops.base.CallMemo): no check, no plan, no tuner lookup. The replay is the
-    route and configuration the call took when it was bound (the tuner's winner then; a
-    later change of the tuner's table or of CUFLUX_GEMM_* knobs reaches calls not yet bound).
+    Without bias (CuPy arrays or torch tensors; out= given or left to the op), a call seen
+    before replays its launch (ops.base.CallMemo): no check, no plan, no tuner lookup. The
+    replay is the route and configuration the call took when it was bound (the tuner's
+    winner then; a later change of the tuner's table or of CUFLUX_GEMM_* knobs reaches calls
+    not yet bound).
     """
     memo = key = None
     # keyed: no bias, an int group_m (a bool equals an int: the full path's error), CuPy

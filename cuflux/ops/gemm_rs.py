@@ -645,9 +645,10 @@ class GemmReduceScatter(CommOp):
         """a [M, k], b [k, n] ("kn") or [n, k] ("nk"), bias [n] or None -> out [M / W, n].
 
         out: optional output array (else allocated). stream: CuPy stream, raw handle or torch
-        stream (default: CuPy's current stream). Returns out (a CuPy array). At W = 1 (the
-        plain GEMM) a call with no bias seen before (CuPy arrays or torch tensors; out= given or left to the
-        op) replays cuflux.gemm's launch (base.CallMemo).
+        stream (default: the current stream of a's framework, CuPy's or torch's). Returns out
+        (a torch tensor for a torch a, else a CuPy array). At W = 1 (the plain GEMM) a call
+        with no bias seen before (CuPy arrays or torch tensors; out= given or left to the op)
+        replays cuflux.gemm's launch (base.CallMemo).
         """
         key = None
         if bias is None and self.world.size == 1:
