@@ -24,7 +24,8 @@
 #             device epochs past 2^31 (W = 2, 4)
 #   campaign  scripts/campaign.py: 10,000 checked calls per op at W = 2 and 4; kill -9 at W = 2
 #   sanitize  compute-sanitizer memcheck / racecheck / synccheck, every op, W = 1 and 2
-#   torch     cuflux.torch layers, torch in / torch out, init over gloo (examples: a group of its own)
+#   torch     cuflux.torch layers, torch in / torch out, torch calls replayed, init over gloo
+#             (examples: a group of its own)                             | torch W=1
 #   examples  every scripts/examples/ script at W = 2 (mpirun)
 #   torchrun  the same under torchrun (torch.distributed.run --nproc-per-node 2)
 #   probe     the host-path probes (scripts/probe_host.py, scripts/probe_launch.py)
@@ -124,6 +125,7 @@ tests_across() { :; }
 bench_runtime() { for W in 1 2 8; do bench 40 "$W" allgather; done; }
 bench_comm() { bench 45 1 allreduce; bench 45 1 all2all; }
 bench_a2a() { bench 45 1 all2all; }
+bench_torch() { bench 120 1 torch; }  # torch callers' host path (python -m cuflux.bench torch)
 bench_gemm() { step "$B" 150 "${MPI[@]}" -np 1 python -m cuflux.bench gemm --iters 20 --outdir "$L"; }
 # W = 1 fused-vs-GEMM-only bars: 3-4x the default iterations (50 left a 2-3 % spread between runs)
 bench_rs() { bench 150 1 gemm_rs --iters 150; }
