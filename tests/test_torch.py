@@ -497,6 +497,85 @@ def torch_calls_replay(world, seed=50, calls=12):
     return True
 
 
+@on_ranks
+def torch_graph_capture(world, seed=60, replays=4):
+    """The memoized ops captured by torch itself (torch.cuda.graph, its default capture mode)
+    after a warm-up on the side stream, as a decode loop captures a layer: each replay with
+    new inputs written in place is bit for bit the CuPy call of the same op on the same data.
+    AllReduce, AllReduceRMSNorm (output left to the op, from torch's graph pool), gemm with
+    out=, All2AllHeads scatter with out=."""
+    torch = _torch()
+    if torch is None:
+        return "torch missing"
+    import cupy
+
+    W, me = world.size, world.rank
+    dev, side = _device_and_side_stream(torch, world)
+    cs = cupy.cuda.ExternalStream(side.cuda_stream, world.device)
+    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    g = torch.Generator().manual_seed(seed * 7919 + me)
+
+    def fresh(t):
+        t.copy_((torch.rand(t.shape, generator=g) * 2 - 1).to(t.dtype))
+
+    H, T, D, M, N, K = 256, 8, 64, 16, 64, 128
+    tokens = (T,) * W
+    bf16 = torch.bfloat16
+    # the references run on ops of their own: an op a graph holds is replayed, not mixed with
+    # eager calls here
+    with cuflux.AllReduce(world, 1 << 14, "bfloat16") as ar, \
+            cuflux.AllReduceRMSNorm(world, 64, H, "bfloat16") as norm, \
+            cuflux.All2AllHeads(world, T, 2 * W, D, "bfloat16") as a2a, \
+            cuflux.AllReduce(world, 1 << 14, "bfloat16") as ar_ref, \
+            cuflux.AllReduceRMSNorm(world, 64, H, "bfloat16") as norm_ref, \
+            cuflux.All2AllHeads(world, T, 2 * W, D, "bfloat16") as a2a_ref:
+        x, res, r_ref = (torch.empty(T, H, dtype=bf16, device=dev) for _ in range(3))
+        w = torch.empty(H, dtype=bf16, device=dev)
+        a, b = torch.empty(M, K, dtype=bf16, device=dev), torch.empty(N, K, dtype=bf16, device=dev)
+        c = torch.empty(M, N, dtype=bf16, device=dev)
+        xs = torch.empty(1, T, 2 * W, D, dtype=bf16, device=dev)
+        ys = torch.empty(1, T * W, 2, D, dtype=bf16, device=dev)
+        for t in (x, res, w, a, b, xs):
+            fresh(t)
+        side.wait_stream(torch.cuda.current_stream(dev))
+
+        def step():
+            y = ar(x)
+            z = norm(x, res, w)
+            cuflux.gemm(a, b, out=c, b_layout="nk")
+            a2a.scatter_heads(xs, tokens, out=ys)
+            return y, z
+
+        with torch.cuda.stream(side):
+            for _ in range(3):  # warm-up: bound, cuBLAS's workspace on this stream
+                step()
+        side.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):
+            y, z = step()
+        for i in range(replays):
+            for t in (x, res, w, a, b, xs):
+                fresh(t)
+            r_ref.copy_(res)
+            torch.cuda.synchronize(dev)
+            graph.replay()
+            torch.cuda.synchronize(dev)
+            with cs:
+                want_y = ar_ref(cupy.from_dlpack(x), stream=cs)
+                want_z = norm_ref(cupy.from_dlpack(x), cupy.from_dlpack(r_ref),
+                                  cupy.from_dlpack(w), stream=cs)
+                want_c = cuflux.gemm(cupy.from_dlpack(a), cupy.from_dlpack(b), b_layout="nk",
+                                     stream=cs)
+                want_ys = a2a_ref.scatter_heads(cupy.from_dlpack(xs), tokens, stream=cs)
+            cs.synchronize()
+            for got, want, what in ((y, want_y, "allreduce"), (z, want_z, "norm"),
+                                    (res, r_ref, "norm residual"), (c, want_c, "gemm"),
+                                    (ys, want_ys, "a2a")):
+                want = want if isinstance(want, torch.Tensor) else torch.from_dlpack(want)
+                assert torch.equal(bits(got), bits(want)), f"{what} replay {i} rank {me}"
+    return True
+
+
 # Each case runs at every W on fresh random data and returns True on every rank when its checks
 # passed (a failure names the seed).
 CASES = {"column_and_row_parallel_linear_forward_backward": linear_layers,
@@ -504,7 +583,8 @@ CASES = {"column_and_row_parallel_linear_forward_backward": linear_layers,
          "ulysses_attention_forward_backward": ulysses,
          "torch_in_torch_out_on_torch_current_stream": torch_in_torch_out,
          "init_on_a_torch_distributed_group": torch_route,
-         "torch_calls_replay_bit_for_bit": torch_calls_replay}
+         "torch_calls_replay_bit_for_bit": torch_calls_replay,
+         "captured_by_torch_cuda_graph": torch_graph_capture}
 
 
 @pytest.mark.gpu
