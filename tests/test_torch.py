@@ -71,6 +71,20 @@ def _device_and_side_stream(torch, world):
     return dev, torch.cuda.Stream(device=dev)
 
 
+def _side_streams(torch, world):
+    """This rank's torch device, a torch side stream on it, and the same stream as CuPy's
+    (the CuPy twin calls of a test queue behind the torch calls)."""
+    import cupy
+
+    dev, side = _device_and_side_stream(torch, world)
+    return dev, side, cupy.cuda.ExternalStream(side.cuda_stream, world.device)
+
+
+def _bits(t):
+    """A tensor's bytes: bit-for-bit comparisons, NaN patterns included."""
+    return t.contiguous().view(_torch().uint8)
+
+
 def _draw(torch, seed, *shape, scale=1.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.rand(*shape, generator=g, dtype=torch.float64) * 2 - 1) * scale
@@ -333,9 +347,7 @@ def torch_calls_replay(world, seed=50, calls=12):
     from cuflux.ops import gemm as gemm_mod
 
     W, me = world.size, world.rank
-    dev, side = _device_and_side_stream(torch, world)
-    cs = cupy.cuda.ExternalStream(side.cuda_stream, world.device)
-    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    dev, side, cs = _side_streams(torch, world)
 
     def draw(i, *shape, dtype=torch.bfloat16):
         g = torch.Generator().manual_seed(seed * 100003 + i * 64 + me)
@@ -353,8 +365,9 @@ def torch_calls_replay(world, seed=50, calls=12):
         assert isinstance(got, torch.Tensor) and got.device == dev, (what, type(got))
         want = want if isinstance(want, torch.Tensor) else torch.from_dlpack(want)
         assert got.shape == want.shape, (what, got.shape, want.shape)
-        assert torch.equal(bits(got), bits(want.view(got.dtype) if want.dtype != got.dtype
-                                              else want)), f"{what} rank {me}"
+        if want.dtype != got.dtype:  # fp8 from CuPy: its uint8 storage
+            want = want.view(got.dtype)
+        assert torch.equal(_bits(got), _bits(want)), f"{what} rank {me}"
 
     def cu(t):  # the same data as CuPy (fp8 as its uint8 storage)
         if t.dtype == torch.float8_e4m3fn:
@@ -510,9 +523,7 @@ def torch_graph_capture(world, seed=60, replays=4):
     import cupy
 
     W, me = world.size, world.rank
-    dev, side = _device_and_side_stream(torch, world)
-    cs = cupy.cuda.ExternalStream(side.cuda_stream, world.device)
-    bits = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
+    dev, side, cs = _side_streams(torch, world)
     g = torch.Generator().manual_seed(seed * 7919 + me)
 
     def fresh(t):
@@ -572,7 +583,7 @@ def torch_graph_capture(world, seed=60, replays=4):
                                     (res, r_ref, "norm residual"), (c, want_c, "gemm"),
                                     (ys, want_ys, "a2a")):
                 want = want if isinstance(want, torch.Tensor) else torch.from_dlpack(want)
-                assert torch.equal(bits(got), bits(want)), f"{what} replay {i} rank {me}"
+                assert torch.equal(_bits(got), _bits(want)), f"{what} replay {i} rank {me}"
     return True
 
 
