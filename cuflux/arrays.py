@@ -11,7 +11,7 @@ import numpy as np
 
 __all__ = ["DType", "dtype_info", "as_cupy", "check_array", "check_rows", "stream_of",
            "framework_of", "is_torch", "to_caller", "zeros_settled", "storage_dtype",
-           "torch_empty", "torch_tensor_type"]
+           "torch_empty", "torch_tensor_type", "torch_strided"]
 
 
 class DType:
@@ -229,6 +229,13 @@ def _torch_tables() -> dict:
     return _TORCH_NP
 
 
+def torch_strided():
+    """torch.strided, the layout of a dense tensor (looked up once, with the tables)."""
+    if not _TORCH_FNS:
+        _torch_tables()
+    return _TORCH_FNS[2]
+
+
 def storage_dtype(x):
     """x's dtype as CuPy stores it: a CuPy array's own, a torch tensor's NumPy counterpart
     (fp8: uint8; None for a dtype cuflux has no storage for)."""
@@ -246,7 +253,7 @@ def _torch_as_cupy(t):
     negated or conjugated view, or of a dtype without a storage here): its errors name the
     problem."""
     dt = (_TORCH_NP or _torch_tables()).get(t.dtype)
-    if (dt is None or t.requires_grad or not t.is_cuda or t.layout is not _TORCH_FNS[2]
+    if (dt is None or t.requires_grad or not t.is_cuda or t.layout is not torch_strided()
             or t.is_neg() or t.is_conj()):
         return None
     n = t.numel()
@@ -293,13 +300,21 @@ _TORCH_STREAM_OBJECTS: dict = {}  # (handle, device) -> torch.cuda.ExternalStrea
 
 
 def _torch_stream_object(handle: int, device):
-    key = (handle, device)
-    s = _TORCH_STREAM_OBJECTS.get(key)
+    return _stream_wrapper(_TORCH_STREAM_OBJECTS, _torch_external, handle, device)
+
+
+def _torch_external(handle: int, device):
+    return sys.modules["torch"].cuda.ExternalStream(handle, device=device)
+
+
+def _stream_wrapper(cache: dict, make, handle: int, device):
+    """cache[(handle, device)], make(handle, device) the first time: a stream object over a
+    raw handle, one per handle (a bounded cache: emptied past 256)."""
+    s = cache.get((handle, device))
     if s is None:
-        if len(_TORCH_STREAM_OBJECTS) > 256:
-            _TORCH_STREAM_OBJECTS.clear()
-        torch = sys.modules["torch"]
-        s = _TORCH_STREAM_OBJECTS[key] = torch.cuda.ExternalStream(handle, device=device)
+        if len(cache) > 256:
+            cache.clear()
+        s = cache[handle, device] = make(handle, device)
     return s
 
 
@@ -362,14 +377,13 @@ def _torch_current_stream(like):
     """torch's current stream on like's device, as a CuPy ExternalStream (cached by handle)."""
     dev = like.get_device()
     handle = _torch_stream_handle(dev)
-    s = _TORCH_STREAMS.get((handle, dev))
-    if s is None:
-        import cupy
+    return _stream_wrapper(_TORCH_STREAMS, _cupy_external, handle, dev)
 
-        if len(_TORCH_STREAMS) > 256:
-            _TORCH_STREAMS.clear()
-        s = _TORCH_STREAMS[handle, dev] = cupy.cuda.ExternalStream(handle, dev)
-    return s
+
+def _cupy_external(handle: int, dev: int):
+    import cupy
+
+    return cupy.cuda.ExternalStream(handle, dev)
 
 
 def empty_on(shape, dtype, stream=None):

@@ -71,7 +71,8 @@ def main():
             d = arr.data
             k += (d.ptr, d.device_id, arr.shape, arr.strides, arr.dtype)
         return tuple(k)
-    row("norm: the key with strides, not the contiguity flag", per_call_us(lambda: loop_key((x, res, w, out))))
+    row("norm: the key with strides, not the contiguity flag",
+        per_call_us(lambda: loop_key((x, res, w, out))))
     replay = norm._memo.get(norm._memo.key((x, res, w, out), None))
     row(f"norm: its replay alone (memo hit: {type(replay).__name__})", per_call_us(
         lambda: replay(s.ptr), hold=s))

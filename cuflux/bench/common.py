@@ -164,7 +164,8 @@ extern "C" __global__ void cuflux_bench_hold(unsigned long long ns) {
 extern "C" __global__ void cuflux_bench_empty(unsigned long long unused) {}
 """
 _HOLD_MAX_US = 20_000.0
-HOST_CALLS = 200  # the fewest calls of a host_us loop where speed is measured (__main__.host_loop_calls)
+# the fewest calls of a host_us loop where speed is measured (__main__.host_loop_calls)
+HOST_CALLS = 200
 _hold_kernel = None
 # This host's floor for enqueueing GPU work from Python (measure_host_floor), written into
 # every results JSON of the run: the issues' host bars read against it.

@@ -19,8 +19,8 @@ bench does not set up (the CuPy benches report graph_ms). No GPU-queued column e
 """
 from __future__ import annotations
 
-from cuflux.bench.__main__ import (add_note, bench_extra, measure_regimes, print_bench_table,
-                                   speed_header)
+from cuflux.bench.__main__ import (add_note, add_speedups, bench_extra, measure_regimes,
+                                   print_bench_table, speed_header)
 from cuflux.bench.common import write_results
 
 NORM_CASES = ((1, 4096), (128, 4096), (1, 8192), (128, 8192))  # (T, H) bf16
@@ -31,7 +31,7 @@ QUICK = {"norm": NORM_CASES[:2], "plain": PLAIN_ELEMS[:1], "gemm": GEMM_CASES[::
          "a2a": A2A_CASES}
 
 
-def _rows(world, args, torch, ts, cs):
+def _rows(world, args, torch, cs):
     import cupy
 
     import cuflux
@@ -49,15 +49,12 @@ def _rows(world, args, torch, ts, cs):
         for p in ("out_", "cupy_", "baseline_"):
             if row.get(p + "user_loop_ms") and row.get("user_loop_ms"):
                 row[p + "over_torch_owned"] = row[p + "user_loop_ms"] / row["user_loop_ms"]
-        if row.get("baseline_user_loop_ms") and row.get("user_loop_ms"):
-            row["user_loop_speedup"] = row["baseline_user_loop_ms"] / row["user_loop_ms"]
-        rows.append(row)
+        rows.append(add_speedups(row))  # user_loop_speedup: torch's kernels over cuflux's
         print(f"{case}: user loop {row['user_loop_ms'] * 1e3:.1f} us (torch owned), host "
               f"{row['host_us']:.1f} us; cupy host {row.get('cupy_host_us') or 0:.1f} us; "
               f"torch baseline host {row.get('baseline_host_us') or 0:.1f} us", flush=True)
 
-    def cu(t):
-        return cupy.from_dlpack(t)
+    cu = cupy.from_dlpack  # the same data as CuPy (outside the timed calls)
 
     with cuflux.AllReduceRMSNorm(world, 128, 8192, "bfloat16") as n8, \
             cuflux.AllReduceRMSNorm(world, 128, 4096, "bfloat16") as n4:
@@ -131,7 +128,7 @@ def run(world, args):
     prev = torch.cuda.current_stream(world.device)
     torch.cuda.set_stream(ts)  # torch's current stream, once (a `with` per call is not ours)
     try:
-        rows = _rows(world, args, torch, ts, cs)
+        rows = _rows(world, args, torch, cs)
     finally:
         ts.synchronize()
         torch.cuda.set_stream(prev)

@@ -30,7 +30,7 @@ from cuflux.errors import (EXPECTED, OBSERVED, PEER, RANK, STATUS, STATUS_OK, Ca
                            CommTimeoutError, CufluxError)
 from cuflux.launch import capturing as _capturing
 from cuflux.launch import graph_replay
-from cuflux.ops.base import (CUPY, DEFAULT_TIMEOUT_S, TORCH, CommOp, check_no_alias, check_timeout,
+from cuflux.ops.base import (CUPY, DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
                              on_op_device)
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
@@ -386,11 +386,8 @@ class All2AllHeads(CommOp):
                     key = memo.key((a,) if scale is None else (a, scale),
                                    (gather, tokens, self.w1, True, (self.epoch + 1) & 1))
             else:
-                if out is None and out_scale is None:
-                    kind = memo.owns(a, scale)
-                    if kind:
-                        out, out_scale = self._owned_outputs(gather, a, tokens, scale, stream,
-                                                             a if kind == TORCH else None)
+                if out is None and out_scale is None and memo.owns(a, scale):
+                    out, out_scale = self._owned_outputs(gather, a, tokens, scale, stream)
                 if out is not None and (scale is None) == (out_scale is None):
                     key = memo.key((a, out) if scale is None else (a, scale, out, out_scale),
                                    (gather, tokens, self.w1, False, 0))
@@ -401,10 +398,10 @@ class All2AllHeads(CommOp):
                 return (out, out_scale) if scale is not None else out
         return self._run(gather, a, tokens_per_rank, scale, out, out_scale, view, stream, key)
 
-    def _owned_outputs(self, gather, a, tokens, scale, stream, like=None) -> tuple:
-        """(out, out_scale or None) for a call that leaves them to the op (CuPy arrays, or
-        torch tensors: `like`, the input): CallMemo.output, or (None, None) where the call's
-        shapes are not the op's (the full path then names what is wrong)."""
+    def _owned_outputs(self, gather, a, tokens, scale, stream) -> tuple:
+        """(out, out_scale or None) for a call that leaves them to the op (CuPy arrays or
+        torch tensors, as a is): CallMemo.output, or (None, None) where the call's shapes are
+        not the op's (the full path then names what is wrong)."""
         spec = self.spec
         if self._closed or a.ndim != 4 or not 1 <= a.shape[0] <= spec.batch:
             return None, None
@@ -416,7 +413,7 @@ class All2AllHeads(CommOp):
         if shapes is None:
             # checked (bad tokens get the full path's error), then remembered: shapes follow
             # token lists, bounded like plans
-            tokens = self._plan(tokens, stream_of(stream, like)).tokens
+            tokens = self._plan(tokens, stream_of(stream, a)).tokens
             shapes = (io_shapes(spec, gather, B, tokens)[1],
                       None if scale is None
                       else scale_shapes(spec, gather, B, tokens, scale.ndim == 3)[1])
@@ -424,10 +421,10 @@ class All2AllHeads(CommOp):
                 self._out_shapes.clear()
             self._out_shapes[key] = shapes
         memo = self._memo
-        out = memo.output(shapes[0], spec.dtype.storage, stream, like)
+        out = memo.output(shapes[0], spec.dtype.storage, stream, like=a)
         if scale is None:
             return out, None
-        return out, memo.output(shapes[1], _F32, stream, like)
+        return out, memo.output(shapes[1], _F32, stream, like=a)
 
     def _replay(self, run: "_Replay", view: bool, stream, like=None) -> bool:
         """A memo hit: enqueue its launches on `stream` (None: the current one of like's

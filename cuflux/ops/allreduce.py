@@ -26,8 +26,8 @@ from cuflux.arrays import (as_cupy, check_array, check_rows, dtype_info, empty_o
                            stream_of, to_caller, zeros_settled)
 from cuflux.errors import CufluxError
 from cuflux.launch import graph_replay
-from cuflux.ops.base import (CUPY, DEFAULT_TIMEOUT_S, TORCH, CommOp, check_no_alias,
-                             check_timeout, on_op_device, sm_count)
+from cuflux.ops.base import (CUPY, DEFAULT_TIMEOUT_S, CommOp, check_no_alias, check_timeout,
+                             on_op_device, sm_count)
 from cuflux.sizes import count, optional_count
 from cuflux.symmetric import Layout
 
@@ -416,11 +416,9 @@ class AllReduce(_P2PReduce):
         replays its launch (base.CallMemo)."""
         memo = self._memo
         if out is None and not self._closed:
-            kind = memo.owns(x)
-            if kind == CUPY and x.size <= self.max_elems:
-                out = memo.output(x.shape, self.dtype.storage, stream)  # before the key
-            elif kind == TORCH and x.numel() <= self.max_elems:
-                out = memo.output(x.shape, self.dtype.storage, stream, like=x)
+            kind = memo.owns(x)  # (a tensor's size is numel())
+            if kind and (x.size if kind == CUPY else x.numel()) <= self.max_elems:
+                out = memo.output(x.shape, self.dtype.storage, stream, like=x)  # before the key
         key = memo.key((x, out), algo) if out is not None else None
         run = memo.get(key)
         if run is None:
@@ -575,11 +573,10 @@ class AllReduceRMSNorm(_P2PReduce):
         """A call seen before (CuPy arrays or torch tensors; out= given or left to the op)
         replays its launch (base.CallMemo)."""
         memo = self._memo
-        if out is None and not self._closed:
-            kind = memo.owns(x, residual, weight)
-            if kind and x.ndim == 2 and x.shape[0] <= self.max_tokens:  # out first: CallMemo
-                out = memo.output((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage,
-                                  stream, like=x if kind == TORCH else None)
+        if (out is None and not self._closed and memo.owns(x, residual, weight)
+                and x.ndim == 2 and x.shape[0] <= self.max_tokens):  # out first: CallMemo
+            out = memo.output((self.out_rows(x.shape[0]), self.hidden), self.dtype.storage,
+                              stream, like=x)
         key = memo.key((x, residual, weight, out), algo) if out is not None else None
         run = memo.get(key)
         if run is None:

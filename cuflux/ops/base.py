@@ -37,6 +37,7 @@ from threading import get_ident
 import numpy as np
 
 from cuflux.arrays import _ndarray, empty_on, stream_of, torch_empty, torch_tensor_type
+from cuflux.arrays import torch_strided as _strided  # (tests put a stand-in here)
 from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError, ErrorRecord,
                            FailureBoard, NoDeviceError)
 from cuflux.launch import current_device
@@ -245,10 +246,11 @@ class CallMemo:
         each at most OUTPUT_KEPT_BYTES, all together at most OUTPUTS_KEPT_BYTES (memory
         CuPy's pool would cache for reuse anyway); clear() (the op's close()) lets them go.
 
-        like: the call's first array where owns() said TORCH: a torch tensor from torch's
-        caching allocator instead (arrays.torch_empty), which hands a dropped block back by
-        itself (nothing kept here: the allocator sees every holder, views included)."""
-        if like is not None:
+        like: the call's input, where owns() said TORCH a torch tensor: the output is then
+        one from torch's caching allocator instead (arrays.torch_empty), which hands a dropped
+        block back by itself (nothing kept here: the allocator sees every holder, views
+        included)."""
+        if like is not None and type(like) is not self._nd():
             return torch_empty(shape, dtype, stream, like)
         s = stream_of(stream)
         if not _COUNTS_HOLD:
@@ -289,7 +291,7 @@ class CallMemo:
         CUPY (every one a CuPy array), TORCH (every one a torch.Tensor on the op's device that
         does not require grad), else 0; and the op's device current (the types first: any
         other array never costs the device query). An op allocates its output before the key
-        only where this holds (TORCH: output(like=) of torch's allocator)."""
+        only where this holds (TORCH: output(like=a tensor) of torch's allocator)."""
         kind = _kind(self._nd(), arrays, self.device)
         return kind if kind and current_device() == self.device else 0
 
@@ -350,10 +352,6 @@ class CallMemo:
 
 _new_output = empty_on  # CallMemo.output's allocation (tests put a stand-in here)
 CUPY, TORCH = 1, 2  # CallMemo.owns: the framework of a call's arrays
-
-
-def _strided():
-    return sys.modules["torch"].strided
 
 
 def _kind(nd, arrays, device) -> int:

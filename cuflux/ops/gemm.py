@@ -36,10 +36,11 @@ from cuflux.gemm_tuner import (CUBLAS, CUBLAS_BELOW_M, TUNER_CANDIDATES, choice,
                                heuristic, load_tuner, plan, shape_class, tune_key, tuned_config,
                                tuner_path)
 from cuflux.launch import capturing, current_device
-from cuflux.ops.base import TORCH, CallMemo
+from cuflux.ops.base import CallMemo
 
 # The call, plus the core's and the tuner's public names that callers have imported from here.
-__all__ = ["gemm", "gemm_replay", "clear_memo", "plan", "IMPLS", "tensor_map", "Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT",
+__all__ = ["gemm", "gemm_replay", "clear_memo", "plan", "IMPLS", "tensor_map", "Sm90Config",
+           "SM90_CONFIGS", "SM90_DEFAULT",
            "Sm80Config", "SM80", "SM80_CONFIG", "CUDA_TYPE", "FAMILY", "WORKSPACE_BYTES",
            "check_aligned", "check_bias", "grouped_tile", "CUBLAS", "CUBLAS_BELOW_M",
            "TUNER_CANDIDATES", "core_heuristic", "heuristic", "load_tuner", "shape_class",
@@ -129,10 +130,8 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     if (bias is None and type(group_m) is int and (t is _ndarray() or t is torch_tensor_type())
             and type(b) is t and (out is None or type(out) is t)):
         memo = _memo()
-        if out is None and out_dtype is None:
-            kind = memo.owns(a, b)
-            if kind:  # before the key: see CallMemo
-                out = _owned_out(memo, a, b, b_layout, stream, a if kind == TORCH else None)
+        if out is None and out_dtype is None and memo.owns(a, b):  # before the key: CallMemo
+            out = _owned_out(memo, a, b, b_layout, stream)
         if out is not None:
             key = memo.key((a, b, out), (out_dtype, b_layout, impl, config, group_m))
             run = memo.get(key)
@@ -141,11 +140,11 @@ def gemm(a, b, bias=None, out=None, out_dtype=None, b_layout: str = "kn", impl: 
     return _gemm(a, b, bias, out, out_dtype, b_layout, impl, stream, config, group_m, memo, key)
 
 
-def _owned_out(memo, a, b, b_layout, stream, like=None):
+def _owned_out(memo, a, b, b_layout, stream):
     """gemm's output [M, N] in a's dtype for a call that leaves it to the op
-    (CallMemo.output; `like`: a, for torch tensors); None (the full path, which names what
-    is wrong before it allocates) where a or b is not a matrix of an input dtype, the layout
-    is not one, or K differs."""
+    (CallMemo.output, in a's framework); None (the full path, which names what is wrong
+    before it allocates) where a or b is not a matrix of an input dtype, the layout is not
+    one, or K differs."""
     st = storage_dtype(a)
     if (a.ndim != 2 or b.ndim != 2 or a.dtype != b.dtype or st is None
             or st not in _in_storage() or b_layout not in ("kn", "nk")):
@@ -153,7 +152,7 @@ def _owned_out(memo, a, b, b_layout, stream, like=None):
     kn = b_layout == "kn"
     if a.shape[1] != b.shape[0 if kn else 1]:
         return None
-    return memo.output((a.shape[0], b.shape[1] if kn else b.shape[0]), st, stream, like)
+    return memo.output((a.shape[0], b.shape[1] if kn else b.shape[0]), st, stream, like=a)
 
 
 @functools.cache

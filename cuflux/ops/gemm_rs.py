@@ -46,7 +46,7 @@ from cuflux import kernels, knobs
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller, zeros_settled
 from cuflux.errors import ABORT
 from cuflux.ops.allgather import _MEMCPY_DEFAULT, CopyGather
-from cuflux.ops.base import (DEFAULT_TIMEOUT_S, ROUTES, TORCH, CommOp, check_no_alias,
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, ROUTES, CommOp, check_no_alias,
                              check_route, check_timeout, fused_route, max_unfused_m,
                              on_op_device, require_world_device)
 from cuflux.ops.gemm import gemm, gemm_replay
@@ -653,11 +653,9 @@ class GemmReduceScatter(CommOp):
         key = None
         if bias is None and self.world.size == 1:
             memo = self._memo
-            if out is None and not self._closed:
-                kind = memo.owns(a, b)
-                if kind and a.ndim == 2 and a.shape[0] <= self.max_m:  # out first: CallMemo
-                    out = memo.output((a.shape[0], self.n), self.out_dtype.storage, stream,
-                                      like=a if kind == TORCH else None)
+            if (out is None and not self._closed and memo.owns(a, b) and a.ndim == 2
+                    and a.shape[0] <= self.max_m):  # out before the key: see CallMemo
+                out = memo.output((a.shape[0], self.n), self.out_dtype.storage, stream, like=a)
             key = memo.key((a, b, out), self.w1) if out is not None else None
             run = memo.get(key)
             if run is not None:
