@@ -24,7 +24,7 @@ import threading
 import numpy as np
 
 from cuflux import kernels, knobs
-from cuflux.launch import GraphReplay, current_device, graph_replay
+from cuflux.launch import GraphReplay, capturing, current_device, graph_replay
 from cuflux.arrays import as_cupy, check_array
 
 __all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "SM80_CONFIG",
@@ -372,6 +372,9 @@ def cupy_module():
 
 
 WORKSPACE_BYTES = 32 << 20  # cuBLAS workspace per stream (split-K and the like need one)
+# Streams whose workspace is kept (the ones used last; _Workspaces): a caller that makes a
+# new stream per step (or cycles torch's 32 pooled streams) must not pin 32 MiB for each.
+WORKSPACES_KEPT = 8
 
 
 def _loaded_lib(stem: str):
@@ -388,6 +391,12 @@ def _loaded_lib(stem: str):
             continue
     raise RuntimeError(f"{_OP}: {stem} could not be loaded (install the cuda12 or cuda13 "
                        f"extra)")
+
+
+def _new_workspace(stream_ptr: int):
+    from cuflux.arrays import empty_on
+
+    return empty_on(WORKSPACE_BYTES, _CUPY[0].uint8, stream_ptr)
 
 
 class _Cublas:
@@ -411,8 +420,8 @@ class _Cublas:
             f.restype = i32
         self.lib, self.ctypes = lib, ctypes
         self.handles: dict[int, int] = {}
-        self.workspaces: dict[tuple, object] = {}  # (device, stream) -> cupy array
         self.current: dict[int, int] = {}          # device -> stream its handle is set to
+        self.spaces = _Workspaces(lambda k: self.current.get(k[0]) == k[1], _new_workspace)
 
     def handle(self, dev: int, stream_ptr: int, under_capture: bool) -> int:
         h = self.handles.get(dev)
@@ -422,7 +431,7 @@ class _Cublas:
             if err:
                 raise RuntimeError(f"{_OP}: cublasCreate failed ({err})")
             h = self.handles[dev] = hv.value
-        if self.current.get(dev) != stream_ptr:
+        if self.current.get(dev) != stream_ptr or under_capture:
             ws = self.workspace(dev, stream_ptr, under_capture)
             if ws is None:
                 return 0
@@ -438,15 +447,67 @@ class _Cublas:
         return h
 
     def workspace(self, dev: int, stream_ptr: int, under_capture: bool):
-        """The cuBLAS workspace of (device, stream), allocated at its first use; None under
-        capture where it has none yet (no allocation inside a capture: the caller takes our
-        core). Shared by the GemmEx and cublasLt routes (one stream runs one call at a time)."""
-        ws = self.workspaces.get((dev, stream_ptr))
-        if ws is None and not under_capture:
-            # setdefault: two threads at a stream's first call both use the one array kept
-            # (the GemmEx route holds _CUBLAS_LOCK here, the cublasLt route does not)
-            ws = self.workspaces.setdefault((dev, stream_ptr), _CUPY[0].empty(WORKSPACE_BYTES,
-                                                                              _CUPY[0].uint8))
+        """The cuBLAS workspace of (device, stream) (_Workspaces.get). Shared by the GemmEx and
+        cublasLt routes (one stream runs one call at a time)."""
+        return self.spaces.get(dev, stream_ptr, under_capture)
+
+
+class _Workspaces:
+    """cuBLAS workspaces per (device, stream), each allocated at the stream's first GEMM from
+    that stream's pool arena, kept for the WORKSPACES_KEPT streams used last.
+
+    A new stream past them lets go the workspace of the one used longest ago, unless a
+    capture used it (a caller's graph holds its pointer: kept for the process) or `busy`
+    says so (the GemmEx handle is set to it). It goes back to its own stream's arena, so its
+    memory is reused only in that stream's order, after the GEMMs queued there; that
+    stream's next GEMM makes a new one, and its replays (_LtReplay) see the new pointer and
+    capture again."""
+
+    def __init__(self, busy, make):
+        self.arrays: collections.OrderedDict = collections.OrderedDict()  # used last: at the end
+        self.last = None            # the key used last
+        self.captured: set = set()  # keys a capture used: never let go
+        self.lock = threading.Lock()  # a new workspace, the one let go
+        self.busy = busy            # key -> whether it must stay now
+        self.make = make            # stream handle -> a new workspace on the current device
+
+    def get(self, dev: int, stream_ptr: int, under_capture: bool):
+        """The workspace of (dev, stream_ptr), made where the stream has none; None under
+        capture where it has none (no allocation inside a capture: the caller takes our
+        core)."""
+        k = (dev, stream_ptr)
+        ws = self.kept(k)
+        if ws is None:
+            if under_capture:
+                return None
+            ws = self._new(k)
+        if under_capture:
+            self.captured.add(k)
+        return ws
+
+    def kept(self, k):
+        """The workspace kept for k = (device, stream), marked used last; None where none is."""
+        ws = self.arrays.get(k)
+        if ws is not None and k != self.last:  # (the stream used last, the usual call: as is)
+            try:
+                self.arrays.move_to_end(k)
+            except KeyError:  # another thread let it go just now: `ws` stays valid for this call
+                pass
+            self.last = k
+        return ws
+
+    def _new(self, k):
+        with self.lock:
+            ws = self.arrays.get(k)
+            if ws is not None:  # another thread's first call on the stream made it
+                return ws
+            if len(self.arrays) >= WORKSPACES_KEPT:
+                for old in list(self.arrays):  # the stream used longest ago, first
+                    if old not in self.captured and not self.busy(old):
+                        self.arrays.pop(old, None)  # (dropped: CuPy frees it to its arena)
+                        break
+            ws = self.arrays[k] = self.make(k[1])
+            self.last = k
         return ws
 
 
@@ -720,32 +781,41 @@ class _LtReplay:
     10-15 us a call on the H200 machine (its own checks, every call), a graph launch ~3. The
     stream's own workspace keeps graphs of calls on other streams from sharing one."""
 
-    __slots__ = ("head", "matmul", "workspaces", "dev", "what", "lt", "graphs")
+    __slots__ = ("head", "matmul", "kept", "captured", "dev", "what", "lt", "graphs")
 
     def __init__(self, lt, plan: "LtPlan", a_ptr, b_ptr, out_ptr, dev, what):
         self.head = (plan.h, plan.desc, _ONE_PTR, b_ptr, plan.a_lay, a_ptr, plan.b_lay,
                      _ZERO_PTR, out_ptr, plan.c_lay, out_ptr, plan.c_lay,
                      lt.ctypes.byref(plan.algo))
-        self.matmul, self.workspaces = lt.lib.cublasLtMatmul, _cublas().workspaces
+        spaces = _cublas().spaces
+        self.matmul, self.kept, self.captured = lt.lib.cublasLtMatmul, spaces.kept, spaces.captured
         self.dev, self.what, self.lt = dev, what, lt
-        self.graphs = {} if knobs.graph_replay() else None  # stream -> its GraphReplay
+        # stream -> (its workspace's pointer, its GraphReplay)
+        self.graphs = {} if knobs.graph_replay() else None
 
     def __call__(self, stream: int):
+        ws = self.kept((self.dev, stream))
+        if ws is None:
+            return False
+        ptr = ws.data.ptr
         graphs = self.graphs
-        replay = graphs.get(stream) if graphs is not None else None
-        if replay is None:
-            ws = self.workspaces.get((self.dev, stream))
-            if ws is None:
-                return False
-            if graphs is None:
-                self._call(ws.data.ptr, stream)
-                return None
-            replay = graphs[stream] = GraphReplay(
-                (functools.partial(self._call, ws.data.ptr),), op=_OP, what=self.what)
-        replay(stream)
+        if graphs is None:
+            self._call(ptr, stream)
+            return None
+        made = graphs.get(stream)
+        if made is None or made[0] != ptr:  # a new stream, or its workspace was let go
+            if len(graphs) >= WORKSPACES_KEPT:
+                graphs.clear()  # (streams come and go: bounded)
+            made = graphs[stream] = (ptr, GraphReplay(
+                (functools.partial(self._call, ptr),), op=_OP, what=self.what))
+        made[1](stream)
         return None
 
     def _call(self, ws_ptr: int, stream: int) -> None:
+        # With graphs this runs only under a capture (its GraphReplay's, or the caller's
+        # graph, which then holds the stream's workspace for good: kept, _Cublas.workspace)
+        if capturing(stream):
+            self.captured.add((self.dev, stream))
         err = self.matmul(*self.head, ws_ptr, WORKSPACE_BYTES, stream)
         if err:
             self.lt._check(self.what, err)

@@ -573,6 +573,42 @@ def test_repeated_calls_replay_their_launch_and_stay_exact(monkeypatch, impl, M,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("lt", ["gemmex", "cublaslt", "cublaslt-graph"])
+def test_many_streams_keep_few_cublas_workspaces(monkeypatch, lt):
+    """A caller that keeps 3 x WORKSPACES_KEPT streams alive and calls the cuBLAS route on each
+    in turn, twice over (the second round's calls replay: bound at their second call, each
+    stream's workspace let go and made again in between): every call exact (out poisoned
+    first), and the workspaces kept never more than WORKSPACES_KEPT plus those captures used.
+    Before they were bounded every stream kept 32 MiB for the process."""
+    import cupy
+
+    from cuflux.arrays import dtype_info
+
+    monkeypatch.setenv("CUFLUX_GEMM_CUBLASLT", "0" if lt == "gemmex" else "1")
+    monkeypatch.setenv("CUFLUX_GRAPH_REPLAY", "1" if lt == "cublaslt-graph" else "0")
+    M, N, K = 64, 264, 520
+    st = dtype_info("bfloat16").storage
+    G._memo().clear()
+    spaces = gemm_core._cublas().spaces
+    n = gemm_core.WORKSPACES_KEPT
+    streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3 * n)]
+    a, b, out = cupy.empty((M, K), st), cupy.empty((N, K), st), cupy.empty((M, N), st)
+    seed = fresh_seed()
+    for i in range(3):
+        for j, s in enumerate(streams):
+            a[...] = _rand((M, K), "bfloat16", seed + 2 * j + i)
+            b[...] = _rand((N, K), "bfloat16", seed + 2 * j + i + 1)
+            out[...] = cupy.full((M, N), np.nan, np.float32).astype(st)
+            cupy.cuda.Device().synchronize()
+            G.gemm(a, b, out=out, b_layout="nk", impl="cublas", stream=s)
+            s.synchronize()
+            check_close(out, f64(a) @ f64(b).T, "bfloat16", f"round {i} stream {j} {lt}")
+            assert len(spaces.arrays) <= n + len(spaces.captured), len(spaces.arrays)
+    kept = [k for k in spaces.arrays if k[1] in {s.ptr for s in streams}]
+    assert len(kept) <= n
+
+
+@pytest.mark.gpu
 def test_bad_input_is_named():
     import cupy
 
@@ -1262,6 +1298,41 @@ def test_cublaslt_without_an_algorithm_falls_back_to_gemmex(monkeypatch):
     monkeypatch.setattr(gemm_core, "_CUBLAS", [Cb()])
     assert gemm_core.launch_cublas(arr, arr, None, arr, bf, bf, 8, 64, 64, "nk", stream)
     assert len(gemmex) == 1 and gemmex[0][0] == 0x99
+
+
+def test_cublas_workspaces_kept_for_the_streams_used_last(monkeypatch):
+    """cuBLAS workspaces (gemm_core._Workspaces): one per (device, stream) made at its first
+    GEMM, the WORKSPACES_KEPT streams used last keep theirs; a new stream past them lets go the
+    one used longest ago (nothing else holds it then), never one a capture used nor the one
+    the GemmEx handle is set to; under capture none is made; a stream let go gets a new one."""
+    import weakref
+
+    class Ws:  # a stand-in workspace (weak references tell when it is let go)
+        def __init__(self, stream):
+            self.stream = stream
+
+    monkeypatch.setattr(gemm_core, "WORKSPACES_KEPT", 3)
+    handle_on = {}  # device -> stream the GemmEx handle is set to
+    made = []
+    spaces = gemm_core._Workspaces(lambda k: handle_on.get(k[0]) == k[1],
+                                   lambda s: made.append(Ws(s)) or made[-1])
+    first = {s: spaces.get(0, s, False) for s in (10, 11, 12)}
+    assert [w.stream for w in made] == [10, 11, 12] and spaces.get(0, 10, False) is first[10]
+    refs = {s: weakref.ref(w) for s, w in first.items()}
+    made.clear()
+    first.clear()
+    assert spaces.get(0, 13, False).stream == 13  # 11 is the one used longest ago (10 was used)
+    assert refs[11]() is None and refs[10]() is not None and refs[12]() is not None
+    assert spaces.kept((0, 11)) is None
+    assert spaces.get(0, 11, True) is None  # under capture none is made
+    assert len(made) == 1 and list(spaces.arrays) == [(0, 12), (0, 10), (0, 13)]  # used last: end
+    assert spaces.get(0, 12, True) is refs[12]()  # a capture used it: kept from now on
+    handle_on[0] = 10
+    assert spaces.get(0, 14, False).stream == 14  # 10 (the handle's) and 12 (captured) stay
+    assert refs[10]() is not None and refs[12]() is not None
+    assert sorted(spaces.arrays) == [(0, 10), (0, 12), (0, 14)]
+    assert spaces.get(1, 10, False).stream == 10 and (0, 10) in spaces.arrays  # per device
+    assert spaces.get(0, 11, False) is not None and len(made) == 4  # let go: a new one
 
 
 def test_cublaslt_call_takes_b_then_a_and_writes_out(monkeypatch):
