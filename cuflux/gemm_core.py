@@ -20,6 +20,7 @@ import dataclasses
 import functools
 import math
 import threading
+import weakref
 
 import numpy as np
 
@@ -563,7 +564,8 @@ class LtPlan:
     tuned (or tuning was declined), and its key among _CublasLt.plans (_tune_algo makes its
     key in the algorithm table from it)."""
 
-    __slots__ = ("h", "desc", "a_lay", "b_lay", "c_lay", "algos", "algo", "tuned", "key")
+    __slots__ = ("h", "desc", "a_lay", "b_lay", "c_lay", "algos", "algo", "tuned", "key",
+                 "__weakref__")
 
     def __init__(self, h, desc, a_lay, b_lay, c_lay, algos, key):
         self.h, self.desc, self.a_lay, self.b_lay, self.c_lay = h, desc, a_lay, b_lay, c_lay
@@ -685,14 +687,22 @@ class _CublasLt:
             plan = None
             if algos:
                 plan = LtPlan(h, desc, a_lay, b_lay, c_lay, algos, key)
+                # its descriptors go with the last holder of the plan (this table, a call
+                # under way, an _LtCall), not before
+                done = weakref.finalize(plan, _destroy_plan, lib, desc, a_lay, b_lay, c_lay)
+                done.atexit = False  # (at exit cuBLAS may be gone)
             else:
-                lib.cublasLtMatmulDescDestroy(desc)
-                for lay in (a_lay, b_lay, c_lay):
-                    lib.cublasLtMatrixLayoutDestroy(lay)
+                _destroy_plan(lib, desc, a_lay, b_lay, c_lay)
             if len(self.plans) >= self._MAX_PLANS:  # shapes that change every call: bounded
-                self.plans.clear()  # (the old descriptors stay: a call may be using them)
+                self.plans.clear()
             self.plans[key] = plan
             return plan
+
+
+def _destroy_plan(lib, desc, *layouts) -> None:
+    lib.cublasLtMatmulDescDestroy(desc)
+    for lay in layouts:
+        lib.cublasLtMatrixLayoutDestroy(lay)
 
 
 _CUBLASLT: list = []
@@ -776,21 +786,21 @@ class _LtReplay:
     with a stream handle; False (nothing enqueued) where that stream has no cuBLAS workspace
     yet: the caller takes the full path, which makes one outside a capture.
 
-    With graphs (knobs.graph_replay, read at bind), the call on each stream is a
-    launch.GraphReplay of its own with that stream's workspace: cublasLtMatmul costs the host
-    10-15 us a call on the H200 machine (its own checks, every call), a graph launch ~3. The
-    stream's own workspace keeps graphs of calls on other streams from sharing one."""
+    With graphs (knobs.graph_replay, read at bind), the call on a stream is a launch.GraphReplay
+    of its own with that stream's workspace, captured at its second call with that workspace
+    (a caller that cycles more streams than keep a workspace, _Workspaces, calls directly
+    rather than capture each call): cublasLtMatmul costs the host 10-15 us a call on the H200
+    machine (its own checks, every call), a graph launch ~3. The stream's own workspace keeps
+    graphs of calls on other streams from sharing one."""
 
-    __slots__ = ("head", "matmul", "kept", "captured", "dev", "what", "lt", "graphs")
+    __slots__ = ("call", "kept", "dev", "graphs")
 
     def __init__(self, lt, plan: "LtPlan", a_ptr, b_ptr, out_ptr, dev, what):
-        self.head = (plan.h, plan.desc, _ONE_PTR, b_ptr, plan.a_lay, a_ptr, plan.b_lay,
-                     _ZERO_PTR, out_ptr, plan.c_lay, out_ptr, plan.c_lay,
-                     lt.ctypes.byref(plan.algo))
         spaces = _cublas().spaces
-        self.matmul, self.kept, self.captured = lt.lib.cublasLtMatmul, spaces.kept, spaces.captured
-        self.dev, self.what, self.lt = dev, what, lt
-        # stream -> (its workspace's pointer, its GraphReplay)
+        self.call = _LtCall(lt, plan, a_ptr, b_ptr, out_ptr, dev, what, spaces.captured)
+        self.kept, self.dev = spaces.kept, dev
+        # stream -> (its workspace's pointer, its GraphReplay: None until that pointer's second
+        # call); the GraphReplay holds the _LtCall, never this (no reference cycle)
         self.graphs = {} if knobs.graph_replay() else None
 
     def __call__(self, stream: int):
@@ -799,21 +809,40 @@ class _LtReplay:
             return False
         ptr = ws.data.ptr
         graphs = self.graphs
-        if graphs is None:
-            self._call(ptr, stream)
-            return None
-        made = graphs.get(stream)
-        if made is None or made[0] != ptr:  # a new stream, or its workspace was let go
+        if graphs is not None:
+            made = graphs.get(stream)
+            if made is not None and made[0] == ptr:
+                replay = made[1]
+                if replay is None:
+                    replay = GraphReplay((functools.partial(self.call, ptr),), op=_OP,
+                                         what=self.call.what)
+                    graphs[stream] = (ptr, replay)
+                replay(stream)
+                return None
             if len(graphs) >= WORKSPACES_KEPT:
                 graphs.clear()  # (streams come and go: bounded)
-            made = graphs[stream] = (ptr, GraphReplay(
-                (functools.partial(self._call, ptr),), op=_OP, what=self.what))
-        made[1](stream)
+            graphs[stream] = (ptr, None)  # a new stream, or its workspace was let go
+        self.call(ptr, stream)
         return None
 
-    def _call(self, ws_ptr: int, stream: int) -> None:
-        # With graphs this runs only under a capture (its GraphReplay's, or the caller's
-        # graph, which then holds the stream's workspace for good: kept, _Cublas.workspace)
+
+class _LtCall:
+    """The call an _LtReplay makes: cublasLtMatmul on its plan (held, so its descriptors
+    live as long as the call) with the workspace and stream given."""
+
+    __slots__ = ("plan", "head", "matmul", "lt", "what", "dev", "captured")
+
+    def __init__(self, lt, plan, a_ptr, b_ptr, out_ptr, dev, what, captured):
+        self.plan, self.lt, self.what, self.dev, self.captured = plan, lt, what, dev, captured
+        self.head = (plan.h, plan.desc, _ONE_PTR, b_ptr, plan.a_lay, a_ptr, plan.b_lay,
+                     _ZERO_PTR, out_ptr, plan.c_lay, out_ptr, plan.c_lay,
+                     lt.ctypes.byref(plan.algo))
+        self.matmul = lt.lib.cublasLtMatmul
+
+    def __call__(self, ws_ptr: int, stream: int) -> None:
+        # With graphs this runs under a capture (its GraphReplay's, or the caller's graph,
+        # which then holds the stream's workspace for good: kept, _Workspaces) or at a
+        # stream's first call with a workspace
         if capturing(stream):
             self.captured.add((self.dev, stream))
         err = self.matmul(*self.head, ws_ptr, WORKSPACE_BYTES, stream)

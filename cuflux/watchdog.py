@@ -193,11 +193,13 @@ class StreamWaiter:
             # stream reaches it, so a dead peer costs one timeout, not one per flag.
             failed = w is not None and self.err.failed()
             with self._lock:
-                queues = list(self._pending.values())
-            for q in queues:
+                queues = list(self._pending.items())
+            for stream, q in queues:
                 while True:
                     with self._lock:
-                        if not q:
+                        if not q:  # a stream's queue goes once passed (streams come and go)
+                            if self._pending.get(stream) is q:
+                                del self._pending[stream]
                             break
                         item = q[0]
                     if item.passed.done:

@@ -1006,38 +1006,48 @@ def test_each_recv_block_copies_what_its_peer_pushed(gather, tokens):
         assert sorted(covered) == list(range(rows)), (me, gather)
 
 
-def test_a_full_plan_cache_is_not_emptied_under_capture(monkeypatch):
-    """Emptying the token-list cache synchronizes the device and frees prefix arrays a graph
-    may hold: never during a capture on the call's stream, never once the op was captured;
-    otherwise a full cache is emptied before the new list goes in."""
+def test_a_full_plan_cache_keeps_what_captured_graphs_hold(monkeypatch):
+    """Emptying the token-list cache synchronizes the device and frees prefix arrays: never
+    during a capture on the call's stream; otherwise a full cache drops every list but those
+    a captured call used (a graph holds their prefix arrays), with the memo's bound calls
+    and the checked keys, and fills to CACHE_MAX beside the captured ones before the next
+    emptying (an op captured once no longer grows without bound)."""
     import collections
+    from types import SimpleNamespace
+
+    import cupy
 
     import cuflux.ops.all2all as A
 
     W = 2
     op = object.__new__(A.All2AllHeads)
-    op.spec = A.Spec(W, 0, 0, 16, 8, 64, dtype_info("bfloat16"), 1)
-    forgot = []
-    monkeypatch.setattr(op, "_forget", lambda: (forgot.append(1), op._plans.clear()),
-                        raising=False)
+    op.spec = A.Spec(W, 0, 0, 4096, 8, 64, dtype_info("bfloat16"), 1)
+    done = []
+    monkeypatch.setattr(cupy.cuda, "Device",
+                        lambda d: SimpleNamespace(synchronize=lambda: done.append("sync")))
+    op._memo = SimpleNamespace(clear=lambda: done.append("memo"))
+    op._hashes, op._plans_captured = {"a key": 1}, 0
 
-    def full():
-        op._plans = collections.OrderedDict(((i, 0), object()) for i in range(A.CACHE_MAX))
+    def full(captured=()):
+        op._plans = collections.OrderedDict()
+        for i in range(A.CACHE_MAX):
+            plan = op._plans[(i, 0)] = A._Plan((i, 0), np.array([0, i, i]))
+            plan.captured = i in captured
 
     capturing = {"yes": True, "no": False}
     monkeypatch.setattr(A, "_capturing", lambda s: capturing[s])
-    op._captured = False
     full()
     plan = op._plan((3, 4), "yes")
-    assert not forgot and len(op._plans) == A.CACHE_MAX + 1 and plan.tokens == (3, 4)
-    op._captured = True
-    full()
+    assert not done and len(op._plans) == A.CACHE_MAX + 1 and plan.tokens == (3, 4)
+    full(captured={1, 5})
     op._plan((5, 6), "no")
-    assert not forgot  # captured before: the cache grows instead
-    op._captured = False
-    full()
+    assert done == ["sync", "memo"] and op._hashes == {}
+    assert list(op._plans) == [(1, 0), (5, 0), (5, 6)] and op._plans_captured == 2
+    for i in range(A.CACHE_MAX - 1):
+        op._plan((100 + i % 1000, i // 1000), "no")
+    assert len(done) == 2 and len(op._plans) == A.CACHE_MAX + 2
     op._plan((7, 8), "no")
-    assert forgot == [1] and list(op._plans) == [(7, 8)]
+    assert len(done) == 4 and list(op._plans) == [(1, 0), (5, 0), (7, 8)]
 
 
 def test_memo_keys_tokens_as_the_ints_the_full_path_takes():

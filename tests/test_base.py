@@ -175,6 +175,44 @@ def test_capture_refusal_names_the_op_and_why(monkeypatch):
     base.refuse_capture("Op", 0, "because")
 
 
+def test_index_cache_uploads_on_the_reading_stream_and_stays_bounded(monkeypatch):
+    """IndexCache (an op's device index arrays per token count): put() uploads each array
+    inside the reading stream's context and keeps them under the key; a put that would take
+    the kept bytes past INDEX_CACHE_BYTES empties the cache first (its arrays go back to the
+    pool of the stream they were uploaded on)."""
+    import contextlib
+
+    import cupy
+
+    uploads, current = [], [None]
+
+    def asarray(a):
+        uploads.append((current[0], a.nbytes))
+        return a.copy()
+
+    class On(contextlib.AbstractContextManager):  # a stand-in stream: current while entered
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            current[0] = self.name
+
+        def __exit__(self, *exc):
+            current[0] = None
+
+    monkeypatch.setattr(cupy, "asarray", asarray)
+    monkeypatch.setattr(base, "INDEX_CACHE_BYTES", 1000)
+    cache = base.IndexCache()
+    q = np.arange(50, dtype=np.int64)  # 400 bytes
+    got = cache.put((3, 4), (q, q[::-1].copy()), On("s1"))
+    assert uploads == [("s1", 400), ("s1", 400)] and cache.nbytes == 800
+    assert cache[(3, 4)] is got and (got[1] == q[::-1]).all()
+    cache.put(7, (q[:20],), On("s2"))  # 160 bytes: 960 in all, kept
+    assert sorted(cache, key=str) == [(3, 4), 7] and cache.nbytes == 960
+    cache.put(8, (q[:10],), On("s2"))  # 80 more would pass 1000: emptied first
+    assert list(cache) == [8] and cache.nbytes == 80 and uploads[-1] == ("s2", 80)
+
+
 def test_unfused_below_m_is_gemms_cublas_boundary():
     """route="auto" runs a fused op unfused exactly where cuflux.gemm's untuned rule takes
     cuBLAS: below that the fused kernel (cuflux's GEMM core) loses to cuBLAS."""

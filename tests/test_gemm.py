@@ -606,6 +606,18 @@ def test_many_streams_keep_few_cublas_workspaces(monkeypatch, lt):
             assert len(spaces.arrays) <= n + len(spaces.captured), len(spaces.arrays)
     kept = [k for k in spaces.arrays if k[1] in {s.ptr for s in streams}]
     assert len(kept) <= n
+    s = streams[0]  # its workspace let go long ago: made again, then its replay captured
+    for i in range(3):
+        a[...] = _rand((M, K), "bfloat16", seed + 100 + i)
+        out[...] = cupy.full((M, N), np.nan, np.float32).astype(st)
+        cupy.cuda.Device().synchronize()
+        G.gemm(a, b, out=out, b_layout="nk", impl="cublas", stream=s)
+        s.synchronize()
+        check_close(out, f64(a) @ f64(b).T, "bfloat16", f"stream 0 again, call {i} {lt}")
+    if lt == "cublaslt-graph":
+        graphs = [e.graphs.get(s.ptr) for e in G._memo().entries.values()
+                  if getattr(e, "graphs", None)]
+        assert any(g is not None and g[1] is not None for g in graphs)
 
 
 @pytest.mark.gpu
@@ -1264,6 +1276,35 @@ def test_cublaslt_plan_reads_row_major_as_column_major(monkeypatch, layout):
     assert lt.plan(0, bf, f32, M, N, K, layout, 16) is not plan
     assert [e[2:] for e in lt.lib.log if e[0] == "cublasLtMatmulPreferenceSetAttribute"][-1] == (8, 16)
     assert len(lt.plans) == 3 and len(lt.handles) == 1
+
+
+def test_cublaslt_plans_let_go_destroy_their_descriptors(monkeypatch):
+    """A table of plans emptied past _MAX_PLANS (shapes that change every call) destroys the
+    descriptor and three layouts of each plan it dropped once nothing else holds the plan,
+    and not before: a bound call (_LtCall) keeps its plan's descriptors alive."""
+    import gc
+
+    from cuflux.arrays import dtype_info
+
+    lt = _fake_lt(monkeypatch)
+    monkeypatch.setattr(gemm_core._CublasLt, "_MAX_PLANS", 2)
+    bf = dtype_info("bfloat16")
+
+    def destroyed():
+        return {e[1] for e in lt.lib.log if e[0].endswith("Destroy") and "Preference" not in e[0]}
+
+    p1 = lt.plan(0, bf, bf, 16, 64, 64, "nk")
+    held = gemm_core._LtCall(lt, p1, 0xA0, 0xB0, 0xC0, 0, "a call", set())
+    d1 = {p1.desc, p1.a_lay, p1.b_lay, p1.c_lay}
+    p2 = lt.plan(0, bf, bf, 17, 64, 64, "nk")
+    d2 = {p2.desc, p2.a_lay, p2.b_lay, p2.c_lay}
+    del p1, p2
+    lt.plan(0, bf, bf, 18, 64, 64, "nk")  # the table was full: emptied, then this one
+    gc.collect()
+    assert len(lt.plans) == 1 and d2 <= destroyed() and not d1 & destroyed()
+    del held
+    gc.collect()
+    assert d1 <= destroyed()
 
 
 def test_cublaslt_without_an_algorithm_falls_back_to_gemmex(monkeypatch):

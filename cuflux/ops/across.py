@@ -46,7 +46,8 @@ import numpy as np
 
 from cuflux.arrays import as_cupy, check_array, dtype_info, stream_of, to_caller
 from cuflux.errors import CufluxError
-from cuflux.ops.base import DEFAULT_TIMEOUT_S, on_op_device, on_world_device, require_world_device
+from cuflux.ops.base import (DEFAULT_TIMEOUT_S, IndexCache, on_op_device, on_world_device,
+                              require_world_device)
 from cuflux.rail import make_rail
 from cuflux.resource import Closeable
 
@@ -440,7 +441,7 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
             whole = self.spec.batch * W * self.spec.max_tokens * hpr  # [B, S, H/W] at most
             self._rows_in = cupy.empty(whole * self.spec.head_dim, st)
             self._scale_in = cupy.empty(whole, np.float32)
-            self._orders: dict = {}  # (tokens, B) -> hop 2's row order q and its inverse
+            self._orders = IndexCache()  # (tokens, B) -> hop 2's row order q and its inverse
         except Exception as e:
             error = e
         self._built(error)
@@ -460,17 +461,12 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
     def _order(self, tokens, B, s):
         """(q, q's inverse) on the device: hop 2's row i is row q[i] of the output [B * S]
         (uploaded on the call's stream `s`, which reads them)."""
-        import cupy
-
         from cuflux.nodes import all2all_rows
 
         got = self._orders.get((tokens, B))
         if got is None:
-            if len(self._orders) >= 1024:
-                self._orders.clear()  # read by takes queued on s: the pool reuses after them
             q = all2all_rows(self._rail_ranks, tokens, B)
-            with s:
-                got = self._orders[tokens, B] = (cupy.asarray(q), cupy.asarray(np.argsort(q)))
+            got = self._orders.put((tokens, B), (q, np.argsort(q)), s)
         return got
 
     @on_op_device
@@ -676,7 +672,7 @@ class AllReduceRMSNormAcrossNodes(_AcrossNodes):
                                                    timeout_s=timeout_s, rail=rail)
                 self._mine = cupy.empty((pad, self.hidden), self.dtype.storage)
                 self._every = cupy.empty((world.size * pad, self.hidden), self.dtype.storage)
-            self._rows: dict = {}  # T -> rows of the gather that hold each slice, in order
+            self._rows = IndexCache()  # T -> rows of the gather that hold each slice, in order
         except BaseException:
             self.sum.close()
             raise
@@ -724,11 +720,12 @@ class AllReduceRMSNormAcrossNodes(_AcrossNodes):
             rmsnorm_residual(total[lo:hi], residual[lo:hi], weight, self.eps, mine[:hi - lo], s)
         gathered = self._every[:W * pad]  # every rank's padded slice, in rank order
         self.gather(mine, out=gathered, stream=s)
-        rows = self._rows.get(T)
-        if rows is None:
-            rows = np.concatenate([np.arange(r * pad, r * pad + b - a) for r in range(W)
-                                   for a, b in [token_slice(T, W, r)]])
-            rows = self._rows[T] = cupy.asarray(rows)
+        got = self._rows.get(T)
+        if got is None:  # (uploaded on s, which reads it)
+            got = self._rows.put(T, (np.concatenate([np.arange(r * pad, r * pad + b - a)
+                                                     for r in range(W)
+                                                     for a, b in [token_slice(T, W, r)]]),), s)
+        (rows,) = got
         with s:
             cupy.take(gathered, rows, axis=0, out=out)
 

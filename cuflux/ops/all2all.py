@@ -341,6 +341,7 @@ class All2AllHeads(CommOp):
         self._captured = False  # once captured, the host no longer knows the device's epoch
         self._row_bytes = self.spec.row_bytes
         self._plans: collections.OrderedDict = collections.OrderedDict()
+        self._plans_captured = 0  # of them, held by a captured graph when last emptied
         self._hashes: dict = {}
         self._views: dict = {}  # (region, shape, dtype) -> a view of this rank's slot
         self._out_shapes: dict = {}  # (gather, tokens, B, scale ndim) -> owned output shapes
@@ -439,6 +440,8 @@ class All2AllHeads(CommOp):
                      or (run.views[1] is not None and run.views[1].shape != run.shape[1])):
             return False
         self._sequence(s, captured_now, capturing)
+        if captured_now:
+            run.plan.captured = True
         if run.moves:
             self.epoch += 1
         for launch in run.launches:
@@ -470,8 +473,8 @@ class All2AllHeads(CommOp):
     # ---- one call ------------------------------------------------------------------------------
     def _plan(self, tokens_per_rank, stream=None):
         """Validated tokens and their device prefix sums, cached per distinct list. A full
-        cache is emptied (_forget: a device synchronize) only outside a capture on `stream`
-        and before the op was ever captured."""
+        cache is emptied (_forget: a device synchronize) outside a capture on `stream`, but
+        for the plans a captured graph holds."""
         key = tokens_per_rank if isinstance(tokens_per_rank, tuple) else None
         plan = self._plans.get(key) if key is not None else None
         if plan is None:
@@ -479,9 +482,9 @@ class All2AllHeads(CommOp):
             tokens = check_tokens(tokens_per_rank, spec.world_size, spec.max_tokens)
             plan = self._plans.get(tokens)
             if plan is None:
-                # A captured graph holds its plans' device prefix arrays: once the op has been
-                # captured nothing is evicted (the cache grows instead of freeing them).
-                if (len(self._plans) >= CACHE_MAX and not self._captured
+                # (a captured graph holds its plans' device prefix arrays: those stay, and a
+                # cache full of them grows)
+                if (len(self._plans) >= CACHE_MAX + self._plans_captured
                         and not (stream is not None and _capturing(stream))):
                     self._forget()
                 prefix = np.concatenate([[0], np.cumsum(tokens)]).astype(np.int32)
@@ -490,14 +493,18 @@ class All2AllHeads(CommOp):
         return plan
 
     def _forget(self):
-        """Drop every cached list (deterministic on every rank: same calls, same moment). A
-        kernel may still read a cached prefix array, so wait for the device first."""
+        """Drop every cached list but those a captured graph holds (deterministic on every
+        rank: same calls, same captures, same moment). A kernel may still read a cached
+        prefix array, so wait for the device first."""
         import cupy
 
         cupy.cuda.Device(self.spec.device).synchronize()
         self._memo.clear()  # its bound launches hold the plans' prefix arrays' pointers
+        kept = [(t, p) for t, p in self._plans.items() if p.captured]
         self._plans.clear()
-        self._hashes.clear()
+        self._plans.update(kept)
+        self._plans_captured = len(kept)
+        self._hashes.clear()  # (a key seen again is checked with the peers again)
 
     def _call_hash(self, key) -> int:
         """The call's hash; the first time a key is seen, check it against every peer.
@@ -565,6 +572,8 @@ class All2AllHeads(CommOp):
                 f"replayed CUDA graph alternates without the host knowing; use out= with an op "
                 f"that is captured" + (" (this op was captured before)" if self._captured else ""))
         self._sequence(s, captured_now, capturing)
+        if captured_now:
+            plan.captured = True
         parity = (self.epoch + 1) & 1
         if view:
             out = self._slot_view(f"data{parity}", out_shape, spec.dtype.storage)
@@ -590,7 +599,7 @@ class All2AllHeads(CommOp):
                 if launches else ()
             self._memo.put(key, _Replay(bool(B * S), replay,
                                         (out, out_scale) if view else None,
-                                        (out_shape, sc_shape)))
+                                        (out_shape, sc_shape), plan))
         return to_caller((out, out_scale), a_in, given) if mode else to_caller(out, a_in,
                                                                               given[0])
 
@@ -774,12 +783,14 @@ class _Replay:
     launches: tuple
     views: tuple | None
     shape: tuple
+    plan: "_Plan"  # whose device prefix array the launches read
 
 
 class _Plan:
-    __slots__ = ("tokens", "prefix", "total", "prefix_dev", "launches")
+    __slots__ = ("tokens", "prefix", "total", "prefix_dev", "launches", "captured")
 
     def __init__(self, tokens, prefix):
         self.tokens, self.prefix, self.total = tokens, prefix, int(prefix[-1])
         self.prefix_dev = None
+        self.captured = False  # a captured graph holds prefix_dev: kept for the op's life
         self.launches: dict = {}  # (vec, gather, B, mode, view, hash) -> (push, recv): _prepare

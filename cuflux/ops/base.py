@@ -48,7 +48,7 @@ from cuflux.world import check_timeout  # one check for every timeout_s (ops and
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
            "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route",
-           "max_unfused_m", "CallMemo", "MEMO_MAX", "OUTPUTS_KEPT", "OUTPUT_KEPT_BYTES",
+           "max_unfused_m", "CallMemo", "IndexCache", "MEMO_MAX", "INDEX_CACHE_BYTES", "OUTPUTS_KEPT", "OUTPUT_KEPT_BYTES",
            "OUTPUTS_KEPT_BYTES"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
@@ -181,6 +181,7 @@ def check_no_alias(op: str, out, **inputs) -> None:
 
 
 MEMO_MAX = 256  # calls an op remembers (CallMemo); a full memo is emptied
+INDEX_CACHE_BYTES = 64 << 20  # an op's index arrays kept on the device (IndexCache)
 OUTPUTS_KEPT = 4  # (shape, dtype, stream)s whose outputs a CallMemo keeps (CallMemo.output),
 OUTPUT_KEPT_BYTES = 64 << 20  # each output at most this big (larger: cupy.empty per call),
 OUTPUTS_KEPT_BYTES = 256 << 20  # all of a memo's kept outputs together at most this
@@ -190,6 +191,30 @@ _PER_THREAD_STREAM = 2  # cudaStreamPerThread: one handle, a stream per thread
 # references, free-threaded builds, other interpreters: untried) every output is new.
 _COUNTS_HOLD = (sys.implementation.name == "cpython" and sys.version_info < (3, 14)
                 and getattr(sys, "_is_gil_enabled", lambda: True)())
+
+
+class IndexCache(dict):
+    """Index arrays an op keeps on the device per key (row orders per token count, ...),
+    emptied once a new one would take them past INDEX_CACHE_BYTES (keys follow token counts:
+    a server's changing batches must not pile them up). put() uploads on the stream that
+    reads them, so an array let go is reused by the pool only after the work queued there."""
+
+    def __init__(self):
+        super().__init__()
+        self.nbytes = 0
+
+    def put(self, key, arrays: tuple, stream) -> tuple:
+        """(cupy.asarray(a) for a in arrays), uploaded on `stream` and kept under key."""
+        import cupy
+
+        n = sum(a.nbytes for a in arrays)
+        if self.nbytes + n > INDEX_CACHE_BYTES:
+            self.clear()
+            self.nbytes = 0
+        with stream:
+            got = self[key] = tuple(cupy.asarray(a) for a in arrays)
+        self.nbytes += n
+        return got
 
 
 class CallMemo:
