@@ -422,9 +422,15 @@ class _Cublas:
         self.lib, self.ctypes = lib, ctypes
         self.handles: dict[int, int] = {}
         self.current: dict[int, int] = {}          # device -> stream its handle is set to
-        self.spaces = _Workspaces(lambda k: self.current.get(k[0]) == k[1], _new_workspace)
+        # device -> the workspace its handle is set to, held here: never back in the pool
+        # while the handle may write it, whatever _Workspaces lets go meanwhile
+        self.set_to: dict[int, object] = {}
+        self.spaces = _Workspaces(_new_workspace)
 
-    def handle(self, dev: int, stream_ptr: int, under_capture: bool) -> int:
+    def handle(self, dev: int, stream_ptr: int, under_capture: bool,
+               allocate: bool = True) -> int:
+        """The device's cuBLAS handle set to stream_ptr and its workspace; 0 where the stream
+        has none and none may be made (under capture, or not `allocate`: a replay)."""
         h = self.handles.get(dev)
         if h is None:
             hv = self.ctypes.c_void_p()
@@ -432,19 +438,22 @@ class _Cublas:
             if err:
                 raise RuntimeError(f"{_OP}: cublasCreate failed ({err})")
             h = self.handles[dev] = hv.value
+        # (under capture: the workspace the caller's graph will hold is the kept one, pinned)
         if self.current.get(dev) != stream_ptr or under_capture:
-            ws = self.workspace(dev, stream_ptr, under_capture)
+            ws = self.spaces.get(dev, stream_ptr, under_capture, allocate)
             if ws is None:
                 return 0
+            if self.current.get(dev) == stream_ptr and self.set_to.get(dev) is ws:
+                return h
+            self.current.pop(dev, None)
             for what, err in (("cublasSetStream", self.lib.cublasSetStream_v2(h, stream_ptr)),
                               ("cublasSetWorkspace", self.lib.cublasSetWorkspace_v2(
                                   h, ws.data.ptr, WORKSPACE_BYTES))):
                 if err:
-                    self.current.pop(dev, None)
                     from cuflux.errors import CudaError
 
                     raise CudaError(f"{_OP}: {what} failed (cublasStatus {err})")
-            self.current[dev] = stream_ptr
+            self.set_to[dev], self.current[dev] = ws, stream_ptr
         return h
 
     def workspace(self, dev: int, stream_ptr: int, under_capture: bool):
@@ -458,33 +467,38 @@ class _Workspaces:
     that stream's pool arena, kept for the WORKSPACES_KEPT streams used last.
 
     A new stream past them lets go the workspace of the one used longest ago, unless a
-    capture used it (a caller's graph holds its pointer: kept for the process) or `busy`
-    says so (the GemmEx handle is set to it). It goes back to its own stream's arena, so its
-    memory is reused only in that stream's order, after the GEMMs queued there; that
+    capture used it (a caller's graph holds its pointer: kept for the process). It goes back
+    to its own stream's arena (the GemmEx handle's own reference aside, _Cublas.set_to), so
+    its memory is reused only in that stream's order, after the GEMMs queued there; that
     stream's next GEMM makes a new one, and its replays (_LtReplay) see the new pointer and
-    capture again."""
+    capture again. A stream let go gets no cuBLAS call under capture until a call outside
+    one made it a workspace again."""
 
-    def __init__(self, busy, make):
+    def __init__(self, make):
         self.arrays: collections.OrderedDict = collections.OrderedDict()  # used last: at the end
         self.last = None            # the key used last
         self.captured: set = set()  # keys a capture used: never let go
         self.lock = threading.Lock()  # a new workspace, the one let go
-        self.busy = busy            # key -> whether it must stay now
         self.make = make            # stream handle -> a new workspace on the current device
 
-    def get(self, dev: int, stream_ptr: int, under_capture: bool):
-        """The workspace of (dev, stream_ptr), made where the stream has none; None under
-        capture where it has none (no allocation inside a capture: the caller takes our
-        core)."""
+    def get(self, dev: int, stream_ptr: int, under_capture: bool, allocate: bool = True):
+        """The workspace of (dev, stream_ptr), made where the stream has none; None where it
+        has none under capture (no allocation inside a capture: the caller takes our core)
+        or without `allocate`. Under capture the one returned is kept for good (pin)."""
         k = (dev, stream_ptr)
         ws = self.kept(k)
         if ws is None:
-            if under_capture:
+            if under_capture or not allocate:
                 return None
             ws = self._new(k)
         if under_capture:
             self.captured.add(k)
         return ws
+
+    def pin(self, k) -> None:
+        """Keep k's workspace for good (a caller's graph captured it), where one is kept."""
+        if k in self.arrays:
+            self.captured.add(k)
 
     def kept(self, k):
         """The workspace kept for k = (device, stream), marked used last; None where none is."""
@@ -504,7 +518,7 @@ class _Workspaces:
                 return ws
             if len(self.arrays) >= WORKSPACES_KEPT:
                 for old in list(self.arrays):  # the stream used longest ago, first
-                    if old not in self.captured and not self.busy(old):
+                    if old not in self.captured:
                         self.arrays.pop(old, None)  # (dropped: CuPy frees it to its arena)
                         break
             ws = self.arrays[k] = self.make(k[1])
@@ -797,7 +811,7 @@ class _LtReplay:
 
     def __init__(self, lt, plan: "LtPlan", a_ptr, b_ptr, out_ptr, dev, what):
         spaces = _cublas().spaces
-        self.call = _LtCall(lt, plan, a_ptr, b_ptr, out_ptr, dev, what, spaces.captured)
+        self.call = _LtCall(lt, plan, a_ptr, b_ptr, out_ptr, dev, what, spaces.pin)
         self.kept, self.dev = spaces.kept, dev
         # stream -> (its workspace's pointer, its GraphReplay: None until that pointer's second
         # call); the GraphReplay holds the _LtCall, never this (no reference cycle)
@@ -830,21 +844,21 @@ class _LtCall:
     """The call an _LtReplay makes: cublasLtMatmul on its plan (held, so its descriptors
     live as long as the call) with the workspace and stream given."""
 
-    __slots__ = ("plan", "head", "matmul", "lt", "what", "dev", "captured")
+    __slots__ = ("plan", "head", "matmul", "lt", "what", "dev", "pin")
 
-    def __init__(self, lt, plan, a_ptr, b_ptr, out_ptr, dev, what, captured):
-        self.plan, self.lt, self.what, self.dev, self.captured = plan, lt, what, dev, captured
+    def __init__(self, lt, plan, a_ptr, b_ptr, out_ptr, dev, what, pin):
+        self.plan, self.lt, self.what, self.dev, self.pin = plan, lt, what, dev, pin
         self.head = (plan.h, plan.desc, _ONE_PTR, b_ptr, plan.a_lay, a_ptr, plan.b_lay,
                      _ZERO_PTR, out_ptr, plan.c_lay, out_ptr, plan.c_lay,
                      lt.ctypes.byref(plan.algo))
         self.matmul = lt.lib.cublasLtMatmul
 
     def __call__(self, ws_ptr: int, stream: int) -> None:
-        # With graphs this runs under a capture (its GraphReplay's, or the caller's graph,
-        # which then holds the stream's workspace for good: kept, _Workspaces) or at a
-        # stream's first call with a workspace
+        # With graphs this runs under a capture (its GraphReplay's, on a private stream with
+        # no workspace, or the caller's graph, which then holds the stream's workspace for
+        # good: pinned) or at a stream's first call with a workspace
         if capturing(stream):
-            self.captured.add((self.dev, stream))
+            self.pin((self.dev, stream))
         err = self.matmul(*self.head, ws_ptr, WORKSPACE_BYTES, stream)
         if err:
             self.lt._check(self.what, err)
@@ -1033,8 +1047,8 @@ class _GemmExReplay:
 
     def __call__(self, stream: int):
         cb = self.cb
-        with _CUBLAS_LOCK:
-            handle = cb.handle(self.dev, stream, True)  # True: never allocates here
+        with _CUBLAS_LOCK:  # (under the caller's capture: its graph holds the workspace)
+            handle = cb.handle(self.dev, stream, capturing(stream), allocate=False)
             if not handle:
                 return False
             err = cb.lib.cublasGemmEx(handle, *self.tail)

@@ -178,8 +178,8 @@ def test_capture_refusal_names_the_op_and_why(monkeypatch):
 def test_index_cache_uploads_on_the_reading_stream_and_stays_bounded(monkeypatch):
     """IndexCache (an op's device index arrays per token count): put() uploads each array
     inside the reading stream's context and keeps them under the key; a put that would take
-    the kept bytes past INDEX_CACHE_BYTES empties the cache first (its arrays go back to the
-    pool of the stream they were uploaded on)."""
+    the kept bytes past INDEX_CACHE_BYTES empties the cache first, once the call's stream is
+    done (its arrays go back to the pool of the stream they were uploaded on)."""
     import contextlib
 
     import cupy
@@ -200,6 +200,9 @@ def test_index_cache_uploads_on_the_reading_stream_and_stays_bounded(monkeypatch
         def __exit__(self, *exc):
             current[0] = None
 
+        def synchronize(self):
+            uploads.append((self.name, "synchronized"))
+
     monkeypatch.setattr(cupy, "asarray", asarray)
     monkeypatch.setattr(base, "INDEX_CACHE_BYTES", 1000)
     cache = base.IndexCache()
@@ -209,8 +212,9 @@ def test_index_cache_uploads_on_the_reading_stream_and_stays_bounded(monkeypatch
     assert cache[(3, 4)] is got and (got[1] == q[::-1]).all()
     cache.put(7, (q[:20],), On("s2"))  # 160 bytes: 960 in all, kept
     assert sorted(cache, key=str) == [(3, 4), 7] and cache.nbytes == 960
-    cache.put(8, (q[:10],), On("s2"))  # 80 more would pass 1000: emptied first
-    assert list(cache) == [8] and cache.nbytes == 80 and uploads[-1] == ("s2", 80)
+    cache.put(8, (q[:10],), On("s2"))  # 80 more would pass 1000: emptied first, once s2
+    assert list(cache) == [8] and cache.nbytes == 80  # (ordered after every call) is done
+    assert uploads[-2:] == [("s2", "synchronized"), ("s2", 80)] and len(uploads) == 5
 
 
 def test_unfused_below_m_is_gemms_cublas_boundary():

@@ -576,9 +576,10 @@ def test_repeated_calls_replay_their_launch_and_stay_exact(monkeypatch, impl, M,
 @pytest.mark.parametrize("lt", ["gemmex", "cublaslt", "cublaslt-graph"])
 def test_many_streams_keep_few_cublas_workspaces(monkeypatch, lt):
     """A caller that keeps 3 x WORKSPACES_KEPT streams alive and calls the cuBLAS route on each
-    in turn, twice over (the second round's calls replay: bound at their second call, each
-    stream's workspace let go and made again in between): every call exact (out poisoned
-    first), and the workspaces kept never more than WORKSPACES_KEPT plus those captures used.
+    in turn, three times over (the later rounds' calls replay: bound at their second call,
+    each stream's workspace let go and made again in between): every call exact (out
+    poisoned first), never more than WORKSPACES_KEPT of those streams keep a workspace, none
+    pinned (no capture); then one stream's calls again: made anew, then replayed as a graph.
     Before they were bounded every stream kept 32 MiB for the process."""
     import cupy
 
@@ -592,6 +593,7 @@ def test_many_streams_keep_few_cublas_workspaces(monkeypatch, lt):
     spaces = gemm_core._cublas().spaces
     n = gemm_core.WORKSPACES_KEPT
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3 * n)]
+    ptrs = {s.ptr for s in streams}
     a, b, out = cupy.empty((M, K), st), cupy.empty((N, K), st), cupy.empty((M, N), st)
     seed = fresh_seed()
     for i in range(3):
@@ -603,9 +605,8 @@ def test_many_streams_keep_few_cublas_workspaces(monkeypatch, lt):
             G.gemm(a, b, out=out, b_layout="nk", impl="cublas", stream=s)
             s.synchronize()
             check_close(out, f64(a) @ f64(b).T, "bfloat16", f"round {i} stream {j} {lt}")
-            assert len(spaces.arrays) <= n + len(spaces.captured), len(spaces.arrays)
-    kept = [k for k in spaces.arrays if k[1] in {s.ptr for s in streams}]
-    assert len(kept) <= n
+            assert len([k for k in spaces.arrays if k[1] in ptrs]) <= n, list(spaces.arrays)
+    assert not [k for k in spaces.captured if k[1] in ptrs]  # nothing captured: none pinned
     s = streams[0]  # its workspace let go long ago: made again, then its replay captured
     for i in range(3):
         a[...] = _rand((M, K), "bfloat16", seed + 100 + i)
@@ -1344,8 +1345,9 @@ def test_cublaslt_without_an_algorithm_falls_back_to_gemmex(monkeypatch):
 def test_cublas_workspaces_kept_for_the_streams_used_last(monkeypatch):
     """cuBLAS workspaces (gemm_core._Workspaces): one per (device, stream) made at its first
     GEMM, the WORKSPACES_KEPT streams used last keep theirs; a new stream past them lets go the
-    one used longest ago (nothing else holds it then), never one a capture used nor the one
-    the GemmEx handle is set to; under capture none is made; a stream let go gets a new one."""
+    one used longest ago (nothing else holds it then), never one a capture used (get under
+    capture, or pin); under capture or without allocate none is made; a stream let go gets a
+    new one."""
     import weakref
 
     class Ws:  # a stand-in workspace (weak references tell when it is let go)
@@ -1353,10 +1355,8 @@ def test_cublas_workspaces_kept_for_the_streams_used_last(monkeypatch):
             self.stream = stream
 
     monkeypatch.setattr(gemm_core, "WORKSPACES_KEPT", 3)
-    handle_on = {}  # device -> stream the GemmEx handle is set to
     made = []
-    spaces = gemm_core._Workspaces(lambda k: handle_on.get(k[0]) == k[1],
-                                   lambda s: made.append(Ws(s)) or made[-1])
+    spaces = gemm_core._Workspaces(lambda s: made.append(Ws(s)) or made[-1])
     first = {s: spaces.get(0, s, False) for s in (10, 11, 12)}
     assert [w.stream for w in made] == [10, 11, 12] and spaces.get(0, 10, False) is first[10]
     refs = {s: weakref.ref(w) for s, w in first.items()}
@@ -1366,14 +1366,107 @@ def test_cublas_workspaces_kept_for_the_streams_used_last(monkeypatch):
     assert refs[11]() is None and refs[10]() is not None and refs[12]() is not None
     assert spaces.kept((0, 11)) is None
     assert spaces.get(0, 11, True) is None  # under capture none is made
+    assert spaces.get(0, 11, False, allocate=False) is None  # nor for a replay
     assert len(made) == 1 and list(spaces.arrays) == [(0, 12), (0, 10), (0, 13)]  # used last: end
     assert spaces.get(0, 12, True) is refs[12]()  # a capture used it: kept from now on
-    handle_on[0] = 10
-    assert spaces.get(0, 14, False).stream == 14  # 10 (the handle's) and 12 (captured) stay
+    spaces.pin((0, 10))  # a caller's graph captured a replay on 10
+    spaces.pin((0, 99))  # (no workspace there: nothing to keep)
+    assert spaces.captured == {(0, 12), (0, 10)}
+    assert spaces.get(0, 14, False).stream == 14  # 10 and 12 stay
     assert refs[10]() is not None and refs[12]() is not None
     assert sorted(spaces.arrays) == [(0, 10), (0, 12), (0, 14)]
     assert spaces.get(1, 10, False).stream == 10 and (0, 10) in spaces.arrays  # per device
     assert spaces.get(0, 11, False) is not None and len(made) == 4  # let go: a new one
+
+
+class _Ws:
+    """A stand-in cuBLAS workspace: a pointer of its own, weakly referenceable."""
+    ptrs = iter(range(0x1000, 1 << 40, 0x1000))
+
+    def __init__(self, stream):
+        from types import SimpleNamespace
+
+        self.stream, self.data = stream, SimpleNamespace(ptr=next(_Ws.ptrs))
+
+
+def test_cublas_handle_sets_its_stream_and_holds_its_workspace(monkeypatch):
+    """The GemmEx route's handle (_Cublas.handle): set to a stream and its workspace once
+    (not again while calls stay on it); a replay (allocate=False) makes no workspace and pins
+    none; under capture the stream's kept workspace is pinned; the handle holds the workspace
+    it is set to even after _Workspaces let it go, until it moves to another stream."""
+    import weakref
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(gemm_core, "WORKSPACES_KEPT", 2)
+    log = []
+    cb = gemm_core._Cublas.__new__(gemm_core._Cublas)
+    cb.lib = SimpleNamespace(cublasSetStream_v2=lambda h, s: log.append(("stream", s)) or 0,
+                             cublasSetWorkspace_v2=lambda h, p, n: log.append(("ws", p)) or 0)
+    cb.handles, cb.current, cb.set_to = {0: 0x99}, {}, {}
+    cb.spaces = spaces = gemm_core._Workspaces(_Ws)
+    assert cb.handle(0, 7, False) == 0x99
+    ws7 = spaces.kept((0, 7))
+    assert log == [("stream", 7), ("ws", ws7.data.ptr)]
+    for _ in range(2):
+        assert cb.handle(0, 7, False, allocate=False) == 0x99  # a replay: as set
+    assert cb.handle(0, 8, False, allocate=False) == 0  # a replay on a stream without one
+    assert len(log) == 2 and not spaces.captured and (0, 8) not in spaces.arrays
+    assert cb.handle(0, 7, True) == 0x99 and len(log) == 2  # under capture: pinned, as set
+    assert spaces.captured == {(0, 7)}
+    cb.handle(0, 10, False)
+    held = weakref.ref(spaces.kept((0, 10)))
+    spaces.get(0, 11, False)  # 7 is pinned: 10 is let go by _Workspaces ...
+    assert (0, 10) not in spaces.arrays and held() is not None  # ... but the handle holds it
+    assert cb.handle(0, 10, False, allocate=False) == 0x99 and log[-1] == ("ws", held().data.ptr)
+    cb.handle(0, 11, False)
+    assert held() is None and log[-2:] == [("stream", 11), ("ws", spaces.kept((0, 11)).data.ptr)]
+
+
+def test_lt_replay_follows_its_streams_workspace(monkeypatch):
+    """_LtReplay: False on a stream without a workspace (the full path makes one); with graphs,
+    a stream's first call with a workspace calls cublasLtMatmul directly and its second
+    captures a graph, replayed after; a workspace let go and made again (another pointer) is
+    called directly once, then captured anew with its pointer."""
+    import ctypes
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(gemm_core, "WORKSPACES_KEPT", 1)
+    monkeypatch.setenv("CUFLUX_GRAPH_REPLAY", "1")
+    monkeypatch.setattr(gemm_core, "capturing", lambda s: False)
+    spaces = gemm_core._Workspaces(_Ws)
+    monkeypatch.setattr(gemm_core, "_CUBLAS", [SimpleNamespace(spaces=spaces)])
+    graphs = []
+
+    class Graph:  # a stand-in launch.GraphReplay: its launches, and the streams replayed on
+        def __init__(self, launches, op, what):
+            self.launches, self.on = launches, []
+            graphs.append(self)
+
+        def __call__(self, stream):
+            self.on.append(stream)
+
+    monkeypatch.setattr(gemm_core, "GraphReplay", Graph)
+    calls = []
+    lt = SimpleNamespace(ctypes=ctypes, lib=SimpleNamespace(
+        cublasLtMatmul=lambda *a: calls.append((a[13], a[15])) or 0))
+    plan = SimpleNamespace(h=1, desc=2, a_lay=3, b_lay=4, c_lay=5, algo=ctypes.c_int(0))
+    replay = gemm_core._LtReplay(lt, plan, 0xA0, 0xB0, 0xC0, 0, "a call")
+    assert replay(7) is False and not calls
+    ws = spaces.get(0, 7, False)
+    assert replay(7) is None and calls == [(ws.data.ptr, 7)] and not graphs
+    replay(7)
+    replay(7)
+    (g,) = graphs
+    assert g.on == [7, 7] and len(calls) == 1
+    g.launches[0](7)  # what the graph captures: the call with that workspace
+    assert calls[-1] == (ws.data.ptr, 7)
+    spaces.get(0, 8, False)  # 7's workspace let go (one kept)
+    assert replay(7) is False
+    ws2 = spaces.get(0, 7, False)
+    replay(7)
+    assert calls[-1] == (ws2.data.ptr, 7) and len(graphs) == 1
+    replay(7)
+    assert len(graphs) == 2 and graphs[1].on == [7] and g.on == [7, 7]
 
 
 def test_cublaslt_call_takes_b_then_a_and_writes_out(monkeypatch):

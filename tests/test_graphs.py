@@ -79,13 +79,26 @@ test_rmsnorm_every_mode_captured_and_replayed = rmsnorm_modes.test(expect=100, t
 @on_ranks
 def all2all(world, replays=100, T=64, H=8, D=128):
     """All2AllHeads, scatter then gather (uneven tokens at W > 1), captured in one graph and
-    replayed with new inputs: exact every replay (the call epoch lives on the device). view=True
-    is refused under capture (the slot's parity alternates without the host knowing), and after
-    the op was captured."""
+    replayed with new inputs: exact every replay (the call epoch lives on the device). Halfway,
+    eager calls with more new token lists than the op's cache holds (CACHE_MAX set to 4 here),
+    each exact: the full cache is emptied but for the plan the graph holds (its device prefix
+    array), and the replays after stay exact. view=True is refused under capture (the slot's
+    parity alternates without the host knowing), and after the op was captured."""
     import cupy as cp
 
+    import cuflux.ops.all2all as A
     from cuflux.ops.all2all import All2AllHeads, reference_gather_heads, reference_scatter_heads
     W, me = world.size, world.rank
+    cache_max, A.CACHE_MAX = A.CACHE_MAX, 4
+    try:
+        return _all2all_captured(world, replays, T, H, D, W, me, cp, A, All2AllHeads,
+                                 reference_gather_heads, reference_scatter_heads)
+    finally:
+        A.CACHE_MAX = cache_max
+
+
+def _all2all_captured(world, replays, T, H, D, W, me, cp, A, All2AllHeads,
+                      reference_gather_heads, reference_scatter_heads):
     st = dtype_info("bfloat16").storage
     s = cp.cuda.Stream(non_blocking=True)
     tokens = tuple(T - (r % 3) for r in range(W))
@@ -104,6 +117,19 @@ def all2all(world, replays=100, T=64, H=8, D=128):
         op.gather_heads(yin, tokens, out=xo, stream=s)
         graph = s.end_capture()
         for rep in range(replays):
+            if rep == replays // 2:  # eager calls of new token lists: the cache fills, empties
+                for i in range(6):
+                    t_i = tuple((T - 1 - i - r) % T + 1 for r in range(W))
+                    xi = [_rand((rep, i, p, 3), (1, t_i[p], H, D), st) for p in range(W)]
+                    got = op.scatter_heads(cp.asarray(xi[me]), t_i, stream=s)
+                    s.synchronize()
+                    want = reference_scatter_heads(xi, t_i, W)[me]
+                    assert np.array_equal(cp.asnumpy(got).view(np.uint16),
+                                          want.view(np.uint16)), (rep, i)
+                assert len(op._plans) <= A.CACHE_MAX + 1, len(op._plans)
+                if W > 1:  # (W = 1 copies without the device prefix array)
+                    assert op._plans[tokens].captured
+                world.barrier()
             xh = [_rand((rep, p, 1), (1, tokens[p], H, D), st) for p in range(W)]
             yh = [_rand((rep, p, 2), (1, S, H // W, D), st) for p in range(W)]
             x[...], yin[...] = cp.asarray(xh[me]), cp.asarray(yh[me])

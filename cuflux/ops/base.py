@@ -197,7 +197,9 @@ class IndexCache(dict):
     """Index arrays an op keeps on the device per key (row orders per token count, ...),
     emptied once a new one would take them past INDEX_CACHE_BYTES (keys follow token counts:
     a server's changing batches must not pile them up). put() uploads on the stream that
-    reads them, so an array let go is reused by the pool only after the work queued there."""
+    reads them; emptying waits for the call's stream first, which the op orders after every
+    earlier call (a later call on another stream may have read an array: the pool would
+    reuse it in the order of the stream it was uploaded on alone)."""
 
     def __init__(self):
         super().__init__()
@@ -209,6 +211,7 @@ class IndexCache(dict):
 
         n = sum(a.nbytes for a in arrays)
         if self.nbytes + n > INDEX_CACHE_BYTES:
+            stream.synchronize()  # (rare: once per INDEX_CACHE_BYTES of new arrays)
             self.clear()
             self.nbytes = 0
         with stream:

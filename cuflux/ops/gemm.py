@@ -218,7 +218,8 @@ def _gemm(a, b, bias, out, out_dtype, b_layout, impl, stream, config, group_m, m
         if impl == CUBLAS:
             raise CaptureError(f"{_OP}: impl='cublas' under capture needs one call on this "
                                f"stream outside the capture first (it sets up cuBLAS's "
-                               f"workspace for the stream)")
+                               f"workspace for the stream, kept for the streams used last: "
+                               f"gemm_core.WORKSPACES_KEPT)")
     if impl == "sm80" or (impl == "auto" and not hopper):
         _bound(memo, key, launch_sm80(a, b, bias, out, dt, odt, M, N, K, b_layout, s, group_m,
                                       bind=bind), bind)
