@@ -594,6 +594,10 @@ def test_many_streams_keep_few_cublas_workspaces(monkeypatch, lt):
     n = gemm_core.WORKSPACES_KEPT
     streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(3 * n)]
     ptrs = {s.ptr for s in streams}
+    # an earlier test's capture stream, destroyed since, may have had one of these handles:
+    # its workspace is kept for good (the driver hands handles out again)
+    pinned = len({k for k in spaces.captured if k[1] in ptrs})
+    before = set(spaces.captured)
     a, b, out = cupy.empty((M, K), st), cupy.empty((N, K), st), cupy.empty((M, N), st)
     seed = fresh_seed()
     for i in range(3):
@@ -605,8 +609,8 @@ def test_many_streams_keep_few_cublas_workspaces(monkeypatch, lt):
             G.gemm(a, b, out=out, b_layout="nk", impl="cublas", stream=s)
             s.synchronize()
             check_close(out, f64(a) @ f64(b).T, "bfloat16", f"round {i} stream {j} {lt}")
-            assert len([k for k in spaces.arrays if k[1] in ptrs]) <= n, list(spaces.arrays)
-    assert not [k for k in spaces.captured if k[1] in ptrs]  # nothing captured: none pinned
+            assert len([k for k in spaces.arrays if k[1] in ptrs]) <= n + pinned
+    assert spaces.captured == before  # nothing captured here: nothing pinned
     s = streams[0]  # its workspace let go long ago: made again, then its replay captured
     for i in range(3):
         a[...] = _rand((M, K), "bfloat16", seed + 100 + i)
