@@ -25,7 +25,8 @@ import weakref
 import numpy as np
 
 from cuflux import kernels, knobs
-from cuflux.launch import GraphReplay, capturing, current_device, graph_replay
+from cuflux.launch import (GraphReplay, capturing, current_device, graph_replay,
+                           private_capture_stream)
 from cuflux.arrays import as_cupy, check_array
 
 __all__ = ["Sm90Config", "SM90_CONFIGS", "SM90_DEFAULT", "Sm80Config", "SM80", "SM80_CONFIG",
@@ -438,8 +439,11 @@ class _Cublas:
             if err:
                 raise RuntimeError(f"{_OP}: cublasCreate failed ({err})")
             h = self.handles[dev] = hv.value
-        # (under capture: the workspace the caller's graph will hold is the kept one, pinned)
-        if self.current.get(dev) != stream_ptr or under_capture:
+        # (under capture: the workspace the caller's graph will hold is the kept one, pinned;
+        # a stream whose kept workspace is not the one the handle holds, let go meanwhile
+        # by the cublasLt route, looks again: made anew, or none under capture)
+        if (self.current.get(dev) != stream_ptr or under_capture
+                or self.spaces.kept((dev, stream_ptr)) is not self.set_to.get(dev)):
             ws = self.spaces.get(dev, stream_ptr, under_capture, allocate)
             if ws is None:
                 return 0
@@ -486,19 +490,22 @@ class _Workspaces:
         has none under capture (no allocation inside a capture: the caller takes our core)
         or without `allocate`. Under capture the one returned is kept for good (pin)."""
         k = (dev, stream_ptr)
-        ws = self.kept(k)
-        if ws is None:
-            if under_capture or not allocate:
-                return None
-            ws = self._new(k)
         if under_capture:
-            self.captured.add(k)
+            with self.lock:  # (never let go between the lookup and the pin)
+                ws = self.arrays.get(k)
+                if ws is not None:
+                    self.captured.add(k)
+            return ws
+        ws = self.kept(k)
+        if ws is None and allocate:
+            ws = self._new(k)
         return ws
 
     def pin(self, k) -> None:
         """Keep k's workspace for good (a caller's graph captured it), where one is kept."""
-        if k in self.arrays:
-            self.captured.add(k)
+        with self.lock:
+            if k in self.arrays:
+                self.captured.add(k)
 
     def kept(self, k):
         """The workspace kept for k = (device, stream), marked used last; None where none is."""
@@ -854,10 +861,10 @@ class _LtCall:
         self.matmul = lt.lib.cublasLtMatmul
 
     def __call__(self, ws_ptr: int, stream: int) -> None:
-        # With graphs this runs under a capture (its GraphReplay's, on a private stream with
-        # no workspace, or the caller's graph, which then holds the stream's workspace for
-        # good: pinned) or at a stream's first call with a workspace
-        if capturing(stream):
+        # With graphs this runs under a capture (its GraphReplay's, on the private stream,
+        # or the caller's graph, which then holds the stream's workspace for good: pinned)
+        # or at a stream's first call with a workspace
+        if capturing(stream) and stream != private_capture_stream(self.dev):
             self.pin((self.dev, stream))
         err = self.matmul(*self.head, ws_ptr, WORKSPACE_BYTES, stream)
         if err:

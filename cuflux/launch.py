@@ -468,6 +468,13 @@ _CAPTURE_STREAMS: dict = {}  # device -> a private non-blocking stream (kept)
 _GRAPH_LAUNCH: list = []
 
 
+def private_capture_stream(dev: int):
+    """The handle of the private stream GraphReplay captures on for device dev (None before
+    its first capture there): a launch run under that capture is not the caller's."""
+    s = _CAPTURE_STREAMS.get(dev)
+    return None if s is None else s.ptr
+
+
 def _capture_stream(dev: int) -> int:
     s = _CAPTURE_STREAMS.get(dev)
     if s is None:

@@ -611,7 +611,11 @@ def test_many_streams_keep_few_cublas_workspaces(monkeypatch, lt):
             check_close(out, f64(a) @ f64(b).T, "bfloat16", f"round {i} stream {j} {lt}")
             assert len([k for k in spaces.arrays if k[1] in ptrs]) <= n + pinned
     assert spaces.captured == before  # nothing captured here: nothing pinned
+    if lt != "gemmex":  # the route taken: cublasLt's plan of the shape
+        assert any(k[4:7] == (M, N, K) for k in gemm_core._cublaslt().plans)
     s = streams[0]  # its workspace let go long ago: made again, then its replay captured
+    key = (gemm_core.current_device(), s.ptr)
+    assert key in before or key not in spaces.arrays  # (before: pinned by an earlier test)
     for i in range(3):
         a[...] = _rand((M, K), "bfloat16", seed + 100 + i)
         out[...] = cupy.full((M, N), np.nan, np.float32).astype(st)
@@ -619,6 +623,7 @@ def test_many_streams_keep_few_cublas_workspaces(monkeypatch, lt):
         G.gemm(a, b, out=out, b_layout="nk", impl="cublas", stream=s)
         s.synchronize()
         check_close(out, f64(a) @ f64(b).T, "bfloat16", f"stream 0 again, call {i} {lt}")
+        assert key in spaces.arrays
     if lt == "cublaslt-graph":
         graphs = [e.graphs.get(s.ptr) for e in G._memo().entries.values()
                   if getattr(e, "graphs", None)]
@@ -1421,22 +1426,32 @@ def test_cublas_handle_sets_its_stream_and_holds_its_workspace(monkeypatch):
     held = weakref.ref(spaces.kept((0, 10)))
     spaces.get(0, 11, False)  # 7 is pinned: 10 is let go by _Workspaces ...
     assert (0, 10) not in spaces.arrays and held() is not None  # ... but the handle holds it
-    assert cb.handle(0, 10, False, allocate=False) == 0x99 and log[-1] == ("ws", held().data.ptr)
+    n = len(log)
+    assert cb.handle(0, 10, True) == 0 and (0, 10) not in spaces.captured  # none in capture
+    assert cb.handle(0, 10, False, allocate=False) == 0 and len(log) == n  # a replay: none
+    assert cb.handle(0, 10, False) == 0x99 and held() is None  # a call: made anew, set
+    assert log[n:] == [("stream", 10), ("ws", spaces.kept((0, 10)).data.ptr)]
+    assert cb.handle(0, 10, True) == 0x99 and (0, 10) in spaces.captured and len(log) == n + 2
+    held = weakref.ref(spaces.kept((0, 10)))
     cb.handle(0, 11, False)
-    assert held() is None and log[-2:] == [("stream", 11), ("ws", spaces.kept((0, 11)).data.ptr)]
+    assert held() is not None  # pinned: kept although the handle moved on
+    assert log[-2:] == [("stream", 11), ("ws", spaces.kept((0, 11)).data.ptr)]
 
 
 def test_lt_replay_follows_its_streams_workspace(monkeypatch):
     """_LtReplay: False on a stream without a workspace (the full path makes one); with graphs,
     a stream's first call with a workspace calls cublasLtMatmul directly and its second
     captures a graph, replayed after; a workspace let go and made again (another pointer) is
-    called directly once, then captured anew with its pointer."""
+    called directly once, then captured anew with its pointer. The call run under the
+    caller's capture pins the stream's workspace; under the graph's own capture (the private
+    stream) it pins nothing."""
     import ctypes
     from types import SimpleNamespace
 
     monkeypatch.setattr(gemm_core, "WORKSPACES_KEPT", 1)
     monkeypatch.setenv("CUFLUX_GRAPH_REPLAY", "1")
-    monkeypatch.setattr(gemm_core, "capturing", lambda s: False)
+    captured_now = set()  # streams a capture is under way on
+    monkeypatch.setattr(gemm_core, "capturing", lambda s: s in captured_now)
     spaces = gemm_core._Workspaces(_Ws)
     monkeypatch.setattr(gemm_core, "_CUBLAS", [SimpleNamespace(spaces=spaces)])
     graphs = []
@@ -1471,6 +1486,13 @@ def test_lt_replay_follows_its_streams_workspace(monkeypatch):
     assert calls[-1] == (ws2.data.ptr, 7) and len(graphs) == 1
     replay(7)
     assert len(graphs) == 2 and graphs[1].on == [7] and g.on == [7, 7]
+    assert not spaces.captured
+    monkeypatch.setattr(gemm_core, "private_capture_stream", lambda dev: 5)
+    captured_now.update((5, 7))
+    graphs[1].launches[0](5)  # the graph's own capture, on the private stream: no pin
+    assert not spaces.captured
+    graphs[1].launches[0](7)  # the caller's capture on 7 takes the call itself: pinned
+    assert spaces.captured == {(0, 7)}
 
 
 def test_cublaslt_call_takes_b_then_a_and_writes_out(monkeypatch):

@@ -80,7 +80,8 @@ test_rmsnorm_every_mode_captured_and_replayed = rmsnorm_modes.test(expect=100, t
 def all2all(world, replays=100, T=64, H=8, D=128):
     """All2AllHeads, scatter then gather (uneven tokens at W > 1), captured in one graph and
     replayed with new inputs: exact every replay (the call epoch lives on the device). Halfway,
-    eager calls with more new token lists than the op's cache holds (CACHE_MAX set to 4 here),
+    eager calls of six token lists (five or six new), more than the op's cache holds (CACHE_MAX
+    set to 4 here),
     each exact: the full cache is emptied but for the plan the graph holds (its device prefix
     array), and the replays after stay exact. view=True is refused under capture (the slot's
     parity alternates without the host knowing), and after the op was captured."""
