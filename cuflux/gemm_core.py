@@ -422,10 +422,9 @@ class _Cublas:
             f.restype = i32
         self.lib, self.ctypes = lib, ctypes
         self.handles: dict[int, int] = {}
-        self.current: dict[int, int] = {}          # device -> stream its handle is set to
-        # device -> the workspace its handle is set to, held here: never back in the pool
-        # while the handle may write it, whatever _Workspaces lets go meanwhile
-        self.set_to: dict[int, object] = {}
+        # device -> (the stream its handle is set to, that workspace), the workspace held here:
+        # never back in the pool while the handle may write it, whatever _Workspaces lets go
+        self.set_to: dict[int, tuple] = {}
         self.spaces = _Workspaces(_new_workspace)
 
     def handle(self, dev: int, stream_ptr: int, under_capture: bool,
@@ -442,14 +441,15 @@ class _Cublas:
         # (under capture: the workspace the caller's graph will hold is the kept one, pinned;
         # a stream whose kept workspace is not the one the handle holds, let go meanwhile
         # by the cublasLt route, looks again: made anew, or none under capture)
-        if (self.current.get(dev) != stream_ptr or under_capture
-                or self.spaces.kept((dev, stream_ptr)) is not self.set_to.get(dev)):
+        on = self.set_to.get(dev)
+        if (on is None or on[0] != stream_ptr or under_capture
+                or self.spaces.kept((dev, stream_ptr)) is not on[1]):
             ws = self.spaces.get(dev, stream_ptr, under_capture, allocate)
             if ws is None:
                 return 0
-            if self.current.get(dev) == stream_ptr and self.set_to.get(dev) is ws:
+            if on is not None and on == (stream_ptr, ws):
                 return h
-            self.current.pop(dev, None)
+            self.set_to.pop(dev, None)
             for what, err in (("cublasSetStream", self.lib.cublasSetStream_v2(h, stream_ptr)),
                               ("cublasSetWorkspace", self.lib.cublasSetWorkspace_v2(
                                   h, ws.data.ptr, WORKSPACE_BYTES))):
@@ -457,7 +457,7 @@ class _Cublas:
                     from cuflux.errors import CudaError
 
                     raise CudaError(f"{_OP}: {what} failed (cublasStatus {err})")
-            self.set_to[dev], self.current[dev] = ws, stream_ptr
+            self.set_to[dev] = (stream_ptr, ws)
         return h
 
     def workspace(self, dev: int, stream_ptr: int, under_capture: bool):

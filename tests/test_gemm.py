@@ -1351,6 +1351,16 @@ def test_cublaslt_without_an_algorithm_falls_back_to_gemmex(monkeypatch):
     assert len(gemmex) == 1 and gemmex[0][0] == 0x99
 
 
+class _Ws:
+    """A stand-in cuBLAS workspace: a pointer of its own, weakly referenceable."""
+    ptrs = iter(range(0x1000, 1 << 40, 0x1000))
+
+    def __init__(self, stream):
+        from types import SimpleNamespace
+
+        self.stream, self.data = stream, SimpleNamespace(ptr=next(_Ws.ptrs))
+
+
 def test_cublas_workspaces_kept_for_the_streams_used_last(monkeypatch):
     """cuBLAS workspaces (gemm_core._Workspaces): one per (device, stream) made at its first
     GEMM, the WORKSPACES_KEPT streams used last keep theirs; a new stream past them lets go the
@@ -1359,13 +1369,9 @@ def test_cublas_workspaces_kept_for_the_streams_used_last(monkeypatch):
     new one."""
     import weakref
 
-    class Ws:  # a stand-in workspace (weak references tell when it is let go)
-        def __init__(self, stream):
-            self.stream = stream
-
     monkeypatch.setattr(gemm_core, "WORKSPACES_KEPT", 3)
     made = []
-    spaces = gemm_core._Workspaces(lambda s: made.append(Ws(s)) or made[-1])
+    spaces = gemm_core._Workspaces(lambda s: made.append(_Ws(s)) or made[-1])
     first = {s: spaces.get(0, s, False) for s in (10, 11, 12)}
     assert [w.stream for w in made] == [10, 11, 12] and spaces.get(0, 10, False) is first[10]
     refs = {s: weakref.ref(w) for s, w in first.items()}
@@ -1388,16 +1394,6 @@ def test_cublas_workspaces_kept_for_the_streams_used_last(monkeypatch):
     assert spaces.get(0, 11, False) is not None and len(made) == 4  # let go: a new one
 
 
-class _Ws:
-    """A stand-in cuBLAS workspace: a pointer of its own, weakly referenceable."""
-    ptrs = iter(range(0x1000, 1 << 40, 0x1000))
-
-    def __init__(self, stream):
-        from types import SimpleNamespace
-
-        self.stream, self.data = stream, SimpleNamespace(ptr=next(_Ws.ptrs))
-
-
 def test_cublas_handle_sets_its_stream_and_holds_its_workspace(monkeypatch):
     """The GemmEx route's handle (_Cublas.handle): set to a stream and its workspace once
     (not again while calls stay on it); a replay (allocate=False) makes no workspace and pins
@@ -1411,7 +1407,7 @@ def test_cublas_handle_sets_its_stream_and_holds_its_workspace(monkeypatch):
     cb = gemm_core._Cublas.__new__(gemm_core._Cublas)
     cb.lib = SimpleNamespace(cublasSetStream_v2=lambda h, s: log.append(("stream", s)) or 0,
                              cublasSetWorkspace_v2=lambda h, p, n: log.append(("ws", p)) or 0)
-    cb.handles, cb.current, cb.set_to = {0: 0x99}, {}, {}
+    cb.handles, cb.set_to = {0: 0x99}, {}
     cb.spaces = spaces = gemm_core._Workspaces(_Ws)
     assert cb.handle(0, 7, False) == 0x99
     ws7 = spaces.kept((0, 7))

@@ -722,9 +722,9 @@ class AllReduceRMSNormAcrossNodes(_AcrossNodes):
         self.gather(mine, out=gathered, stream=s)
         got = self._rows.get(T)
         if got is None:  # (uploaded on s, which reads it)
-            got = self._rows.put(T, (np.concatenate([np.arange(r * pad, r * pad + b - a)
-                                                     for r in range(W)
-                                                     for a, b in [token_slice(T, W, r)]]),), s)
+            rows = np.concatenate([np.arange(r * pad, r * pad + b - a) for r in range(W)
+                                   for a, b in [token_slice(T, W, r)]])
+            got = self._rows.put(T, (rows,), s)
         (rows,) = got
         with s:
             cupy.take(gathered, rows, axis=0, out=out)

@@ -439,9 +439,7 @@ class All2AllHeads(CommOp):
         if view and (capturing or self._captured or run.views[0].shape != run.shape[0]
                      or (run.views[1] is not None and run.views[1].shape != run.shape[1])):
             return False
-        self._sequence(s, captured_now, capturing)
-        if captured_now:
-            run.plan.captured = True
+        self._sequence(s, captured_now, capturing, run.plan)
         if run.moves:
             self.epoch += 1
         for launch in run.launches:
@@ -457,10 +455,12 @@ class All2AllHeads(CommOp):
         captured_now = (W > 1 or self.w1 == "kernel") and _capturing(s)
         return captured_now, captured_now and W > 1
 
-    def _sequence(self, s, captured_now: bool, capturing: bool) -> None:
+    def _sequence(self, s, captured_now: bool, capturing: bool, plan: "_Plan") -> None:
         """Every call of the op in one stream order (double buffering relies on it): a call on
-        another stream than the last one's waits for it (not while capturing at W > 1)."""
-        self._captured = self._captured or captured_now
+        another stream than the last one's waits for it (not while capturing at W > 1). A
+        call captured now marks the op and its plan captured (_capture_state)."""
+        if captured_now:
+            self._captured = plan.captured = True
         if (self._last_stream is not None and self._last_stream.ptr != s.ptr
                 and not capturing):
             import cupy
@@ -500,10 +500,9 @@ class All2AllHeads(CommOp):
 
         cupy.cuda.Device(self.spec.device).synchronize()
         self._memo.clear()  # its bound launches hold the plans' prefix arrays' pointers
-        kept = [(t, p) for t, p in self._plans.items() if p.captured]
-        self._plans.clear()
-        self._plans.update(kept)
-        self._plans_captured = len(kept)
+        self._plans = collections.OrderedDict((t, p) for t, p in self._plans.items()
+                                              if p.captured)
+        self._plans_captured = len(self._plans)
         self._hashes.clear()  # (a key seen again is checked with the peers again)
 
     def _call_hash(self, key) -> int:
@@ -571,9 +570,7 @@ class All2AllHeads(CommOp):
                 f"{_OP}: view=True hands out the receive slot of the call's parity, which a "
                 f"replayed CUDA graph alternates without the host knowing; use out= with an op "
                 f"that is captured" + (" (this op was captured before)" if self._captured else ""))
-        self._sequence(s, captured_now, capturing)
-        if captured_now:
-            plan.captured = True
+        self._sequence(s, captured_now, capturing, plan)
         parity = (self.epoch + 1) & 1
         if view:
             out = self._slot_view(f"data{parity}", out_shape, spec.dtype.storage)

@@ -48,8 +48,8 @@ from cuflux.world import check_timeout  # one check for every timeout_s (ops and
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
            "check_no_alias", "ROUTES", "UNFUSED_BELOW_M", "check_route", "fused_route",
-           "max_unfused_m", "CallMemo", "IndexCache", "MEMO_MAX", "INDEX_CACHE_BYTES", "OUTPUTS_KEPT", "OUTPUT_KEPT_BYTES",
-           "OUTPUTS_KEPT_BYTES"]
+           "max_unfused_m", "CallMemo", "IndexCache", "MEMO_MAX", "INDEX_CACHE_BYTES",
+           "OUTPUTS_KEPT", "OUTPUT_KEPT_BYTES", "OUTPUTS_KEPT_BYTES"]
 
 # Bound of every wait of an op, unless its constructor is given another. Long enough for a
 # peer that is compiling kernels on first use (up to ~40 s a file, once per machine) to be
