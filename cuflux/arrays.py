@@ -356,7 +356,7 @@ def _to_torch(a, like):
     return t
 
 
-_TORCH_STREAMS: dict = {}  # (torch stream handle, device) -> its cupy ExternalStream
+_TORCH_STREAMS: dict = {}  # (torch stream handle, device) -> a CuPy stream over it
 
 
 _RAW_STREAM: list = []  # [torch's raw current-stream getter (device index -> handle)]
@@ -374,16 +374,43 @@ def _torch_stream_handle(dev: int) -> int:
 
 
 def _torch_current_stream(like):
-    """torch's current stream on like's device, as a CuPy ExternalStream (cached by handle)."""
+    """torch's current stream on like's device, as a CuPy stream (cached by handle)."""
     dev = like.get_device()
     handle = _torch_stream_handle(dev)
     return _stream_wrapper(_TORCH_STREAMS, _cupy_external, handle, dev)
 
 
 def _cupy_external(handle: int, dev: int):
+    return external_stream(handle, dev)
+
+
+class _RawStream:
+    """A raw stream handle under the CUDA stream protocol (what CuPy's Stream.from_external
+    takes; the stream stays its owner's: CuPy never destroys a stream it was handed)."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+def external_stream(handle: int, device: int = -1):
+    """A CuPy stream over a raw handle created elsewhere (torch, the caller), on `device`
+    (-1: unknown, used on the current device). CuPy >= 14 through Stream.from_external:
+    its ExternalStream warns (DeprecationWarning) on every construction, which a caller
+    running with warnings as errors would get from every call naming a stream; CuPy 13
+    has only ExternalStream."""
     import cupy
 
-    return cupy.cuda.ExternalStream(handle, dev)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(handle, device)
+    s = from_external(_RawStream(handle))
+    s.device_id = device  # from_external leaves it unknown; CuPy checks it on `with s:`
+    return s
 
 
 def empty_on(shape, dtype, stream=None):
@@ -412,6 +439,7 @@ def zeros_settled(shape, dtype):
 
 
 _STREAMS = None  # (cupy.cuda.get_current_stream, (Stream, ExternalStream)), looked up once
+_RAW_STREAMS: dict = {}  # (handle, -1) -> a CuPy stream over a handle or torch stream passed
 
 
 def _streams():
@@ -419,12 +447,16 @@ def _streams():
     if _STREAMS is None:  # one assignment: threads racing here set the same tuple
         import cupy
 
-        _STREAMS = (cupy.cuda.get_current_stream, (cupy.cuda.Stream, cupy.cuda.ExternalStream))
+        # ExternalStream: what CuPy 13 (and a caller's own code) makes; gone in a later CuPy
+        kinds = (cupy.cuda.Stream,) + tuple(
+            k for k in (getattr(cupy.cuda, "ExternalStream", None),) if k is not None)
+        _STREAMS = (cupy.cuda.get_current_stream, kinds)
     return _STREAMS
 
 
 def stream_of(stream, like=None):
-    """A cupy Stream-like object for `stream=` (CuPy stream, raw handle, torch stream, None).
+    """A CuPy stream for `stream=` (a CuPy stream, a raw handle, a torch stream, an object
+    with __cuda_stream__, or None).
 
     None: the current stream of the caller's framework: torch's (torch.cuda.current_stream)
     when `like` (the call's input) is a torch tensor, else CuPy's. Runs on every call of
@@ -436,12 +468,15 @@ def stream_of(stream, like=None):
         return current()
     if isinstance(stream, kinds):
         return stream
-    import cupy
-
     if isinstance(stream, int):
-        return cupy.cuda.ExternalStream(stream)
-    for attr in ("cuda_stream", "ptr"):  # torch.cuda.Stream has .cuda_stream
-        if hasattr(stream, attr):
-            return cupy.cuda.ExternalStream(int(getattr(stream, attr)))
-    raise TypeError(f"stream must be a CuPy stream, a raw handle or a torch stream, "
-                    f"got {type(stream).__name__}")
+        handle = stream
+    elif hasattr(stream, "__cuda_stream__"):  # the CUDA stream protocol: (version, handle)
+        handle = int(stream.__cuda_stream__()[1])
+    elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
+        handle = int(stream.cuda_stream)
+    elif hasattr(stream, "ptr"):
+        handle = int(stream.ptr)
+    else:
+        raise TypeError(f"stream must be a CuPy stream, a raw handle, a torch stream or an "
+                        f"object with __cuda_stream__, got {type(stream).__name__}")
+    return _stream_wrapper(_RAW_STREAMS, external_stream, handle, -1)

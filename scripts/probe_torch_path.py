@@ -9,7 +9,6 @@ allocator, a key read from torch tensors). Also All2AllHeads with fp8 and scales
 
 def main():
     import cupy
-    import numpy as np
     import torch
 
     import cuflux
@@ -21,7 +20,7 @@ def main():
     torch.cuda.set_device(world.device)
     dev = torch.device("cuda", world.device)
     ts = torch.cuda.Stream(device=dev)
-    cs = cupy.cuda.ExternalStream(ts.cuda_stream, world.device)
+    cs = arrays.external_stream(ts.cuda_stream, world.device)
 
     def row(label, us):
         print(f"{label:66s} {us:8.2f} us", flush=True)

@@ -67,6 +67,9 @@ def _op(world, *args, **kwargs):
     op = AllGatherGemm(world, *args, **kwargs)
     yield op
     op.close()
+    assert op._gathered is None  # a closed op keeps no scratch (CommOp._scratch)
+
+
 _BITS = {2: np.uint16, 4: np.uint32}
 
 

@@ -1,8 +1,9 @@
 """CPU tests of the public API's rules (issue 22, items 3 and 7): one rule for sizes
 (cuflux.sizes.count) in AllGather's and AllGatherGemm's constructors, AllGatherGemm's two
-names for its row bound, what cuflux.init accepts, and the one message every op gives on a
-machine without a GPU. Ops are built on stand-in worlds (no GPU, no MPI job)."""
+names for its row bound, what cuflux.init accepts, what `stream=` accepts, and the one message
+every op gives on a machine without a GPU. Ops are built on stand-in worlds (no GPU, no MPI job)."""
 import re
+import warnings
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,7 +11,7 @@ import pytest
 
 import cuflux
 import cuflux.ops.allgather as AGM
-from cuflux import sizes
+from cuflux import arrays, sizes
 from cuflux import world as world_mod
 from cuflux.errors import CufluxError
 from cuflux.ops.ag_gemm import AllGatherGemm, check_build_args
@@ -287,3 +288,54 @@ def test_init_refuses_comm_null_and_accepts_intracommunicators():
     assert world_mod._check_comm(None) is MPI.COMM_WORLD
     assert world_mod._check_comm(MPI.COMM_SELF) is MPI.COMM_SELF
     assert world_mod._check_comm(MPI.COMM_WORLD) is MPI.COMM_WORLD
+
+
+# ---- stream= ---------------------------------------------------------------------------------
+class _ProtocolStream:
+    """A stream of another library under the CUDA stream protocol (cuda.core's, say)."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __cuda_stream__(self):
+        return (0, self.handle)
+
+
+@pytest.mark.parametrize("given,handle", [
+    (0x5eed, 0x5eed),
+    (SimpleNamespace(cuda_stream=0x7a11), 0x7a11),  # torch.cuda.Stream's attribute
+    (SimpleNamespace(ptr=0xb0b), 0xb0b),
+    (_ProtocolStream(0xc0de), 0xc0de),
+], ids=["raw_handle", "cuda_stream", "ptr", "cuda_stream_protocol"])
+def test_stream_of_wraps_a_foreign_stream_without_deprecation_warnings(given, handle):
+    """CuPy >= 14 warns (DeprecationWarning) on every ExternalStream built: a caller running
+    with warnings as errors would have had every call naming a stream fail."""
+    import cupy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = arrays.stream_of(given)
+        again = arrays.stream_of(given)
+    assert isinstance(s, cupy.cuda.Stream) and s.ptr == handle
+    assert again is s  # one wrapper a handle (bounded cache), none built per call
+    assert arrays.stream_of(s) is s
+
+
+def test_stream_of_refuses_what_is_not_a_stream():
+    with pytest.raises(TypeError, match=r"stream must be .* got str"):
+        arrays.stream_of("stream 0")
+
+
+def test_external_stream_names_its_device_and_falls_back_to_external_stream(monkeypatch):
+    import cupy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = arrays.external_stream(0xd00d, 3)
+    assert isinstance(s, cupy.cuda.Stream) and (s.ptr, s.device_id) == (0xd00d, 3)
+    if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 13 has only ExternalStream
+        monkeypatch.delattr(cupy.cuda.Stream, "from_external")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        old = arrays.external_stream(0xd00d, 3)
+    assert isinstance(old, cupy.cuda.ExternalStream) and (old.ptr, old.device_id) == (0xd00d, 3)

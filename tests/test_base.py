@@ -376,6 +376,47 @@ def test_a_failure_inside_commop_init_frees_what_it_made(monkeypatch):
     assert log == ["err", "attach", ("board.close", True, None), "err.close", "comm.free"], log
 
 
+class _ScratchOp(base.CommOp):
+    _scratch = ("_big", "_other")
+
+    def __init__(self, world):
+        super().__init__(world, "AllReduce", 5.0)
+        self._alloc(None)
+        self._big, self._other, self._kept = object(), object(), object()
+
+
+def _closing_env(monkeypatch, log):
+    world = _fake_init_env(monkeypatch, log)
+    world.sub_comm(None, None).check_close = lambda timeout_s: log.append("check_close")
+    monkeypatch.setattr(base.ErrorRecord, "leave", lambda self: log.append("err.leave"),
+                        raising=False)
+    monkeypatch.setattr(base.ErrorRecord, "detach_board", lambda self: None, raising=False)
+    monkeypatch.setattr(base.ErrorRecord, "abort", lambda self: log.append("err.abort"),
+                        raising=False)
+    return world
+
+
+def test_close_lets_go_of_the_ops_scratch_once_the_buffer_is_closed(monkeypatch):
+    """A closed op the caller keeps holds no scratch memory (GemmReduceScatter's partial can
+    be max_m x n): let go after buf.close(), which synchronizes the device; the rest stays."""
+    log = []
+    op = _ScratchOp(_closing_env(monkeypatch, log))
+    seen = []
+    op.buf.close = lambda abort=False, streams=None: seen.append((op._big, op._other))
+    op.close()
+    assert seen and seen[0][0] is not None and seen[0][1] is not None  # still held at buf.close
+    assert op._big is None and op._other is None and op._kept is not None
+    op.close()  # idempotent
+
+
+def test_abort_keeps_the_scratch_work_may_still_be_queued_on(monkeypatch):
+    log = []
+    op = _ScratchOp(_closing_env(monkeypatch, log))
+    big = op._big
+    op.abort()
+    assert op._big is big and op._other is not None and "err.abort" in log
+
+
 # ---- CPU: the call memo ------------------------------------------------------------------------
 class _Nd:
     """Stands for a cupy.ndarray: what CallMemo.key reads (data.ptr, data.device_id, shape,

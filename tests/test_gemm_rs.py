@@ -70,6 +70,8 @@ def _op(world, *args, **kwargs):
     op = GemmReduceScatter(world, *args, **kwargs)
     yield op
     op.close()
+    # A closed op keeps no scratch (CommOp._scratch): its partial, its chunked route's staging
+    assert op._partial is None and (op._chunked is None or op._chunked.staging is None)
 
 
 # ---- operands -----------------------------------------------------------------------------------

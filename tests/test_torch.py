@@ -27,7 +27,7 @@ import pytest
 
 import cuflux
 from cuflux import world as world_mod
-from cuflux.arrays import framework_of, is_torch, to_caller
+from cuflux.arrays import external_stream, framework_of, is_torch, to_caller
 from cuflux.errors import CufluxError
 from tests.mpi import fresh_seed, on_ranks, world_sizes
 
@@ -74,10 +74,8 @@ def _device_and_side_stream(torch, world):
 def _side_streams(torch, world):
     """This rank's torch device, a torch side stream on it, and the same stream as CuPy's
     (the CuPy twin calls of a test queue behind the torch calls)."""
-    import cupy
-
     dev, side = _device_and_side_stream(torch, world)
-    return dev, side, cupy.cuda.ExternalStream(side.cuda_stream, world.device)
+    return dev, side, external_stream(side.cuda_stream, world.device)
 
 
 def _bits(t):

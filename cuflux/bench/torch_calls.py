@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from cuflux.bench.__main__ import (add_note, add_speedups, bench_extra, measure_regimes,
                                    print_bench_table, speed_header)
+from cuflux.arrays import external_stream
 from cuflux.bench.common import write_results
 
 NORM_CASES = ((1, 4096), (128, 4096), (1, 8192), (128, 8192))  # (T, H) bf16
@@ -115,7 +116,6 @@ def run(world, args):
         if world.rank == 0:
             print("torch: not installed, nothing measured (pip install torch)")
         return None
-    import cupy
 
     if world.size > 1:
         if world.rank == 0:
@@ -124,7 +124,7 @@ def run(world, args):
         return None
     torch.cuda.set_device(world.device)
     ts = torch.cuda.Stream(device=world.device)
-    cs = cupy.cuda.ExternalStream(ts.cuda_stream, world.device)
+    cs = external_stream(ts.cuda_stream, world.device)
     prev = torch.cuda.current_stream(world.device)
     torch.cuda.set_stream(ts)  # torch's current stream, once (a `with` per call is not ours)
     try:

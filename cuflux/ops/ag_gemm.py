@@ -282,6 +282,7 @@ class AllGatherGemm(CopyGather):
     """
 
     ACROSS = "AllGatherGemmAcrossNodes"  # several nodes: CommOp.__new__
+    _scratch = ("_gathered",)  # pull mode's gathered A: let go at close()
 
     @on_world_device
     def __init__(self, world, max_m: int | None = None, n: int | None = None,

@@ -444,6 +444,10 @@ class CommOp(Closeable):
     free whatever else they own in `_free()`; `close()` is collective (every rank calls it)."""
 
     board_buf = None  # the failure board's symmetric buffer (W > 1; failure_board)
+    # Attributes holding device memory that only this op's own kernels and copies touch
+    # (scratch, staging): let go at a clean close(), after buf.close() synchronized the device,
+    # so a closed op the caller keeps holds none of it; abort() keeps them (work may be queued).
+    _scratch: tuple[str, ...] = ()
     # The class of cuflux.ops.across that runs this op on a World of several nodes (issue 20):
     # constructing the op on such a World builds that instead, with the same arguments.
     ACROSS: str | None = None
@@ -668,6 +672,8 @@ class CommOp(Closeable):
                 if self.board_buf is not None:  # every kernel of the op is done (buf.close)
                     self.err.detach_board()
                     self.board_buf.close()
+            for name in self._scratch:  # the device idle since buf.close (every op has a buf)
+                setattr(self, name, None)
         except CufluxError as e:  # a peer is dead or late, or the op's communicator failed
             warnings.warn(f"{self.op}: close() could not meet every rank ({e}); closed this "
                           f"rank's side locally (abort)", RuntimeWarning, stacklevel=3)

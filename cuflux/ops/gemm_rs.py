@@ -251,6 +251,8 @@ class ChunkedRs(CopyGather):
     (one flag a part), so a GEMM never gets fewer than M / (W splits) rows.
     """
 
+    _scratch = ("staging",)  # let go at close() (CommOp._release)
+
     def __init__(self, world, timeout_s: float, max_rows: int, n: int, dtype, out_dtype,
                  fold: bool = False):
         import cupy
@@ -406,6 +408,7 @@ class GemmReduceScatter(CommOp):
     """
 
     ACROSS = "GemmReduceScatterAcrossNodes"  # several nodes: CommOp.__new__
+    _scratch = ("_partial",)  # the unfused route's partial (up to max_m x n): let go at close()
 
     def __init__(self, world, max_m: int, n: int, k: int, dtype, out_dtype=None,
                  b_layout: str = "kn", reduce: str = "deterministic",
