@@ -377,11 +377,7 @@ def _torch_current_stream(like):
     """torch's current stream on like's device, as a CuPy stream (cached by handle)."""
     dev = like.get_device()
     handle = _torch_stream_handle(dev)
-    return _stream_wrapper(_TORCH_STREAMS, _cupy_external, handle, dev)
-
-
-def _cupy_external(handle: int, dev: int):
-    return external_stream(handle, dev)
+    return _stream_wrapper(_TORCH_STREAMS, external_stream, handle, dev)
 
 
 class _RawStream:
