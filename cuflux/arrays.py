@@ -467,7 +467,11 @@ def stream_of(stream, like=None):
     if isinstance(stream, int):
         handle = stream
     elif hasattr(stream, "__cuda_stream__"):  # the CUDA stream protocol: (version, handle)
-        handle = int(stream.__cuda_stream__()[1])
+        version, handle = stream.__cuda_stream__()
+        if version != 0:
+            raise TypeError(f"stream: __cuda_stream__ version {version} of a "
+                            f"{type(stream).__name__}; only 0 is known")
+        handle = int(handle)
     elif hasattr(stream, "cuda_stream"):  # torch.cuda.Stream
         handle = int(stream.cuda_stream)
     elif hasattr(stream, "ptr"):

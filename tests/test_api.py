@@ -310,13 +310,11 @@ class _ProtocolStream:
 def test_stream_of_wraps_a_foreign_stream_without_deprecation_warnings(given, handle):
     """CuPy >= 14 warns (DeprecationWarning) on every ExternalStream built: a caller running
     with warnings as errors would have had every call naming a stream fail."""
-    import cupy
-
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         s = arrays.stream_of(given)
         again = arrays.stream_of(given)
-    assert isinstance(s, cupy.cuda.Stream) and s.ptr == handle
+    assert isinstance(s, arrays._streams()[1]) and s.ptr == handle  # (CuPy 13: ExternalStream)
     assert again is s  # one wrapper a handle (bounded cache), none built per call
     assert arrays.stream_of(s) is s
 
@@ -324,6 +322,9 @@ def test_stream_of_wraps_a_foreign_stream_without_deprecation_warnings(given, ha
 def test_stream_of_refuses_what_is_not_a_stream():
     with pytest.raises(TypeError, match=r"stream must be .* got str"):
         arrays.stream_of("stream 0")
+    later = SimpleNamespace(__cuda_stream__=lambda: (1, 0xfeed))
+    with pytest.raises(TypeError, match=r"__cuda_stream__ version 1 .* only 0"):
+        arrays.stream_of(later)
 
 
 def test_external_stream_names_its_device_and_falls_back_to_external_stream(monkeypatch):
@@ -332,7 +333,7 @@ def test_external_stream_names_its_device_and_falls_back_to_external_stream(monk
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         s = arrays.external_stream(0xd00d, 3)
-    assert isinstance(s, cupy.cuda.Stream) and (s.ptr, s.device_id) == (0xd00d, 3)
+    assert isinstance(s, arrays._streams()[1]) and (s.ptr, s.device_id) == (0xd00d, 3)
     if hasattr(cupy.cuda.Stream, "from_external"):  # CuPy 13 has only ExternalStream
         monkeypatch.delattr(cupy.cuda.Stream, "from_external")
     with warnings.catch_warnings():

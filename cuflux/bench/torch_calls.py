@@ -19,9 +19,9 @@ bench does not set up (the CuPy benches report graph_ms). No GPU-queued column e
 """
 from __future__ import annotations
 
+from cuflux.arrays import external_stream
 from cuflux.bench.__main__ import (add_note, add_speedups, bench_extra, measure_regimes,
                                    print_bench_table, speed_header)
-from cuflux.arrays import external_stream
 from cuflux.bench.common import write_results
 
 NORM_CASES = ((1, 4096), (128, 4096), (1, 8192), (128, 8192))  # (T, H) bf16
