@@ -46,7 +46,8 @@ from cuflux.topology import PeerLink, Topology
 __all__ = ["World", "OpComm", "HostGroup", "TorchGroup", "TorchOpComm", "init", "launcher_from_env",
            "choose_route", "Launch", "device_count", "require_device",
            "choose_device", "local_rank_from_env", "classify_device_error", "CudaSetupError",
-           "NoDeviceError", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "LOCAL_RANK_ENV"]
+           "NoDeviceError", "DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "LOCAL_RANK_ENV",
+           "ranks_on_my_gpu"]
 
 # Bound of every host collective (set-up, barriers, close), unless World(timeout_s=...) or the
 # call says otherwise. Long enough for a peer that compiles kernels on first use (up to ~40 s a
@@ -724,7 +725,7 @@ class World:
     before.
     """
 
-    # Ranks on this rank's GPU as the ops count them (ops.base.ranks_on_my_gpu); None: from
+    # Ranks on this rank's GPU as the ops count them (ranks_on_my_gpu); None: from
     # the topology. split_nodes() sets a node World's to its parent's.
     gpu_sharers: int | None = None
 
@@ -881,8 +882,6 @@ class World:
                 own.free()
             raise
         node._own_group = own
-        from cuflux.ops.base import ranks_on_my_gpu
-
         # The node's ops size their co-resident grids by every rank on this GPU, not only
         # the node's (emulated nodes of one GPU): the parent World's count.
         node.gpu_sharers = ranks_on_my_gpu(self)
@@ -980,6 +979,18 @@ class World:
     def __repr__(self) -> str:
         return (f"World(rank={self.rank}, size={self.size}, local_rank={self.local_rank}, "
                 f"device={self.device}, topology={self.topology.kind})")
+
+
+def ranks_on_my_gpu(world) -> int:
+    """Ranks of the world running on this rank's GPU, this one included. Their spinning grids
+    run side by side (MPS) or time-sliced, so grids that must stay co-resident split the SMs
+    between them. A node World from split_nodes() carries its parent's count (gpu_sharers):
+    emulated nodes share a GPU with ranks outside the node too."""
+    given = getattr(world, "gpu_sharers", None)
+    if given:
+        return given
+    return 1 + sum(1 for link in world.topology.links
+                   if link.same_gpu and link.peer != world.rank)
 
 
 def _native_atomics(dev: int, peer_dev: int) -> bool:

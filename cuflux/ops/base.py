@@ -43,7 +43,8 @@ from cuflux.errors import (OP_CODES, CaptureError, CommTimeoutError, CufluxError
 from cuflux.launch import current_device
 from cuflux.nodes import require_one_node
 from cuflux.resource import Closeable
-from cuflux.world import check_timeout  # one check for every timeout_s (ops and World)
+# one check for every timeout_s (ops and World); the ranks sharing this GPU, as the World counts
+from cuflux.world import check_timeout, ranks_on_my_gpu
 
 __all__ = ["CommOp", "DEFAULT_TIMEOUT_S", "check_timeout", "refuse_capture", "ranks_on_my_gpu",
            "sm_count", "on_world_device", "on_op_device", "require_world_device",
@@ -90,18 +91,6 @@ def sm_count(device: int) -> int:
         n = _SM_COUNTS[device] = runtime.deviceGetAttribute(
             runtime.cudaDevAttrMultiProcessorCount, device)
     return n
-
-
-def ranks_on_my_gpu(world) -> int:
-    """Ranks of the world running on this rank's GPU, this one included. Their spinning grids
-    run side by side (MPS) or time-sliced, so grids that must stay co-resident split the SMs
-    between them. A node World from split_nodes() carries its parent's count (gpu_sharers):
-    emulated nodes share a GPU with ranks outside the node too."""
-    given = getattr(world, "gpu_sharers", None)
-    if given:
-        return given
-    return 1 + sum(1 for link in world.topology.links
-                   if link.same_gpu and link.peer != world.rank)
 
 
 def check_route(op: str, route, routes: tuple = ROUTES) -> str:
