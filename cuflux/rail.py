@@ -202,7 +202,7 @@ class NcclRail(_Rail):
     deadline, and the rail agrees that every rank got a communicator. Each call records an
     event behind its NCCL work; `wait` polls the latest one and NCCL's asynchronous error
     against the deadline. Any failure aborts the communicator (never destroyed while work may
-    be pending) and the rail is not used again."""
+    be pending, nor before every rail rank is closing it too) and the rail is not used again."""
 
     kind = "nccl"
 
@@ -257,10 +257,7 @@ class NcclRail(_Rail):
             self.abort()  # a communicator made here is aborted, not left to the finalizer
             raise
         if not all(ok):
-            self._failed = CommTimeoutError(
-                "rail NCCL set-up", group.rank, ok.index(False), timeout_s,
-                f"rail ranks {[r for r, good in enumerate(ok) if not good]} got no NCCL "
-                f"communicator" + (f" (here: {got!r})" if got is not None else ""))
+            self._failed = _setup_failed(ok, got, group.rank, timeout_s)
             self.abort()
             raise self._failed
 
@@ -347,18 +344,46 @@ class NcclRail(_Rail):
             raise self._failed from e
 
     def close(self) -> None:
-        """Destroy the communicator once its work is done (bounded); abort it otherwise."""
+        """Destroy the communicator once its work is done and every rail rank is closing it
+        too (both bounded); abort it otherwise. NCCL's destroy waits, with no deadline, for
+        the communicator's other ranks on this host to destroy theirs: a peer that aborted
+        instead (its wait timed out) would never come, so the ranks agree first."""
         if self.comm is not None and self._failed is None:
             try:
                 self.wait(what="closing the rail")
             except CufluxError:
                 return  # wait() aborted it
+            try:
+                self.group.allgather(True, self.timeout_s, "rail close")
+            except Exception as e:  # a rail rank failed or left: destroy would wait for it
+                import warnings
+
+                warnings.warn(f"rail close: not every rail rank came ({e}); aborted this "
+                              f"rank's NCCL communicator", RuntimeWarning, stacklevel=2)
+                self._failed = e
             comm, self.comm = self.comm, None
-            comm.destroy()
+            if self._failed is None:
+                comm.destroy()
+            else:
+                comm.abort()
             return
         comm, self.comm = self.comm, None
         if comm is not None:
             comm.abort()
+
+
+def _setup_failed(ok: list, got, me: int, timeout_s: float) -> CufluxError:
+    """The error of a NCCL set-up that not every rail rank got through (ok[r]: rank r has its
+    communicator; got: this rank's outcome, a communicator, NCCL's exception, or None where
+    its set-up outlived the deadline). NCCL's own refusal is said as such, not as a timeout."""
+    bad = [r for r, good in enumerate(ok) if not good]
+    detail = f"rail ranks {bad} got no NCCL communicator"
+    if isinstance(got, BaseException):
+        return CufluxError(f"rail NCCL set-up failed on rail rank {me} ({detail}): {got!r}")
+    # a rank that failed or never came: the first other one, else (this one's set-up timed
+    # out alone) the next rank, whom NCCL's set-up was waiting for as much as any
+    peer = next((r for r in bad if r != me), (me + 1) % len(ok))
+    return CommTimeoutError("rail NCCL set-up", me, peer, timeout_s, detail)
 
 
 def _send_recv(nccl, comm, me: int, sends, recvs, stream_ptr: int) -> None:

@@ -50,6 +50,9 @@ cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { sed -n "2,/^set -uo/{/^#/p}" "$0"; exit 2; }
 OUT="${OUT:-$(pwd)/out}"; L="$OUT/logs"; mkdir -p "$L"; B="$L/bench.log"
 export PYTHONPATH="$(pwd)" PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+# NCCL's own warnings in the logs: a NcclError of CuPy's says only "run with NCCL_DEBUG=INFO",
+# and the first NCCL run between GPUs should not need a second device call to be read.
+export NCCL_DEBUG="${NCCL_DEBUG:-WARN}"
 export CUFLUX_CACHE_DIR="${CUFLUX_CACHE_DIR:-/tmp/cuflux-cache}"
 export CUFLUX_TEST_WORLD_SIZES="${CUFLUX_TEST_WORLD_SIZES:-1,2,4,8}"
 export CUFLUX_FAIL_LOG="$L/failures.log"  # tests/mpi.py writes each failure there at once

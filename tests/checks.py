@@ -100,3 +100,19 @@ def raises_each(cases, op: str) -> None:
             assert text in str(e) and op in str(e), str(e)
         else:
             raise AssertionError(f"no {exc.__name__} for {text!r}")
+
+
+def rail_kind_as_expected(world, rail) -> None:
+    """make_rail("auto") falls back to the host rail quietly: on distinct GPUs (no rank of the
+    World shares this one, as its topology counts them) it must have picked NCCL, or a
+    two-GPU run would pass without NCCL ever running; ranks sharing a GPU get the host rail
+    (NCCL refuses two ranks on one GPU)."""
+    from cupy.cuda import nccl
+
+    from cuflux.world import ranks_on_my_gpu
+
+    if ranks_on_my_gpu(world) > 1:
+        assert rail.kind == "host", rail.kind
+        return
+    assert nccl.available, "CuPy finds no NCCL runtime (the nccl13 / nccl12 extra)"
+    assert rail.kind == "nccl", f"ranks on distinct GPUs got the {rail.kind} rail"

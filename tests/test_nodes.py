@@ -222,7 +222,7 @@ def across_nodes(world, node_size, seed):
     from cuflux.arrays import dtype_info
     from cuflux.ops.across import AllGatherAcrossNodes, AllReduceAcrossNodes
     from cuflux.rail import to_float
-    from tests.checks import poisoned
+    from tests.checks import poisoned, rail_kind_as_expected
 
     w = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
     W, me = w.size, w.rank
@@ -232,6 +232,8 @@ def across_nodes(world, node_size, seed):
             st = dtype_info(dtype).storage
             with AllReduceAcrossNodes(w, 45_001, dtype, timeout_s=60) as ar, \
                     AllGatherAcrossNodes(w, 8, 24, dtype, timeout_s=60) as ag:
+                rail_kind_as_expected(w, ar.rail)  # NCCL between distinct GPUs (gpu.sh multi)
+                rail_kind_as_expected(w, ag.rail)
                 # under a plain row (8192 bfloat16, 4096 float32 elements) the node's first
                 # rank holds the only share; the last two give every node rank a share of
                 # whole rows, uneven, the last row short
@@ -302,7 +304,7 @@ def across_all2all(world, node_size, seed):
     from cuflux.arrays import dtype_info
     from cuflux.ops.across import All2AllHeadsAcrossNodes
     from cuflux.ops.all2all import reference_gather_heads, reference_scatter_heads
-    from tests.checks import poisoned
+    from tests.checks import poisoned, rail_kind_as_expected
 
     w = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
     W, me = w.size, w.rank
@@ -320,6 +322,7 @@ def across_all2all(world, node_size, seed):
             st = dtype_info(dtype).storage
             with All2AllHeadsAcrossNodes(w, max_t, W * hpr, D, dtype, batch=2,
                                          timeout_s=60) as op:
+                rail_kind_as_expected(w, op.rail)
                 for call, (B, mode) in enumerate(((1, 0), (2, 1), (2, 2), (1, 1))):
                     rng = np.random.default_rng((seed, call, len(dtype)))
                     tokens = tuple(int(t) for t in rng.integers(0, max_t + 1, W))
@@ -376,7 +379,7 @@ def across_composed(world, node_size, seed):
     from cuflux.ops.gemm_rs import reference_gemm_rs
     from cuflux.arrays import dtype_info
     from cuflux.rail import from_float, to_float
-    from tests.checks import check_close, poisoned
+    from tests.checks import check_close, poisoned, rail_kind_as_expected
 
     w = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
     W, me = w.size, w.rank
@@ -445,6 +448,7 @@ def across_composed(world, node_size, seed):
         for route in ("auto", "fused"):
             with GemmReduceScatterAcrossNodes(w, M, n, k, "bfloat16", out_dtype="float32",
                                               b_layout="nk", timeout_s=60, route=route) as grs:
+                rail_kind_as_expected(w, grs.rail)
                 out = poisoned((M // W, n), "float32")
                 grs(cupy.asarray(a_list[me][0]), cupy.asarray(b_list[me][0]),
                     bias=cupy.asarray(bias_bits), out=out)

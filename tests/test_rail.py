@@ -12,7 +12,7 @@ import pytest
 
 from cuflux.arrays import dtype_info
 from cuflux.rail import from_float, to_float
-from tests.checks import poisoned
+from tests.checks import poisoned, rail_kind_as_expected
 from tests.mpi import on_ranks, world_sizes
 
 WS = world_sizes()
@@ -67,7 +67,10 @@ def rail_collectives(world, seed, node_size=1, xp="numpy", kind="host"):
     else:
         xp = np
     with _rail(MPI.COMM_WORLD, node_size, kind, gpu=xp is not np) as (w, group, rail):
+        if kind == "auto" and xp is not np:
+            rail_kind_as_expected(w, rail)
         return _every_collective(w, group, rail, xp, seed)
+
 
 
 def _every_collective(w, group, rail, xp, seed) -> int:
@@ -178,6 +181,71 @@ def test_make_rail_refuses_an_unknown_kind():
 
     with pytest.raises(ValueError, match="kind must be"):
         make_rail(object(), None, 1.0, kind="mpi")
+
+
+class _Comm:
+    """A stand-in NCCL communicator that logs how it ends."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def destroy(self):
+        self.log.append("destroy")
+
+    def abort(self):
+        self.log.append("abort")
+
+
+def _nccl_rail_closing(log, allgather):
+    """An NcclRail past its set-up (its work done: wait() returns), on a stand-in group."""
+    from types import SimpleNamespace
+
+    from cuflux.rail import NcclRail
+
+    rail = NcclRail.__new__(NcclRail)
+    rail.group, rail.timeout_s, rail._failed = SimpleNamespace(allgather=allgather), 5.0, None
+    rail.comm = _Comm(log)
+    rail.wait = lambda stream=None, what="rail": log.append("wait")
+    return rail
+
+
+def test_nccl_rail_close_destroys_only_once_every_rail_rank_is_closing():
+    """NCCL's destroy waits, with no deadline, for the other ranks on the host to destroy
+    theirs: the rail ranks agree (bounded) first, and destroy only then."""
+    log = []
+    rail = _nccl_rail_closing(log, lambda obj, t, what: log.append(what) or [True, True])
+    rail.close()
+    assert log == ["wait", "rail close", "destroy"] and rail.comm is None
+    rail.close()  # idempotent
+    assert log == ["wait", "rail close", "destroy"]
+
+
+def test_nccl_rail_close_aborts_where_a_rail_rank_never_comes():
+    from cuflux.errors import CommTimeoutError
+
+    log = []
+
+    def allgather(obj, timeout_s, what):
+        raise CommTimeoutError(what, 0, 1, timeout_s)
+
+    rail = _nccl_rail_closing(log, allgather)
+    with pytest.warns(RuntimeWarning, match="not every rail rank came .* aborted"):
+        rail.close()  # no raise: the op's close goes on freeing the rest
+    assert log == ["wait", "abort"] and rail.comm is None
+
+
+def test_nccl_set_up_failures_say_what_failed_and_whom_a_timeout_waited_for():
+    from cuflux.errors import CommTimeoutError, CufluxError
+    from cuflux.rail import _setup_failed
+
+    refused = _setup_failed([True, False], RuntimeError("NCCL_ERROR_SYSTEM_ERROR"), 1, 30.0)
+    assert type(refused) is CufluxError and "NCCL_ERROR_SYSTEM_ERROR" in str(refused)
+    assert "failed on rail rank 1" in str(refused) and "timed out" not in str(refused)
+    peer_late = _setup_failed([True, False, True], object(), 0, 30.0)  # got its communicator
+    assert isinstance(peer_late, CommTimeoutError) and (peer_late.rank, peer_late.peer) == (0, 1)
+    alone = _setup_failed([True, True, False], None, 2, 30.0)  # its own set-up timed out
+    assert isinstance(alone, CommTimeoutError) and (alone.rank, alone.peer) == (2, 0)
+    assert "rail ranks [2] got no NCCL communicator" in str(alone)
 
 
 # ---- GPU ----------------------------------------------------------------------------------------
