@@ -447,7 +447,7 @@ class _Cublas:
             ws = self.spaces.get(dev, stream_ptr, under_capture, allocate)
             if ws is None:
                 return 0
-            if on is not None and on == (stream_ptr, ws):
+            if on is not None and on[0] == stream_ptr and on[1] is ws:  # (arrays: no ==)
                 return h
             self.set_to.pop(dev, None)
             for what, err in (("cublasSetStream", self.lib.cublasSetStream_v2(h, stream_ptr)),

@@ -1360,6 +1360,11 @@ class _Ws:
 
         self.stream, self.data = stream, SimpleNamespace(ptr=next(_Ws.ptrs))
 
+    def __eq__(self, other):  # as a CuPy array's: elementwise, no truth value of its own
+        return np.array([self is other] * 2)
+
+    __hash__ = object.__hash__
+
 
 def test_cublas_workspaces_kept_for_the_streams_used_last(monkeypatch):
     """cuBLAS workspaces (gemm_core._Workspaces): one per (device, stream) made at its first
