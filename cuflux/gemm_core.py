@@ -491,21 +491,20 @@ class _Workspaces:
         or without `allocate`. Under capture the one returned is kept for good (pin)."""
         k = (dev, stream_ptr)
         if under_capture:
-            with self.lock:  # (never let go between the lookup and the pin)
-                ws = self.arrays.get(k)
-                if ws is not None:
-                    self.captured.add(k)
-            return ws
+            return self.pin(k)
         ws = self.kept(k)
         if ws is None and allocate:
             ws = self._new(k)
         return ws
 
-    def pin(self, k) -> None:
-        """Keep k's workspace for good (a caller's graph captured it), where one is kept."""
+    def pin(self, k):
+        """Keep k's workspace for good (a caller's graph captured it) and return it, where one
+        is kept (else None); never let go between the lookup and the pin."""
         with self.lock:
-            if k in self.arrays:
+            ws = self.arrays.get(k)
+            if ws is not None:
                 self.captured.add(k)
+            return ws
 
     def kept(self, k):
         """The workspace kept for k = (device, stream), marked used last; None where none is."""
