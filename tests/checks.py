@@ -116,3 +116,12 @@ def rail_kind_as_expected(world, rail) -> None:
         return
     assert nccl.available, "CuPy finds no NCCL runtime (the nccl13 / nccl12 extra)"
     assert rail.kind == "nccl", f"ranks on distinct GPUs got the {rail.kind} rail"
+
+
+def scratch_let_go(*ops) -> None:
+    """Each closed cross-node op holds none of its staging (ops.across._AcrossNodes._let_go):
+    every name it lists is None, and it lists some."""
+    for op in ops:
+        assert op.closed and op._scratch, (type(op).__name__, op._scratch)
+        held = [n for n in op._scratch if getattr(op, n, None) is not None]
+        assert not held, (type(op).__name__, "kept after close()", held)

@@ -481,7 +481,7 @@ def test_owned_outputs_come_back_only_when_nothing_holds_them():
 
     holders = [lambda y: y, lambda y: y[1:], lambda y: y.T, lambda y: y.reshape(-1),
                lambda y: cupy.ndarray(y.shape, y.dtype, memptr=y.data),
-               lambda y: y.data + 256, lambda y: y.data.mem, lambda y: y.toDlpack(),
+               lambda y: y.data + 256, lambda y: y.data.mem, lambda y: y.__dlpack__(),
                lambda y: [y], weakref.ref]
     try:  # consumers in another framework (through DLPack, __cuda_array_interface__)
         import torch

@@ -222,7 +222,7 @@ def across_nodes(world, node_size, seed):
     from cuflux.arrays import dtype_info
     from cuflux.ops.across import AllGatherAcrossNodes, AllReduceAcrossNodes
     from cuflux.rail import to_float
-    from tests.checks import poisoned, rail_kind_as_expected
+    from tests.checks import poisoned, rail_kind_as_expected, scratch_let_go
 
     w = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
     W, me = w.size, w.rank
@@ -269,6 +269,7 @@ def across_nodes(world, node_size, seed):
                     assert np.array_equal(cupy.asnumpy(out).view(np.uint8),
                                           np.concatenate(shards).view(np.uint8)), (dtype, rows)
                     calls += 1
+            scratch_let_go(ag)
     w.close()
     return calls
 
@@ -304,7 +305,7 @@ def across_all2all(world, node_size, seed):
     from cuflux.arrays import dtype_info
     from cuflux.ops.across import All2AllHeadsAcrossNodes
     from cuflux.ops.all2all import reference_gather_heads, reference_scatter_heads
-    from tests.checks import poisoned, rail_kind_as_expected
+    from tests.checks import poisoned, rail_kind_as_expected, scratch_let_go
 
     w = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
     W, me = w.size, w.rank
@@ -357,6 +358,7 @@ def across_all2all(world, node_size, seed):
                     if mode:
                         same(got[1], back_s[me], ("gather scale", dtype, B, mode))
                     checked += 1
+            scratch_let_go(op)
     w.close()
     return checked
 
@@ -379,7 +381,7 @@ def across_composed(world, node_size, seed):
     from cuflux.ops.gemm_rs import reference_gemm_rs
     from cuflux.arrays import dtype_info
     from cuflux.rail import from_float, to_float
-    from tests.checks import check_close, poisoned, rail_kind_as_expected
+    from tests.checks import check_close, poisoned, rail_kind_as_expected, scratch_let_go
 
     w = cuflux.World(MPI.COMM_WORLD, timeout_s=60, node_size=node_size)
     W, me = w.size, w.rank
@@ -414,6 +416,7 @@ def across_composed(world, node_size, seed):
                         err = np.abs(g - want).max() / (np.abs(want).max() + 1e-30)
                         assert np.isfinite(g).all() and err < 2e-2, (mode, T, what, err)
                     checked += 1
+            scratch_let_go(norm)
         rows, n, k = 24, 64, 96
         # overlap (default): the GEMM of this node's rows while the rail gathers, then the
         # rest; twice per op (its staging reused), with a bias, the gathered A bit for bit.
@@ -455,6 +458,7 @@ def across_composed(world, node_size, seed):
                 grs.synchronize()
                 check_close(out, want, "float32", f"GemmReduceScatter across nodes ({route})")
                 checked += 1
+            scratch_let_go(grs)
     w.close()
     return checked
 
@@ -816,3 +820,59 @@ def test_allgather_gemm_across_nodes_refuses_a_bad_group_m_before_any_collective
         AllGatherGemmAcrossNodes(world, max_rows_per_rank=8, n=64, k=64, dtype="bfloat16",
                                  group_m=group_m)
     assert not asked
+
+
+# ---- a closed cross-node op lets go of its staging ---------------------------------------------
+@pytest.mark.parametrize("done_after_polls", [0, 3, None], ids=["idle", "busy", "never"])
+def test_close_lets_go_of_the_staging_once_the_last_calls_stream_is_done(monkeypatch,
+                                                                         done_after_polls):
+    """_let_go records an event behind the last call's stream and drops every _scratch name
+    once it is done; work that never finishes within timeout_s keeps them, with a warning
+    (CuPy's pool would hand the memory out in another stream's order)."""
+    import contextlib
+    import warnings
+
+    import cupy
+
+    from cuflux.ops.across import All2AllHeadsAcrossNodes
+
+    recorded = []
+
+    class Ev:
+        def __init__(self, *a, **k):
+            self.polls = 0
+
+        def record(self, stream):
+            recorded.append(stream)
+
+        @property
+        def done(self):
+            self.polls += 1
+            return done_after_polls is not None and self.polls > done_after_polls
+
+    monkeypatch.setattr(cupy.cuda, "Event", Ev)
+    op = All2AllHeadsAcrossNodes.__new__(All2AllHeadsAcrossNodes)
+    op.world = SimpleNamespace(device_context=contextlib.nullcontext)
+    op.timeout_s, op._last_stream = 0.05, object()
+    for name in op._scratch:
+        setattr(op, name, np.zeros(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        op._let_go()
+    assert recorded == [op._last_stream]
+    kept = [n for n in op._scratch if getattr(op, n) is not None]
+    if done_after_polls is None:
+        assert kept == list(op._scratch)
+        assert any("still running" in str(w.message) for w in caught), caught
+    else:
+        assert kept == [] and not caught, (kept, caught)
+
+
+def test_close_lets_go_of_the_staging_of_an_op_never_called():
+    """No call, no stream to wait for: the staging goes at once."""
+    from cuflux.ops.across import GemmReduceScatterAcrossNodes
+
+    op = GemmReduceScatterAcrossNodes.__new__(GemmReduceScatterAcrossNodes)
+    op._a, op._node_sum = np.zeros(2), np.zeros(2)
+    op._let_go()
+    assert op._a is None and op._node_sum is None and op._scratch == ("_a", "_node_sum")

@@ -171,6 +171,43 @@ class _AcrossNodes(Closeable):
             self.group.free()
             self.node.close()
             self.comm.free()
+        if not abort:
+            self._let_go()
+
+    _scratch: tuple[str, ...] = ()  # the op's staging: let go at a clean close() (_let_go)
+
+    def _let_go(self) -> None:
+        """The op's staging (_scratch) dropped once the work of its calls is done, so a closed
+        op the caller still references holds none of it (as CommOp._scratch). Every call ran
+        on the stream of the previous one or after it (_stream; the rail's side stream joins
+        the call's), so one event behind the last call's stream covers them all; polled at
+        most timeout_s (the node op's close synchronized the device where there is one). Work
+        still running then (a caller's long queue): the staging stays, with a warning, until
+        the op is dropped (CuPy's pool would hand it out in another stream's order)."""
+        last = self._last_stream
+        if last is not None:
+            import time
+
+            import cupy
+
+            with self.world.device_context():
+                done = cupy.cuda.Event(disable_timing=True)
+                try:
+                    done.record(last)
+                except cupy.cuda.runtime.CUDARuntimeError:  # a caller's raw stream since
+                    return                                  # destroyed: kept with the op
+                deadline = time.monotonic() + self.timeout_s
+                while not done.done:
+                    if time.monotonic() > deadline:
+                        import warnings
+
+                        warnings.warn(f"{self.op}: close() found this rank's last call still "
+                                      f"running after {self.timeout_s} s; its staging is let "
+                                      f"go with the op", RuntimeWarning, stacklevel=4)
+                        return
+                    time.sleep(1e-4)
+        for name in self._scratch:
+            setattr(self, name, None)
 
     def abort(self) -> None:
         if not self._closed:
@@ -242,6 +279,7 @@ class AllGatherAcrossNodes(_AcrossNodes):
     arguments, plus rail ("auto", "nccl" or "host")."""
 
     op = "AllGather"
+    _scratch = ("_rail_rows", "_node_rows", "_own_rows")
 
     @on_world_device
     def __init__(self, world, max_rows: int, cols: int, dtype, mode: str = "pull",
@@ -397,6 +435,7 @@ class All2AllHeadsAcrossNodes(_AcrossNodes):
     (view=True), so it is not captured in CUDA graphs."""
 
     op = "All2AllHeads"
+    _scratch = ("_send", "_recv", "_send_scale", "_recv_scale", "_rows_in", "_scale_in")
 
     @on_world_device
     def __init__(self, world, max_tokens_per_rank: int, num_heads: int, head_dim: int, dtype,
@@ -639,6 +678,7 @@ class AllReduceRMSNormAcrossNodes(_AcrossNodes):
     as AllReduceRMSNorm, plus rail."""
 
     op = "AllReduceRMSNorm"
+    _scratch = ("_s", "_mine", "_every")
 
     @on_world_device
     def __init__(self, world, max_tokens: int, hidden: int, dtype, eps: float = 1e-6,
@@ -656,7 +696,7 @@ class AllReduceRMSNormAcrossNodes(_AcrossNodes):
             raise ValueError(f"{self.op}: eps must be a finite number > 0, got {eps!r}")
         self.max_tokens = count(self.op, "max_tokens", max_tokens, what="tokens per call")
         self.hidden = count(self.op, "hidden", hidden, what="elements per token")
-        self.eps, self.output, self.world = float(eps), output, world
+        self.eps, self.output, self.world, self.timeout_s = float(eps), output, world, timeout_s
         world.check_same((self.max_tokens, self.hidden, self.eps, output),
                          f"{self.op} arguments (max_tokens, hidden, eps, output)", timeout_s)
         self.sum = AllReduceAcrossNodes(world, self.max_tokens * self.hidden, dtype, algo,
@@ -733,6 +773,8 @@ class AllReduceRMSNormAcrossNodes(_AcrossNodes):
         for op in (self.gather, self.sum):
             if op is not None:
                 op.abort() if abort else op.close()
+        if not abort:
+            self._let_go()
 
     def synchronize(self, stream=None) -> None:
         self.sum.synchronize(stream)
@@ -863,6 +905,7 @@ class GemmReduceScatterAcrossNodes(_GemmAcrossNodes):
     0 only, so the sum holds it once. Arguments as GemmReduceScatter's, plus rail."""
 
     op = "GemmReduceScatter"
+    _scratch = ("_a", "_node_sum")
     _release = _AcrossNodes._release  # the node op and the rail (not a composed op's)
     synchronize = _AcrossNodes.synchronize
 
